@@ -1,0 +1,53 @@
+#include "csrc/telemetry/event_log.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace stepguard {
+namespace telemetry {
+
+namespace {
+// JSON has no NaN/Inf: a non-finite number is written as null.
+nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
+}  // namespace
+
+EventLog::EventLog(const std::string& path, bool every_step)
+    : path_(path), every_step_(every_step), out_(path, std::ios::out | std::ios::trunc) {
+  if (!out_) {
+    throw std::runtime_error("stepguard: cannot open event log '" + path +
+                             "' for writing: " + std::strerror(errno));
+  }
+}
+
+void EventLog::record(const StepReport& report, const GlobalStats& stats,
+                      const std::string& reason, const std::vector<std::string>& tensors) {
+  const bool plain_apply = report.outcome == Outcome::kApplied && !report.incident.has_value();
+  if (plain_apply && !every_step_) return;
+  nlohmann::json line;
+  line["step"] = report.step;
+  line["loss"] = number(report.loss);
+  line["grad_norm"] = number(report.grad_norm);
+  line["nonfinite"] = report.nonfinite_count;
+  line["nan"] = stats.nan_count;
+  line["inf"] = stats.inf_count;
+  line["loss_nonfinite_ranks"] = stats.loss_nonfinite_ranks;
+  line["loss_scale"] = number(report.loss_scale);
+  line["lr_factor"] = number(report.lr_factor);
+  line["outcome"] = to_string(report.outcome);
+  nlohmann::json actions = nlohmann::json::array();
+  for (Action a : report.actions) actions.push_back(to_string(a));
+  line["actions"] = std::move(actions);
+  line["batches_to_skip"] = report.batches_to_skip;
+  if (!reason.empty()) line["reason"] = reason;
+  if (!stats.faulty_ranks.empty()) line["faulty_ranks"] = stats.faulty_ranks;
+  if (!tensors.empty()) line["tensors"] = tensors;
+  out_ << line.dump() << '\n';
+  out_.flush();
+  if (!out_) throw std::runtime_error("stepguard: write to event log '" + path_ + "' failed");
+}
+
+}  // namespace telemetry
+}  // namespace stepguard

@@ -1,0 +1,40 @@
+/*
+ * The JSONL event log: one JSON object per line, per step (or per step that was not a plain
+ * apply). It is the trace `stepguard replay` reads back. Lines are flushed as written, so a crash
+ * loses at most the line being written.
+ *
+ * Not here: Prometheus metrics.
+ */
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "stepguard/types.h"
+
+namespace stepguard {
+namespace telemetry {
+
+/// Appends step records to a JSONL file. Not thread-safe: one guard writes one log.
+class EventLog {
+ public:
+  /// Opens (truncates) `path`; throws std::runtime_error naming the path when it cannot.
+  EventLog(const std::string& path, bool every_step);
+
+  /// Writes one line for `report` unless it is a plain apply and every_step is off.
+  /// `tensors` names the offending gradients on this rank (empty when none).
+  void record(const StepReport& report, const GlobalStats& stats, const std::string& reason,
+              const std::vector<std::string>& tensors);
+
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::string path_;
+  bool every_step_;
+  std::ofstream out_;
+};
+
+}  // namespace telemetry
+}  // namespace stepguard

@@ -1,0 +1,81 @@
+#include "integration/demo/corpus.h"
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace stepguard {
+namespace demo {
+
+namespace {
+// SplitMix64: a tiny, well-mixed counter-based generator.
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+Corpus Corpus::load(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw std::runtime_error("demo: corpus directory '" + dir + "' does not exist");
+  }
+  std::vector<fs::path> files;
+  std::set<fs::path> seen;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const fs::path real = fs::canonical(entry.path(), ec);
+    if (ec || !fs::is_regular_file(real, ec) || !seen.insert(real).second) continue;
+    files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  std::string text;
+  Corpus corpus;
+  for (const auto& path : files) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream content;
+    content << in.rdbuf();
+    if (!in) continue;
+    text += content.str();
+    text += '\n';
+    ++corpus.num_files_;
+  }
+  if (text.size() < 4096) {
+    throw std::runtime_error("demo: corpus directory '" + dir + "' holds too little text (" +
+                             std::to_string(text.size()) + " bytes)");
+  }
+  std::array<bool, 256> present{};
+  for (unsigned char c : text) present[c] = true;
+  std::array<std::int64_t, 256> id{};
+  for (int c = 0; c < 256; ++c) {
+    if (present[c]) {
+      id[c] = static_cast<std::int64_t>(corpus.alphabet_.size());
+      corpus.alphabet_.push_back(static_cast<char>(c));
+    }
+  }
+  corpus.tokens_.reserve(text.size());
+  for (unsigned char c : text) corpus.tokens_.push_back(id[c]);
+  return corpus;
+}
+
+std::vector<std::int64_t> Corpus::batch_offsets(std::uint64_t seed, std::int64_t batch_index,
+                                                std::int64_t batch_size,
+                                                std::int64_t context) const {
+  const std::uint64_t span = static_cast<std::uint64_t>(size() - context - 1);
+  std::vector<std::int64_t> offsets(batch_size);
+  for (std::int64_t row = 0; row < batch_size; ++row) {
+    const std::uint64_t key = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(batch_index)) ^
+                                         (static_cast<std::uint64_t>(row) << 40));
+    offsets[row] = static_cast<std::int64_t>(key % span);
+  }
+  return offsets;
+}
+
+}  // namespace demo
+}  // namespace stepguard

@@ -1,0 +1,39 @@
+/*
+ * The demo's training text: the license texts every Debian system ships, read once and turned
+ * into character tokens. Batches are a pure function of (seed, batch index), so the data position
+ * is one counter and a skipped or replayed batch is exactly reproducible.
+ */
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace stepguard {
+namespace demo {
+
+/// A character-level corpus. Immutable after load; safe to share between threads.
+class Corpus {
+ public:
+  /// Reads every regular file under `dir` (links followed, each file once), in name order.
+  /// Throws std::runtime_error naming the directory when nothing can be read.
+  static Corpus load(const std::string& dir);
+
+  std::int64_t vocab_size() const noexcept { return static_cast<std::int64_t>(alphabet_.size()); }
+  std::int64_t size() const noexcept { return static_cast<std::int64_t>(tokens_.size()); }
+  std::size_t num_files() const noexcept { return num_files_; }
+  const std::vector<std::int64_t>& tokens() const noexcept { return tokens_; }
+
+  /// Start offsets of the `batch_size` windows of batch `batch_index`, each leaving room for
+  /// context + 1 tokens.
+  std::vector<std::int64_t> batch_offsets(std::uint64_t seed, std::int64_t batch_index,
+                                          std::int64_t batch_size, std::int64_t context) const;
+
+ private:
+  std::vector<std::int64_t> tokens_;
+  std::string alphabet_;
+  std::size_t num_files_ = 0;
+};
+
+}  // namespace demo
+}  // namespace stepguard

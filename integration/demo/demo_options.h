@@ -1,0 +1,66 @@
+/*
+ * The demo training job's options and the parsing of its command line. Torch-free, so the CLI and
+ * its tests stay cheap to build.
+ */
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace stepguard {
+namespace demo {
+
+/// Faults the demo can inject, by their command-line names.
+enum class FaultKind {
+  kNanGrad,         ///< one gradient element becomes NaN after backward
+  kInfGrad,         ///< one gradient element becomes +Inf after backward
+  kNanLoss,         ///< the loss is multiplied by NaN before backward (every gradient NaN)
+  kNanInput,        ///< one sequence of the batch's input embeddings becomes NaN
+  kOverflow,        ///< fp16 overflow (needs fp16 emulation)
+  kLrSpike,         ///< the learning rate is multiplied by 1000 for one step
+  kLossSpike,       ///< the loss (and so every gradient) is multiplied by 1000 for one step
+  kCorruptWeights,  ///< one parameter element becomes NaN before the forward pass
+  kKill,            ///< the process dies abruptly (SIGKILL) at that step
+};
+
+const char* to_string(FaultKind kind) noexcept;
+
+/// KIND@STEP[:RANK]; rank -1 means every rank.
+struct Injection {
+  FaultKind kind = FaultKind::kNanGrad;
+  std::int64_t step = 0;
+  int rank = -1;
+};
+
+/// Parses "KIND@STEP[:RANK]". Returns the error text (naming the flag value) on failure.
+std::optional<Injection> parse_injection(const std::string& text, std::string* error);
+
+/// Everything `stepguard demo` takes.
+struct DemoOptions {
+  std::int64_t steps = 300;
+  std::uint64_t seed = 1234;
+  int ranks = 1;
+  std::vector<Injection> injections;
+  std::string summary_json;
+  std::string trace;
+  std::string corpus_dir = "/usr/share/common-licenses";
+  std::int64_t batch_size = 32;
+  std::int64_t context = 64;
+  double lr = 2e-3;
+  int threads = 0;  ///< 0 keeps LibTorch's default
+  std::int64_t max_consecutive_bad_steps = 50;
+  std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto
+};
+
+/// Parses the arguments after "demo". On error returns nullopt and sets `error` to one line that
+/// names the flag. `--help` sets `error` to the usage text and `help` to true.
+std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
+                                           std::string* error, bool* help);
+
+/// The usage text of `stepguard demo`.
+const char* demo_usage() noexcept;
+
+}  // namespace demo
+}  // namespace stepguard

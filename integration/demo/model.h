@@ -1,0 +1,51 @@
+/*
+ * The demo model: a small decoder-only transformer over characters (pre-norm blocks, causal
+ * multi-head attention with max-subtracted softmax, GELU MLP, tied to nothing). Big enough to
+ * learn the license texts visibly in a few hundred CPU steps, small enough for two cores.
+ */
+#pragma once
+
+#include <torch/torch.h>
+
+namespace stepguard {
+namespace demo {
+
+struct ModelConfig {
+  std::int64_t vocab_size = 96;
+  std::int64_t context = 64;
+  std::int64_t d_model = 128;
+  std::int64_t heads = 4;
+  std::int64_t layers = 2;
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(const ModelConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  std::int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc_in_{nullptr}, fc_out_{nullptr};
+  torch::Tensor causal_mask_;
+};
+TORCH_MODULE(Block);
+
+class CharTransformerImpl : public torch::nn::Module {
+ public:
+  explicit CharTransformerImpl(const ModelConfig& config);
+  /// Logits [B, T, vocab] for token ids [B, T]. When `poison_row` >= 0, that row's input
+  /// embeddings are replaced by NaN (the demo's nan_input fault: bad data entering the model).
+  torch::Tensor forward(const torch::Tensor& tokens, std::int64_t poison_row = -1);
+
+ private:
+  ModelConfig config_;
+  torch::nn::Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+  torch::nn::LayerNorm ln_final_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(CharTransformer);
+
+}  // namespace demo
+}  // namespace stepguard

@@ -1,0 +1,163 @@
+// End-to-end: the real `stepguard demo` binary trains the demo model with injected faults; the
+// assertions read its summary JSON and trace, as a user's script would.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+namespace {
+
+struct ProcessResult {
+  int status = -1;  // exit status, or 128 + signal
+  std::string out;
+  std::string err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string temp_path(const std::string& name) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return ::testing::TempDir() + "/sg_" + info->name() + "_" + name;
+}
+
+ProcessResult run_stepguard(const std::string& args) {
+  const std::string out = temp_path("stdout"), err = temp_path("stderr");
+  const std::string cmd = std::string("'") + STEPGUARD_BIN + "' " + args + " >'" + out +
+                          "' 2>'" + err + "' </dev/null";
+  const int raw = std::system(cmd.c_str());
+  ProcessResult r;
+  if (WIFEXITED(raw)) {
+    r.status = WEXITSTATUS(raw);
+    // /bin/sh reports a child killed by a signal as 128 + signal.
+  } else if (WIFSIGNALED(raw)) {
+    r.status = 128 + WTERMSIG(raw);
+  }
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(slurp(path)); }
+
+TEST(Demo, TwoInjectedGradientFaultsAreSkippedAndTrainingLearns) {
+  const std::string summary = temp_path("s.json");
+  const std::string trace = temp_path("trace.jsonl");
+  const ProcessResult r = run_stepguard("demo --steps 300 --inject nan_grad@50 --inject inf_grad@120 "
+                              "--summary-json '" + summary + "' --trace '" + trace + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["steps"], 300);
+  EXPECT_EQ(s["skipped"], 2);
+  EXPECT_EQ(s["applied"], 298);
+  EXPECT_EQ(s["rollbacks"], 0);
+  EXPECT_EQ(s["aborted"], false);
+  EXPECT_EQ(s["params_finite"], true);
+  ASSERT_EQ(s["param_hashes"].size(), 1u);
+  EXPECT_EQ(s["collectives"], 300);
+  const double initial = s["initial_loss"], final_loss = s["final_loss"];
+  EXPECT_LT(final_loss, 0.8 * initial) << "initial " << initial << " final " << final_loss;
+  ASSERT_EQ(s["incidents"].size(), 2u);
+  EXPECT_EQ(s["incidents"][0]["step"], 50);
+  EXPECT_EQ(s["incidents"][0]["signal"], "nonfinite_grad");
+  EXPECT_EQ(s["incidents"][0]["action"], "skip_batch");
+  EXPECT_EQ(s["incidents"][0]["tensors"], nlohmann::json::array({"blocks.1.qkv.weight"}));
+  EXPECT_EQ(s["incidents"][1]["step"], 120);
+  EXPECT_EQ(s["incidents"][1]["tensors"], nlohmann::json::array({"blocks.0.fc_in.weight"}));
+  for (const auto& inc : s["incidents"]) {
+    for (const char* key : {"step", "signal", "action", "cause"}) EXPECT_TRUE(inc.contains(key));
+  }
+
+  // The trace has one line per step; only the injected steps were not applied.
+  std::ifstream in(trace);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    ++lines;
+    EXPECT_EQ(j["step"], lines);
+    const bool injected = lines == 50 || lines == 120;
+    EXPECT_EQ(j["outcome"], injected ? "skipped" : "applied") << line;
+  }
+  EXPECT_EQ(lines, 300);
+  EXPECT_NE(r.out.find("stepguard demo summary"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("step 300/300"), std::string::npos) << r.err;  // progress off a terminal
+}
+
+TEST(Demo, NanLossAndNanInputAreSkipped) {
+  const std::string summary = temp_path("s.json");
+  const ProcessResult r = run_stepguard("demo --steps 30 --inject nan_loss@10 --inject nan_input@20 "
+                              "--summary-json '" + summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["skipped"], 2);
+  EXPECT_EQ(s["applied"], 28);
+  EXPECT_EQ(s["params_finite"], true);
+  ASSERT_EQ(s["incidents"].size(), 2u);
+  EXPECT_EQ(s["incidents"][0]["step"], 10);
+  EXPECT_EQ(s["incidents"][1]["step"], 20);
+}
+
+TEST(Demo, SameSeedSameParameters) {
+  const std::string a = temp_path("a.json"), b = temp_path("b.json");
+  ASSERT_EQ(run_stepguard("demo --steps 12 --seed 5 --inject nan_grad@4 --summary-json '" + a + "'")
+                .status,
+            0);
+  ASSERT_EQ(run_stepguard("demo --steps 12 --seed 5 --inject nan_grad@4 --summary-json '" + b + "'")
+                .status,
+            0);
+  EXPECT_EQ(read_json(a)["param_hashes"], read_json(b)["param_hashes"]);
+}
+
+TEST(Demo, CorruptWeightsWithoutRollbackAbortsAtTheBadStepLimit) {
+  const std::string summary = temp_path("s.json");
+  const ProcessResult r = run_stepguard("demo --steps 40 --inject corrupt_weights@5 --max-bad-steps 6 "
+                              "--summary-json '" + summary + "'");
+  EXPECT_EQ(r.status, 3) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["aborted"], true);
+  EXPECT_EQ(s["steps"], 10);  // bad from step 5 on: the 6th bad step in a row aborts
+  EXPECT_EQ(s["params_finite"], false);
+  EXPECT_NE(r.err.find("stepguard aborted training at step 10"), std::string::npos) << r.err;
+}
+
+TEST(Demo, KillEndsTheProcessAbruptly) {
+  const ProcessResult r = run_stepguard("demo --steps 20 --inject kill@3");
+  EXPECT_EQ(r.status, 128 + 9) << r.err;
+}
+
+TEST(Demo, BadFlagsExitTwoWithOneClearLine) {
+  ProcessResult r = run_stepguard("demo --inject nan_grad@x");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "stepguard demo: --inject 'nan_grad@x': step 'x' is not a whole number >= 1\n");
+  r = run_stepguard("demo --steps");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "stepguard demo: --steps: missing value\n");
+  r = run_stepguard("frobnicate");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("unknown command 'frobnicate'"), std::string::npos);
+}
+
+TEST(Demo, UnwritableOutputIsAnErrorNotACrash) {
+  const ProcessResult r = run_stepguard("demo --steps 2 --trace /nonexistent-dir/t.jsonl");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("cannot open event log '/nonexistent-dir/t.jsonl'"), std::string::npos)
+      << r.err;
+}
+
+TEST(Demo, MissingCorpusIsAClearError) {
+  const ProcessResult r = run_stepguard("demo --steps 2 --corpus /nonexistent-corpus");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("corpus directory '/nonexistent-corpus' does not exist"), std::string::npos)
+      << r.err;
+}
+
+}  // namespace

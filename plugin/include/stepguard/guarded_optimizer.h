@@ -1,0 +1,78 @@
+/*
+ * GuardedOptimizer: the drop-in wrapper a training loop calls instead of optimizer.step().
+ *
+ *   torch::optim::AdamW adamw(model->parameters(), opts);
+ *   stepguard::GuardedOptimizer guard(adamw, model->named_parameters());
+ *   ...
+ *   loss.backward();
+ *   auto report = guard.step(loss);   // inspect, agree, decide, act, record
+ *   if (report.aborted()) break;
+ *
+ * The user keeps their optimizer; the guard holds a reference to it and to its parameters. It
+ * orchestrates the engine modules and owns the step counter. Not thread-safe: one training thread
+ * drives one guard.
+ */
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "stepguard/options.h"
+#include "stepguard/types.h"
+
+namespace stepguard {
+
+/// Running totals over the guard's life.
+struct GuardTotals {
+  std::int64_t steps = 0;
+  std::int64_t applied = 0;
+  std::int64_t skipped = 0;
+  std::int64_t aborted = 0;
+  std::int64_t incidents = 0;
+};
+
+class GuardedOptimizer {
+ public:
+  /// Guards `optimizer`, which must outlive the guard. Parameters are taken from its param groups
+  /// and named "param_<i>" in reports.
+  explicit GuardedOptimizer(torch::optim::Optimizer& optimizer, GuardOptions options = {});
+  /// As above, with parameter names (e.g. module->named_parameters()) for blame in reports.
+  /// Names are matched to the optimizer's parameters by identity; unmatched ones get "param_<i>".
+  GuardedOptimizer(torch::optim::Optimizer& optimizer,
+                   const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
+                   GuardOptions options = {});
+  ~GuardedOptimizer();
+  GuardedOptimizer(const GuardedOptimizer&) = delete;
+  GuardedOptimizer& operator=(const GuardedOptimizer&) = delete;
+
+  /// Replaces optimizer.step(): inspects every gradient and the loss, agrees across ranks, and
+  /// applies the optimizer step or not as the policy decides. `loss` must be a defined
+  /// floating-point tensor with one element on the gradients' device. Throws c10::Error on bad
+  /// input (nothing changed) and after an abort.
+  StepReport step(const torch::Tensor& loss);
+
+  /// Guarded steps taken so far (the step counter; reports number steps from 1).
+  std::int64_t step_count() const noexcept;
+  /// Totals by outcome.
+  GuardTotals totals() const noexcept;
+  /// True once the policy aborted; step() then refuses to run.
+  bool aborted() const noexcept;
+  /// Collectives issued so far (one per step in steady state).
+  std::int64_t collectives() const noexcept;
+  /// The guarded parameters, in optimizer order, and their names.
+  const std::vector<torch::Tensor>& parameters() const noexcept;
+  const std::vector<std::string>& parameter_names() const noexcept;
+  const GuardOptions& options() const noexcept;
+  torch::optim::Optimizer& optimizer() noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stepguard

@@ -1,0 +1,30 @@
+/*
+ * GuardOptions: how a GuardedOptimizer behaves, as a small struct with chainable setters in the
+ * style of torch::optim options. Defaults are visible here and checked when the guard is built.
+ */
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+
+namespace stepguard {
+
+/// Options of a GuardedOptimizer. A plain value: copy freely; not shared between threads.
+struct GuardOptions {
+  /// Abort training after this many consecutive bad (non-finite) steps; 0 never aborts and keeps
+  /// skipping. Bounds a loop of futility such as a parameter that became NaN.
+  TORCH_ARG(std::int64_t, max_consecutive_bad_steps) = 0;
+  /// Zero the gradients of a skipped step, so a loop that forgets zero_grad() cannot carry a NaN
+  /// into the next step.
+  TORCH_ARG(bool, zero_grad_on_skip) = true;
+  /// Path of the JSONL event log (the trace); empty writes none.
+  TORCH_ARG(std::string, trace_path) = "";
+  /// Write a trace line for every step; when false only for steps that were not a plain apply.
+  TORCH_ARG(bool, trace_every_step) = true;
+  /// At most this many offending tensor names in a report or trace line.
+  TORCH_ARG(std::int64_t, max_blamed_tensors) = 8;
+};
+
+}  // namespace stepguard

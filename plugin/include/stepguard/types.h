@@ -1,0 +1,177 @@
+/*
+ * The small value types the engine modules exchange: what one rank saw in its gradients
+ * (LocalStats), what all ranks agreed on (GlobalStats), what the detectors raised (Signals),
+ * what the policy decided (Decision) and what the guard tells the training loop (StepReport).
+ *
+ * This header depends on the standard library only. It is the one plugin header a csrc module
+ * may include; modules talk to each other through these types and nothing else.
+ */
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace stepguard {
+
+/// What became of one guarded step.
+enum class Outcome : std::uint8_t {
+  kApplied,     ///< the wrapped optimizer stepped
+  kSkipped,     ///< the batch was dropped: no parameter or optimizer state changed
+  kRolledBack,  ///< state was restored from a snapshot
+  kAborted,     ///< the policy stopped training; further steps are refused
+};
+
+/// One thing the guard did on a step. A step may carry several (e.g. skip_batch + alert).
+enum class Action : std::uint8_t {
+  kApply,
+  kSkipBatch,
+  kClip,
+  kDropLossScale,
+  kLowerLr,
+  kRollback,
+  kAbort,
+  kAlert,
+};
+
+/// A condition the detectors raised on the agreed global statistics.
+enum class Signal : std::uint8_t {
+  kNonfiniteGrad,  ///< some gradient element is NaN or +/-Inf on some rank
+  kNonfiniteLoss,  ///< the loss is NaN or +/-Inf on some rank
+  kConsecutiveLimit,  ///< too many bad steps in a row: the skip budget is spent
+};
+
+/// Stable, lowercase names used in traces, JSON and metrics labels.
+constexpr const char* to_string(Outcome o) noexcept {
+  switch (o) {
+    case Outcome::kApplied: return "applied";
+    case Outcome::kSkipped: return "skipped";
+    case Outcome::kRolledBack: return "rolled_back";
+    case Outcome::kAborted: return "aborted";
+  }
+  return "unknown";
+}
+
+constexpr const char* to_string(Action a) noexcept {
+  switch (a) {
+    case Action::kApply: return "apply";
+    case Action::kSkipBatch: return "skip_batch";
+    case Action::kClip: return "clip";
+    case Action::kDropLossScale: return "drop_loss_scale";
+    case Action::kLowerLr: return "lower_lr";
+    case Action::kRollback: return "rollback";
+    case Action::kAbort: return "abort";
+    case Action::kAlert: return "alert";
+  }
+  return "unknown";
+}
+
+constexpr const char* to_string(Signal s) noexcept {
+  switch (s) {
+    case Signal::kNonfiniteGrad: return "nonfinite_grad";
+    case Signal::kNonfiniteLoss: return "nonfinite_loss";
+    case Signal::kConsecutiveLimit: return "consecutive_limit";
+  }
+  return "unknown";
+}
+
+/// Layout of the per-step buffer (fp64) that ONE sum all-reduce carries across ranks.
+/// Counts are exact in fp64 up to 2^53. Slot kRankFaultBase + r is 1 on rank r when it saw a
+/// non-finite gradient or loss, so after the sum every rank knows which ranks were faulty.
+namespace stats_slot {
+constexpr int kNanCount = 0;          ///< NaN gradient elements
+constexpr int kInfCount = 1;          ///< +/-Inf gradient elements
+constexpr int kSumSquares = 2;        ///< sum of squares of the finite gradient elements
+constexpr int kSumSquaresOverflow = 3;  ///< ranks whose finite sum of squares overflowed fp64
+constexpr int kLossSum = 4;           ///< sum of the finite local losses
+constexpr int kLossNonfinite = 5;     ///< ranks whose loss is NaN/Inf
+constexpr int kRanksReporting = 6;    ///< each rank adds 1: a check that every rank took part
+constexpr int kRankFaultBase = 7;     ///< first of world_size per-rank fault flags
+constexpr int size(int world_size) noexcept { return kRankFaultBase + world_size; }
+}  // namespace stats_slot
+
+/// What one rank found in its own gradients and loss. Produced by inspection.
+struct LocalStats {
+  std::int64_t nan_count = 0;
+  std::int64_t inf_count = 0;
+  double sum_squares = 0.0;  ///< over finite elements, of g * inv_scale, in fp64
+  bool sum_squares_overflow = false;
+  double loss = 0.0;
+  bool loss_nonfinite = false;
+  std::int64_t num_tensors = 0;   ///< gradients inspected (undefined grads count, hold nothing)
+  std::int64_t num_elements = 0;  ///< elements inspected
+  std::vector<std::int64_t> nonfinite_tensors;  ///< indices (in parameter order) holding NaN/Inf
+  std::vector<double> tensor_sum_squares;       ///< per tensor, for blame and clipping
+
+  std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
+  bool faulty() const noexcept { return nonfinite_count() > 0 || loss_nonfinite; }
+};
+
+/// What all ranks agreed on after the all-reduce. Identical on every rank.
+struct GlobalStats {
+  std::int64_t nan_count = 0;
+  std::int64_t inf_count = 0;
+  double sum_squares = 0.0;
+  double grad_norm = 0.0;  ///< sqrt(sum_squares), of finite elements only
+  bool sum_squares_overflow = false;
+  double loss = 0.0;  ///< mean of the finite rank losses; NaN when every rank's loss is bad
+  std::int64_t loss_nonfinite_ranks = 0;
+  int world_size = 1;
+  std::vector<int> faulty_ranks;  ///< ranks that saw a non-finite gradient or loss
+
+  std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
+};
+
+/// What the detectors raised on one step, plus the streak they track.
+struct Signals {
+  std::vector<Signal> raised;
+  std::int64_t consecutive_bad_steps = 0;  ///< including this one when it is bad
+
+  bool has(Signal s) const noexcept {
+    for (Signal r : raised) {
+      if (r == s) return true;
+    }
+    return false;
+  }
+  bool any() const noexcept { return !raised.empty(); }
+};
+
+/// What the policy engine decided. A pure function of GlobalStats and engine state, so every
+/// rank decides the same.
+struct Decision {
+  Outcome outcome = Outcome::kApplied;
+  std::vector<Action> actions;
+  std::int64_t batches_to_skip = 0;
+  std::string reason;  ///< one line, for logs and reports
+};
+
+/// One incident: a step where a detector fired and the policy acted.
+struct Incident {
+  std::int64_t step = 0;
+  std::string signal;  ///< the first signal raised, e.g. "nonfinite_grad"
+  std::string action;  ///< the strongest action taken, e.g. "skip_batch"
+  std::string cause = "unknown";  ///< root-cause class; "unknown" until forensics can tell
+  std::vector<std::string> tensors;  ///< first offending parameters, in parameter order
+  std::vector<int> ranks;            ///< ranks that saw the fault
+  std::string reason;
+};
+
+/// What guard.step(loss) returns to the training loop.
+struct StepReport {
+  Outcome outcome = Outcome::kApplied;
+  std::int64_t step = 0;  ///< 1-based count of guarded steps, this one included
+  double loss = 0.0;      ///< the agreed loss (mean over ranks)
+  double grad_norm = 0.0;  ///< global L2 norm of the finite gradient elements
+  double loss_scale = 1.0;
+  double lr_factor = 1.0;
+  std::int64_t nonfinite_count = 0;  ///< NaN/Inf gradient elements over all ranks
+  std::vector<Action> actions;
+  std::int64_t batches_to_skip = 0;  ///< batches the loop must drop before the next step
+  std::optional<Incident> incident;
+
+  bool applied() const noexcept { return outcome == Outcome::kApplied; }
+  bool aborted() const noexcept { return outcome == Outcome::kAborted; }
+};
+
+}  // namespace stepguard

@@ -1,0 +1,242 @@
+// GuardedOptimizer: wires the engine modules together for one guarded step. Nothing else.
+#include "stepguard/guarded_optimizer.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <unordered_map>
+
+#include "csrc/consensus/consensus.h"
+#include "csrc/inspect/inspect.h"
+#include "csrc/policy/policy.h"
+#include "csrc/telemetry/event_log.h"
+
+namespace stepguard {
+
+namespace {
+
+at::Tensor pack_local_stats(const LocalStats& local, int rank, int world_size,
+                            const at::Device& device) {
+  std::vector<double> slots(stats_slot::size(world_size), 0.0);
+  slots[stats_slot::kNanCount] = static_cast<double>(local.nan_count);
+  slots[stats_slot::kInfCount] = static_cast<double>(local.inf_count);
+  slots[stats_slot::kSumSquares] = local.sum_squares_overflow ? 0.0 : local.sum_squares;
+  slots[stats_slot::kSumSquaresOverflow] = local.sum_squares_overflow ? 1.0 : 0.0;
+  slots[stats_slot::kLossSum] = local.loss_nonfinite ? 0.0 : local.loss;
+  slots[stats_slot::kLossNonfinite] = local.loss_nonfinite ? 1.0 : 0.0;
+  slots[stats_slot::kRanksReporting] = 1.0;
+  slots[stats_slot::kRankFaultBase + rank] = local.faulty() ? 1.0 : 0.0;
+  return at::tensor(slots, at::TensorOptions().dtype(at::kDouble)).to(device);
+}
+
+GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::int64_t step) {
+  const at::Tensor host = buffer.to(at::kCPU);
+  const double* s = host.data_ptr<double>();
+  TORCH_CHECK(static_cast<int>(s[stats_slot::kRanksReporting]) == world_size,
+              "stepguard: step ", step, ": ", s[stats_slot::kRanksReporting], " of ", world_size,
+              " ranks reported statistics; the consensus buffer is inconsistent");
+  GlobalStats g;
+  g.world_size = world_size;
+  g.nan_count = static_cast<std::int64_t>(s[stats_slot::kNanCount]);
+  g.inf_count = static_cast<std::int64_t>(s[stats_slot::kInfCount]);
+  g.sum_squares_overflow = s[stats_slot::kSumSquaresOverflow] > 0.0;
+  g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity()
+                                         : s[stats_slot::kSumSquares];
+  g.grad_norm = std::sqrt(g.sum_squares);
+  g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[stats_slot::kLossNonfinite]);
+  const std::int64_t finite_ranks = world_size - g.loss_nonfinite_ranks;
+  g.loss = finite_ranks > 0 ? s[stats_slot::kLossSum] / static_cast<double>(finite_ranks)
+                            : std::numeric_limits<double>::quiet_NaN();
+  for (int r = 0; r < world_size; ++r) {
+    if (s[stats_slot::kRankFaultBase + r] > 0.0) g.faulty_ranks.push_back(r);
+  }
+  return g;
+}
+
+// The strongest action of a decision names the incident.
+Action strongest(const std::vector<Action>& actions) {
+  Action best = Action::kApply;
+  for (Action a : actions) {
+    if (static_cast<int>(a) > static_cast<int>(best)) best = a;
+  }
+  return best;
+}
+
+}  // namespace
+
+struct GuardedOptimizer::Impl {
+  Impl(torch::optim::Optimizer& opt, GuardOptions opts)
+      : optimizer(opt),
+        options(std::move(opts)),
+        consensus(std::make_unique<consensus::LocalConsensus>()),
+        engine(policy::PolicyConfig{options.max_consecutive_bad_steps()}) {
+    TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
+    collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
+    if (!options.trace_path().empty()) {
+      event_log = std::make_unique<telemetry::EventLog>(options.trace_path(),
+                                                         options.trace_every_step());
+    }
+  }
+
+  void collect_parameters(const torch::OrderedDict<std::string, torch::Tensor>& named) {
+    std::unordered_map<const c10::TensorImpl*, std::string> name_of;
+    for (const auto& item : named) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    params.clear();
+    names.clear();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        auto it = name_of.find(p.unsafeGetTensorImpl());
+        names.push_back(it != name_of.end() ? it->second : "param_" + std::to_string(params.size()));
+        params.push_back(p);
+      }
+    }
+  }
+
+  std::size_t optimizer_param_count() const {
+    std::size_t n = 0;
+    for (const auto& group : optimizer.param_groups()) n += group.params().size();
+    return n;
+  }
+
+  void validate_loss(const torch::Tensor& loss) const {
+    TORCH_CHECK(loss.defined(), "stepguard: step(loss) got an undefined loss tensor");
+    TORCH_CHECK(loss.numel() == 1, "stepguard: loss must be a scalar (one element), got shape ",
+                loss.sizes());
+    TORCH_CHECK(at::isFloatingType(loss.scalar_type()),
+                "stepguard: loss must be a floating-point tensor, got ", loss.scalar_type());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& g = params[i].grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(g.device() == loss.device(), "stepguard: loss is on ", loss.device(),
+                  " but the gradient of '", names[i], "' is on ", g.device(),
+                  "; loss and gradients must be on one device");
+      break;
+    }
+  }
+
+  void zero_grads() {
+    at::NoGradGuard no_grad;
+    for (auto& p : params) {
+      auto& g = p.mutable_grad();
+      if (g.defined()) g.zero_();
+    }
+  }
+
+  torch::optim::Optimizer& optimizer;
+  GuardOptions options;
+  std::unique_ptr<consensus::Consensus> consensus;
+  policy::PolicyEngine engine;
+  std::unique_ptr<telemetry::EventLog> event_log;
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  std::int64_t step = 0;
+  GuardTotals totals;
+  bool aborted = false;
+  std::string abort_reason;
+};
+
+GuardedOptimizer::GuardedOptimizer(torch::optim::Optimizer& optimizer, GuardOptions options)
+    : impl_(std::make_unique<Impl>(optimizer, std::move(options))) {}
+
+GuardedOptimizer::GuardedOptimizer(
+    torch::optim::Optimizer& optimizer,
+    const torch::OrderedDict<std::string, torch::Tensor>& named_parameters, GuardOptions options)
+    : impl_(std::make_unique<Impl>(optimizer, std::move(options))) {
+  impl_->collect_parameters(named_parameters);
+}
+
+GuardedOptimizer::~GuardedOptimizer() = default;
+
+StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
+  Impl& s = *impl_;
+  TORCH_CHECK(!s.aborted, "stepguard: training was aborted at step ", s.step, " (",
+              s.abort_reason, "); step() refuses to run after an abort");
+  if (s.optimizer_param_count() != s.params.size()) s.collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
+  s.validate_loss(loss);
+
+  // 1 inspect. Validation inside inspection throws before anything changes.
+  std::vector<at::Tensor> grads;
+  grads.reserve(s.params.size());
+  for (const auto& p : s.params) grads.push_back(p.grad());
+  LocalStats local = inspect::inspect_gradients(grads);
+  local.loss = loss.detach().to(at::kDouble).item<double>();
+  local.loss_nonfinite = !std::isfinite(local.loss);
+
+  const std::int64_t step = ++s.step;
+  // 2 agree: the one collective of the step.
+  at::Tensor buffer = pack_local_stats(local, s.consensus->rank(), s.consensus->world_size(),
+                                       loss.device());
+  s.consensus->all_reduce_sum(buffer, step);
+  const GlobalStats global = unpack_global_stats(buffer, s.consensus->world_size(), step);
+
+  // 3 detect, 4 decide.
+  const Signals signals = s.engine.detect(global);
+  const Decision decision = s.engine.decide(signals);
+
+  // 5 act.
+  switch (decision.outcome) {
+    case Outcome::kApplied:
+      s.optimizer.step();
+      ++s.totals.applied;
+      break;
+    case Outcome::kSkipped:
+    case Outcome::kRolledBack:
+      if (s.options.zero_grad_on_skip()) s.zero_grads();
+      ++s.totals.skipped;
+      break;
+    case Outcome::kAborted:
+      if (s.options.zero_grad_on_skip()) s.zero_grads();
+      s.aborted = true;
+      s.abort_reason = decision.reason;
+      ++s.totals.aborted;
+      break;
+  }
+  ++s.totals.steps;
+
+  // 6 record.
+  StepReport report;
+  report.outcome = decision.outcome;
+  report.step = step;
+  report.loss = global.loss;
+  report.grad_norm = global.grad_norm;
+  report.nonfinite_count = global.nonfinite_count();
+  report.actions = decision.actions;
+  report.batches_to_skip = decision.batches_to_skip;
+
+  std::vector<std::string> blamed;
+  for (std::int64_t idx : local.nonfinite_tensors) {
+    if (static_cast<std::int64_t>(blamed.size()) >= s.options.max_blamed_tensors()) break;
+    blamed.push_back(s.names[static_cast<std::size_t>(idx)]);
+  }
+  if (signals.any()) {
+    Incident incident;
+    incident.step = step;
+    incident.signal = to_string(signals.raised.front());
+    incident.action = to_string(strongest(decision.actions));
+    incident.tensors = blamed;
+    incident.ranks = global.faulty_ranks;
+    incident.reason = decision.reason;
+    report.incident = std::move(incident);
+    ++s.totals.incidents;
+  }
+  if (s.event_log) s.event_log->record(report, global, decision.reason, blamed);
+  return report;
+}
+
+std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->step; }
+GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->totals; }
+bool GuardedOptimizer::aborted() const noexcept { return impl_->aborted; }
+std::int64_t GuardedOptimizer::collectives() const noexcept {
+  return impl_->consensus->collectives();
+}
+const std::vector<torch::Tensor>& GuardedOptimizer::parameters() const noexcept {
+  return impl_->params;
+}
+const std::vector<std::string>& GuardedOptimizer::parameter_names() const noexcept {
+  return impl_->names;
+}
+const GuardOptions& GuardedOptimizer::options() const noexcept { return impl_->options; }
+torch::optim::Optimizer& GuardedOptimizer::optimizer() noexcept { return impl_->optimizer; }
+
+}  // namespace stepguard

@@ -1,0 +1,281 @@
+// The wrapper: an applied step equals a plain optimizer step bitwise, a skipped step changes
+// nothing, bad input is refused with a clear error and changes nothing.
+#include <gtest/gtest.h>
+#include <stepguard/stepguard.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace stepguard {
+namespace {
+
+torch::nn::Sequential make_model(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+torch::Tensor loss_of(torch::nn::Sequential& model, std::int64_t batch) {
+  torch::manual_seed(1000 + batch);
+  auto x = torch::randn({5, 8});
+  auto y = torch::randn({5, 4});
+  return torch::mse_loss(model->forward(x), y);
+}
+
+bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.dtype() == b.dtype() &&
+         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(),
+                     a.numel() * a.element_size()) == 0;
+}
+
+std::vector<torch::Tensor> clone_all(const std::vector<torch::Tensor>& ts) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
+// The AdamW moments of every parameter, cloned.
+std::vector<torch::Tensor> adamw_state(torch::optim::AdamW& opt) {
+  std::vector<torch::Tensor> out;
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == opt.state().end()) continue;
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      out.push_back(s.exp_avg().clone());
+      out.push_back(s.exp_avg_sq().clone());
+      out.push_back(torch::tensor(s.step()));
+    }
+  }
+  return out;
+}
+
+TEST(GuardedOptimizer, AppliedStepsEqualPlainOptimizerStepsBitwise) {
+  auto guarded_model = make_model(1);
+  auto plain_model = make_model(1);
+  torch::optim::AdamW guarded_opt(guarded_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(guarded_opt);
+  for (int step = 0; step < 5; ++step) {
+    guarded_opt.zero_grad();
+    auto loss = loss_of(guarded_model, step);
+    loss.backward();
+    const StepReport r = guard.step(loss);
+    EXPECT_EQ(r.outcome, Outcome::kApplied);
+    EXPECT_EQ(r.step, step + 1);
+    EXPECT_EQ(r.actions, std::vector<Action>({Action::kApply}));
+    EXPECT_FALSE(r.incident.has_value());
+    EXPECT_EQ(r.loss, loss.item<double>());
+
+    plain_opt.zero_grad();
+    auto plain_loss = loss_of(plain_model, step);
+    plain_loss.backward();
+    double sq = 0;
+    for (const auto& p : plain_model->parameters()) {
+      sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    }
+    EXPECT_NEAR(r.grad_norm, std::sqrt(sq), 1e-12 * std::sqrt(sq));
+    plain_opt.step();
+  }
+  const auto a = guarded_model->parameters();
+  const auto b = plain_model->parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
+  EXPECT_EQ(guard.totals().applied, 5);
+  EXPECT_EQ(guard.collectives(), 5);  // one collective per step
+}
+
+TEST(GuardedOptimizer, SkippedStepLeavesParametersAndOptimizerStateBitwiseUnchanged) {
+  auto model = make_model(2);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(opt, model->named_parameters());
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    auto loss = loss_of(model, step);
+    loss.backward();
+    ASSERT_TRUE(guard.step(loss).applied());
+  }
+  const auto params_before = clone_all(model->parameters());
+  const auto state_before = adamw_state(opt);
+  ASSERT_EQ(state_before.size(), 3 * params_before.size());
+
+  opt.zero_grad();
+  auto loss = loss_of(model, 3);
+  loss.backward();
+  auto& g = model->named_parameters()["2.weight"].mutable_grad();
+  g.view(-1)[5] = std::numeric_limits<float>::quiet_NaN();
+  const StepReport r = guard.step(loss);
+
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  EXPECT_EQ(r.actions, std::vector<Action>({Action::kSkipBatch}));
+  EXPECT_EQ(r.nonfinite_count, 1);
+  ASSERT_TRUE(r.incident.has_value());
+  EXPECT_EQ(r.incident->signal, "nonfinite_grad");
+  EXPECT_EQ(r.incident->action, "skip_batch");
+  EXPECT_EQ(r.incident->tensors, std::vector<std::string>({"2.weight"}));
+  EXPECT_EQ(r.incident->ranks, std::vector<int>({0}));
+  const auto params_after = model->parameters();
+  for (std::size_t i = 0; i < params_after.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(params_before[i], params_after[i])) << i;
+  }
+  const auto state_after = adamw_state(opt);
+  ASSERT_EQ(state_after.size(), state_before.size());
+  for (std::size_t i = 0; i < state_after.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(state_before[i], state_after[i])) << i;
+  }
+  for (const auto& p : model->parameters()) {
+    EXPECT_TRUE(torch::all(p.grad() == 0).item<bool>());  // zeroed on skip
+  }
+  EXPECT_EQ(guard.totals().skipped, 1);
+}
+
+TEST(GuardedOptimizer, NonFiniteLossIsSkipped) {
+  auto model = make_model(3);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt);
+  opt.zero_grad();
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  const auto before = clone_all(model->parameters());
+  const StepReport r = guard.step(torch::tensor(std::numeric_limits<float>::infinity()));
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  ASSERT_TRUE(r.incident.has_value());
+  EXPECT_EQ(r.incident->signal, "nonfinite_loss");
+  EXPECT_TRUE(std::isnan(r.loss));
+  const auto after = model->parameters();
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i]));
+}
+
+TEST(GuardedOptimizer, GradlessParameterIsAllowed) {
+  auto used = torch::randn({3}, torch::requires_grad());
+  auto unused = torch::randn({2}, torch::requires_grad());
+  torch::optim::SGD opt({used, unused}, torch::optim::SGDOptions(0.5));
+  GuardedOptimizer guard(opt);
+  auto loss = (used * used).sum();
+  loss.backward();
+  ASSERT_FALSE(unused.grad().defined());
+  const auto before = used.detach().clone();
+  const StepReport r = guard.step(loss);
+  EXPECT_TRUE(r.applied());
+  // SGD: p -= 0.5 * 2p = 0.
+  EXPECT_TRUE(torch::allclose(used.detach(), before - 0.5 * 2 * before));
+}
+
+void expect_error_containing(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    FAIL() << "expected an error containing: " << needle;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(GuardedOptimizer, BadLossIsRefusedAndChangesNothing) {
+  auto model = make_model(4);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt);
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  const auto before = clone_all(model->parameters());
+  expect_error_containing([&] { guard.step(torch::ones({2, 3})); },
+                          "loss must be a scalar (one element), got shape [2, 3]");
+  expect_error_containing([&] { guard.step(torch::Tensor()); }, "undefined loss");
+  expect_error_containing([&] { guard.step(torch::tensor(3, torch::kLong)); },
+                          "loss must be a floating-point tensor, got Long");
+  expect_error_containing([&] { guard.step(torch::empty({}, torch::device(torch::kMeta))); },
+                          "loss is on meta but the gradient of 'param_0' is on cpu");
+  EXPECT_EQ(guard.step_count(), 0);
+  EXPECT_EQ(guard.collectives(), 0);
+  const auto after = model->parameters();
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i]));
+}
+
+TEST(GuardedOptimizer, UnsupportedGradientDtypeIsRefused) {
+  auto p = torch::zeros({4}, torch::kFloat).requires_grad_();
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt);
+  p.mutable_grad() = torch::ones({4}, torch::kFloat).to(torch::kComplexFloat);
+  expect_error_containing([&] { guard.step(torch::tensor(1.0)); },
+                          "gradient 0 has dtype ComplexFloat");
+  EXPECT_EQ(guard.step_count(), 0);
+}
+
+TEST(GuardedOptimizer, AbortsAfterTheConsecutiveBadStepLimitAndRefusesFurtherSteps) {
+  auto model = make_model(5);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt, GuardOptions().max_consecutive_bad_steps(3));
+  const auto nan_loss = torch::tensor(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
+  EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
+  const StepReport r = guard.step(nan_loss);
+  EXPECT_EQ(r.outcome, Outcome::kAborted);
+  EXPECT_EQ(r.actions, std::vector<Action>({Action::kAbort}));
+  ASSERT_TRUE(r.incident.has_value());
+  EXPECT_EQ(r.incident->action, "abort");
+  EXPECT_TRUE(guard.aborted());
+  expect_error_containing([&] { guard.step(torch::tensor(1.0)); }, "training was aborted at step 3");
+}
+
+TEST(GuardedOptimizer, GoodStepResetsTheBadStreak) {
+  auto model = make_model(6);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.0));
+  GuardedOptimizer guard(opt, GuardOptions().max_consecutive_bad_steps(2));
+  const auto nan_loss = torch::tensor(std::numeric_limits<float>::quiet_NaN());
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
+    EXPECT_EQ(guard.step(torch::tensor(1.0)).outcome, Outcome::kApplied);
+  }
+  EXPECT_FALSE(guard.aborted());
+}
+
+TEST(GuardedOptimizer, WritesOneTraceLinePerStep) {
+  const std::string path = ::testing::TempDir() + "/stepguard_trace_test.jsonl";
+  {
+    auto model = make_model(7);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    GuardedOptimizer guard(opt, model->named_parameters(), GuardOptions().trace_path(path));
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      auto loss = loss_of(model, step);
+      loss.backward();
+      if (step == 1) model->named_parameters()["0.bias"].mutable_grad()[0] = INFINITY;
+      guard.step(loss);
+    }
+  }
+  std::ifstream in(path);
+  std::string line;
+  std::vector<nlohmann::json> lines;
+  while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  for (const char* key : {"step", "loss", "grad_norm", "nonfinite", "loss_scale", "lr_factor",
+                          "outcome", "actions"}) {
+    EXPECT_TRUE(lines[0].contains(key)) << key;
+  }
+  EXPECT_EQ(lines[0]["outcome"], "applied");
+  EXPECT_EQ(lines[1]["outcome"], "skipped");
+  EXPECT_EQ(lines[1]["step"], 2);
+  EXPECT_EQ(lines[1]["inf"], 1);
+  EXPECT_EQ(lines[1]["actions"], nlohmann::json::array({"skip_batch"}));
+  EXPECT_EQ(lines[1]["tensors"], nlohmann::json::array({"0.bias"}));
+  std::remove(path.c_str());
+}
+
+TEST(GuardedOptimizer, UnwritableTracePathIsAClearError) {
+  auto model = make_model(8);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  try {
+    GuardedOptimizer guard(opt, GuardOptions().trace_path("/nonexistent-dir/trace.jsonl"));
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot open event log '/nonexistent-dir/trace.jsonl'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace stepguard

@@ -1,0 +1,229 @@
+// Inspection semantics on CPU. Expected values are computed here from the literal inputs, never
+// through the code under test.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+
+#include "csrc/inspect/inspect.h"
+
+namespace stepguard {
+namespace inspect {
+namespace {
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+const double kInf = std::numeric_limits<double>::infinity();
+
+at::Tensor f32(std::vector<float> v) {
+  return at::tensor(v, at::TensorOptions().dtype(at::kFloat));
+}
+// A 16-bit tensor with exact bit patterns, reinterpreted as `dtype` (kHalf or kBFloat16).
+at::Tensor bits16(const std::vector<std::int16_t>& bits, at::ScalarType dtype) {
+  return at::tensor(std::vector<std::int16_t>(bits), at::TensorOptions().dtype(at::kShort))
+      .view(dtype);
+}
+
+TEST(Inspect, EmptyListIsAllZero) {
+  const LocalStats s = inspect_gradients({});
+  EXPECT_EQ(s.nan_count, 0);
+  EXPECT_EQ(s.inf_count, 0);
+  EXPECT_EQ(s.sum_squares, 0.0);
+  EXPECT_EQ(s.num_tensors, 0);
+  EXPECT_TRUE(s.nonfinite_tensors.empty());
+}
+
+TEST(Inspect, Float32SumOfSquaresIsExactForSmallIntegers) {
+  const LocalStats s = inspect_gradients({f32({1, 2, 3, -4})});
+  EXPECT_EQ(s.sum_squares, 30.0);
+  EXPECT_EQ(s.nonfinite_count(), 0);
+  EXPECT_EQ(s.num_elements, 4);
+  EXPECT_FALSE(s.sum_squares_overflow);
+}
+
+TEST(Inspect, NanAndInfAtFirstLastAndTailAcrossChunks) {
+  // Odd size spanning two chunks: the tail chunk holds 3 elements.
+  const std::int64_t n = kChunkElements + 3;
+  auto g = at::full({n}, 0.5f, at::kFloat);
+  g[0] = kNaN;                  // first element
+  g[kChunkElements - 1] = kInf;  // last of the first chunk
+  g[n - 1] = -kInf;             // last element, in the tail
+  const LocalStats s = inspect_gradients({f32({1.0f}), g});
+  EXPECT_EQ(s.nan_count, 1);
+  EXPECT_EQ(s.inf_count, 2);
+  EXPECT_EQ(s.nonfinite_tensors, std::vector<std::int64_t>({1}));
+  // 1 from the first tensor, 0.25 for each finite element of the second.
+  EXPECT_EQ(s.sum_squares, 1.0 + 0.25 * static_cast<double>(n - 3));
+  ASSERT_EQ(s.tensor_sum_squares.size(), 2u);
+  EXPECT_EQ(s.tensor_sum_squares[0], 1.0);
+}
+
+TEST(Inspect, HugeFiniteValuesAreNotNonFinite) {
+  const float big = std::numeric_limits<float>::max();
+  const LocalStats s = inspect_gradients({f32({1e30f, big, -big})});
+  EXPECT_EQ(s.nonfinite_count(), 0);
+  const double b = static_cast<double>(big);
+  const double e = static_cast<double>(1e30f);
+  EXPECT_EQ(s.sum_squares, e * e + b * b + b * b);
+  EXPECT_TRUE(std::isfinite(s.sum_squares));
+  EXPECT_FALSE(s.sum_squares_overflow);
+}
+
+TEST(Inspect, Float16BitPatterns) {
+  // 0x3c00 = 1.0, 0xc000 = -2.0, 0x7bff = 65504 (max), 0x0001 = 2^-24 (smallest subnormal),
+  // 0x7c00 = +Inf, 0xfc00 = -Inf, 0x7e00 = NaN, 0xfe01 = NaN with sign and payload.
+  const auto g = bits16({0x3c00, static_cast<std::int16_t>(0xc000), 0x7bff, 0x0001, 0x7c00,
+                         static_cast<std::int16_t>(0xfc00), 0x7e00,
+                         static_cast<std::int16_t>(0xfe01)},
+                        at::kHalf);
+  const LocalStats s = inspect_gradients({g});
+  EXPECT_EQ(s.nan_count, 2);
+  EXPECT_EQ(s.inf_count, 2);
+  const double tiny = std::ldexp(1.0, -24);
+  EXPECT_EQ(s.sum_squares, 1.0 + 4.0 + 65504.0 * 65504.0 + tiny * tiny);
+}
+
+TEST(Inspect, BFloat16BitPatterns) {
+  // 0x3f80 = 1.0, 0x4040 = 3.0, 0x7f7f = max bf16, 0x0001 = smallest subnormal (2^-133),
+  // 0x7f80 = +Inf, 0xff80 = -Inf, 0x7fc0 = NaN.
+  const auto g = bits16({0x3f80, 0x4040, 0x7f7f, 0x0001, 0x7f80, static_cast<std::int16_t>(0xff80),
+                         0x7fc0},
+                        at::kBFloat16);
+  const LocalStats s = inspect_gradients({g});
+  EXPECT_EQ(s.nan_count, 1);
+  EXPECT_EQ(s.inf_count, 2);
+  const double max_bf16 = std::ldexp(255.0, 120);  // 0x7f7f = (1 + 127/128) * 2^127
+  const double tiny = std::ldexp(1.0, -133);
+  EXPECT_EQ(s.sum_squares, 1.0 + 9.0 + max_bf16 * max_bf16 + tiny * tiny);
+}
+
+TEST(Inspect, Float64AndDenormals) {
+  const double denorm = std::numeric_limits<double>::denorm_min();
+  auto g = at::tensor(std::vector<double>{3.0, denorm, kNaN}, at::TensorOptions().dtype(at::kDouble));
+  const LocalStats s = inspect_gradients({g});
+  EXPECT_EQ(s.nan_count, 1);
+  EXPECT_EQ(s.sum_squares, 9.0);  // denorm^2 underflows to 0 in fp64
+  const float fdenorm = std::numeric_limits<float>::denorm_min();
+  const LocalStats t = inspect_gradients({f32({fdenorm})});
+  EXPECT_EQ(t.nonfinite_count(), 0);
+  EXPECT_EQ(t.sum_squares, static_cast<double>(fdenorm) * static_cast<double>(fdenorm));
+}
+
+TEST(Inspect, MixedDtypesUndefinedEmptyAndSingleElement) {
+  std::vector<at::Tensor> grads = {
+      f32({2.0f}),                                             // 0: 4
+      at::Tensor(),                                            // 1: no gradient
+      at::empty({0}, at::kFloat),                              // 2: empty
+      bits16({0x4000}, at::kHalf),                             // 3: 2.0 -> 4
+      bits16({0x7fc0}, at::kBFloat16),                         // 4: NaN
+      at::full({5}, 1.0, at::TensorOptions().dtype(at::kDouble)),  // 5: 5
+  };
+  const LocalStats s = inspect_gradients(grads);
+  EXPECT_EQ(s.num_tensors, 6);
+  EXPECT_EQ(s.num_elements, 1 + 0 + 1 + 1 + 5);
+  EXPECT_EQ(s.nan_count, 1);
+  EXPECT_EQ(s.nonfinite_tensors, std::vector<std::int64_t>({4}));
+  EXPECT_EQ(s.sum_squares, 13.0);
+  EXPECT_EQ(s.tensor_sum_squares, std::vector<double>({4.0, 0.0, 0.0, 4.0, 0.0, 5.0}));
+}
+
+TEST(Inspect, NonContiguousGradientIsInspectedThroughACopy) {
+  auto base = at::arange(12, at::kFloat).view({3, 4});
+  auto t = base.t();  // non-contiguous view
+  ASSERT_FALSE(t.is_contiguous());
+  const LocalStats s = inspect_gradients({t});
+  double expected = 0;
+  for (int i = 0; i < 12; ++i) expected += static_cast<double>(i) * i;
+  EXPECT_EQ(s.sum_squares, expected);
+}
+
+TEST(Inspect, InvScaleScalesTheSumOfSquares) {
+  InspectOptions opt;
+  opt.inv_scale = 0.5;
+  const LocalStats s = inspect_gradients({f32({2, 4})}, opt);
+  EXPECT_EQ(s.sum_squares, 1.0 + 4.0);
+}
+
+TEST(Inspect, UnscaleInPlaceTouchesFiniteElementsOnly) {
+  auto g32 = f32({2, 4, static_cast<float>(kNaN)});
+  auto gbf = bits16({0x4080 /* 4.0 */}, at::kBFloat16);
+  auto nc = at::full({2, 2}, 8.0f, at::kFloat).t();
+  InspectOptions opt;
+  opt.inv_scale = 0.25;
+  opt.unscale_in_place = true;
+  inspect_gradients({g32, gbf, nc}, opt);
+  EXPECT_EQ(g32[0].item<float>(), 0.5f);
+  EXPECT_EQ(g32[1].item<float>(), 1.0f);
+  EXPECT_TRUE(std::isnan(g32[2].item<float>()));
+  EXPECT_EQ(gbf.to(at::kFloat).item<float>(), 1.0f);
+  EXPECT_TRUE(at::all(nc == 2.0f).item<bool>());
+}
+
+TEST(Inspect, RejectsUnsupportedDtypeNamingTheTensor) {
+  auto good = f32({1.0f});
+  auto bad = at::ones({3}, at::kInt);
+  try {
+    inspect_gradients({good, bad});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gradient 1 has dtype Int"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Inspect, RejectsMixedDevicesBeforeChangingAnything) {
+  auto cpu = f32({4.0f});
+  auto meta = at::empty({3}, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+  InspectOptions opt;
+  opt.inv_scale = 0.5;
+  opt.unscale_in_place = true;
+  try {
+    inspect_gradients({cpu, meta}, opt);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gradient 1 is on meta but gradient 0 is on cpu"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(cpu.item<float>(), 4.0f);  // nothing was unscaled
+}
+
+TEST(Inspect, RejectsBadInvScale) {
+  InspectOptions opt;
+  opt.inv_scale = 0.0;
+  EXPECT_THROW(inspect_gradients({f32({1})}, opt), c10::Error);
+  opt.inv_scale = kNaN;
+  EXPECT_THROW(inspect_gradients({f32({1})}, opt), c10::Error);
+}
+
+TEST(Inspect, MatchesAnIndependentReferenceAndIsDeterministicAcrossThreadCounts) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<at::Tensor> grads;
+  double reference = 0.0;
+  for (std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{4096}, 3 * kChunkElements + 5, std::int64_t{250000}}) {
+    std::vector<float> v(n);
+    for (auto& x : v) {
+      x = dist(rng);
+      reference += static_cast<double>(x) * static_cast<double>(x);
+    }
+    grads.push_back(f32(v));
+  }
+  const int saved = at::get_num_threads();
+  at::set_num_threads(1);
+  const LocalStats one = inspect_gradients(grads);
+  at::set_num_threads(2);
+  const LocalStats two = inspect_gradients(grads);
+  at::set_num_threads(saved);
+  EXPECT_EQ(one.sum_squares, two.sum_squares);  // bitwise
+  EXPECT_EQ(one.tensor_sum_squares, two.tensor_sum_squares);
+  EXPECT_NEAR(one.sum_squares, reference, 1e-12 * reference);
+  EXPECT_EQ(one.nonfinite_count(), 0);
+}
+
+}  // namespace
+}  // namespace inspect
+}  // namespace stepguard

@@ -11,9 +11,9 @@
 namespace stepguard {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                             \
-  do {                                                                                 \
-    std::string why;                                                                   \
+#define SKIP_WITHOUT_GPU()                                                                 \
+  do {                                                                                     \
+    std::string why;                                                                       \
     if (cuda::device_count(&why) == 0) GTEST_SKIP() << "no CUDA GPU here (" << why << ")"; \
   } while (0)
 

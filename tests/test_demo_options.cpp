@@ -28,10 +28,10 @@ TEST(DemoOptions, Defaults) {
 TEST(DemoOptions, ParsesTheContractFlags) {
   std::string error;
   bool help = false;
-  const auto o = parse_demo_args({"--steps", "120", "--seed=9", "--inject", "nan_grad@50",
-                                  "--inject", "inf_grad@70:0", "--summary-json", "s.json",
-                                  "--trace", "t.jsonl"},
-                                 &error, &help);
+  const auto o =
+      parse_demo_args({"--steps", "120", "--seed=9", "--inject", "nan_grad@50", "--inject",
+                       "inf_grad@70:0", "--summary-json", "s.json", "--trace", "t.jsonl"},
+                      &error, &help);
   ASSERT_TRUE(o.has_value()) << error;
   EXPECT_EQ(o->steps, 120);
   EXPECT_EQ(o->seed, 9u);

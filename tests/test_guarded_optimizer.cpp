@@ -181,8 +181,11 @@ TEST(GuardedOptimizer, BadLossIsRefusedAndChangesNothing) {
   auto loss = loss_of(model, 0);
   loss.backward();
   const auto before = clone_all(model->parameters());
-  expect_error_containing([&] { guard.step(torch::ones({2, 3})); },
-                          "loss must be a scalar (one element), got shape [2, 3]");
+  expect_error_containing(
+      [&] {
+        guard.step(torch::ones({2, 3}));
+      },
+      "loss must be a scalar (one element), got shape [2, 3]");
   expect_error_containing([&] { guard.step(torch::Tensor()); }, "undefined loss");
   expect_error_containing([&] { guard.step(torch::tensor(3, torch::kLong)); },
                           "loss must be a floating-point tensor, got Long");
@@ -217,7 +220,8 @@ TEST(GuardedOptimizer, AbortsAfterTheConsecutiveBadStepLimitAndRefusesFurtherSte
   ASSERT_TRUE(r.incident.has_value());
   EXPECT_EQ(r.incident->action, "abort");
   EXPECT_TRUE(guard.aborted());
-  expect_error_containing([&] { guard.step(torch::tensor(1.0)); }, "training was aborted at step 3");
+  expect_error_containing([&] { guard.step(torch::tensor(1.0)); },
+                          "training was aborted at step 3");
 }
 
 TEST(GuardedOptimizer, GoodStepResetsTheBadStreak) {

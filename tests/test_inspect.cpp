@@ -48,9 +48,9 @@ TEST(Inspect, NanAndInfAtFirstLastAndTailAcrossChunks) {
   // Odd size spanning two chunks: the tail chunk holds 3 elements.
   const std::int64_t n = kChunkElements + 3;
   auto g = at::full({n}, 0.5f, at::kFloat);
-  g[0] = kNaN;                  // first element
+  g[0] = kNaN;                   // first element
   g[kChunkElements - 1] = kInf;  // last of the first chunk
-  g[n - 1] = -kInf;             // last element, in the tail
+  g[n - 1] = -kInf;              // last element, in the tail
   const LocalStats s = inspect_gradients({f32({1.0f}), g});
   EXPECT_EQ(s.nan_count, 1);
   EXPECT_EQ(s.inf_count, 2);
@@ -75,10 +75,10 @@ TEST(Inspect, HugeFiniteValuesAreNotNonFinite) {
 TEST(Inspect, Float16BitPatterns) {
   // 0x3c00 = 1.0, 0xc000 = -2.0, 0x7bff = 65504 (max), 0x0001 = 2^-24 (smallest subnormal),
   // 0x7c00 = +Inf, 0xfc00 = -Inf, 0x7e00 = NaN, 0xfe01 = NaN with sign and payload.
-  const auto g = bits16({0x3c00, static_cast<std::int16_t>(0xc000), 0x7bff, 0x0001, 0x7c00,
-                         static_cast<std::int16_t>(0xfc00), 0x7e00,
-                         static_cast<std::int16_t>(0xfe01)},
-                        at::kHalf);
+  const auto g =
+      bits16({0x3c00, static_cast<std::int16_t>(0xc000), 0x7bff, 0x0001, 0x7c00,
+              static_cast<std::int16_t>(0xfc00), 0x7e00, static_cast<std::int16_t>(0xfe01)},
+             at::kHalf);
   const LocalStats s = inspect_gradients({g});
   EXPECT_EQ(s.nan_count, 2);
   EXPECT_EQ(s.inf_count, 2);
@@ -89,9 +89,9 @@ TEST(Inspect, Float16BitPatterns) {
 TEST(Inspect, BFloat16BitPatterns) {
   // 0x3f80 = 1.0, 0x4040 = 3.0, 0x7f7f = max bf16, 0x0001 = smallest subnormal (2^-133),
   // 0x7f80 = +Inf, 0xff80 = -Inf, 0x7fc0 = NaN.
-  const auto g = bits16({0x3f80, 0x4040, 0x7f7f, 0x0001, 0x7f80, static_cast<std::int16_t>(0xff80),
-                         0x7fc0},
-                        at::kBFloat16);
+  const auto g =
+      bits16({0x3f80, 0x4040, 0x7f7f, 0x0001, 0x7f80, static_cast<std::int16_t>(0xff80), 0x7fc0},
+             at::kBFloat16);
   const LocalStats s = inspect_gradients({g});
   EXPECT_EQ(s.nan_count, 1);
   EXPECT_EQ(s.inf_count, 2);
@@ -102,7 +102,8 @@ TEST(Inspect, BFloat16BitPatterns) {
 
 TEST(Inspect, Float64AndDenormals) {
   const double denorm = std::numeric_limits<double>::denorm_min();
-  auto g = at::tensor(std::vector<double>{3.0, denorm, kNaN}, at::TensorOptions().dtype(at::kDouble));
+  auto g =
+      at::tensor(std::vector<double>{3.0, denorm, kNaN}, at::TensorOptions().dtype(at::kDouble));
   const LocalStats s = inspect_gradients({g});
   EXPECT_EQ(s.nan_count, 1);
   EXPECT_EQ(s.sum_squares, 9.0);  // denorm^2 underflows to 0 in fp64
@@ -114,11 +115,11 @@ TEST(Inspect, Float64AndDenormals) {
 
 TEST(Inspect, MixedDtypesUndefinedEmptyAndSingleElement) {
   std::vector<at::Tensor> grads = {
-      f32({2.0f}),                                             // 0: 4
-      at::Tensor(),                                            // 1: no gradient
-      at::empty({0}, at::kFloat),                              // 2: empty
-      bits16({0x4000}, at::kHalf),                             // 3: 2.0 -> 4
-      bits16({0x7fc0}, at::kBFloat16),                         // 4: NaN
+      f32({2.0f}),                                                 // 0: 4
+      at::Tensor(),                                                // 1: no gradient
+      at::empty({0}, at::kFloat),                                  // 2: empty
+      bits16({0x4000}, at::kHalf),                                 // 3: 2.0 -> 4
+      bits16({0x7fc0}, at::kBFloat16),                             // 4: NaN
       at::full({5}, 1.0, at::TensorOptions().dtype(at::kDouble)),  // 5: 5
   };
   const LocalStats s = inspect_gradients(grads);
@@ -204,7 +205,8 @@ TEST(Inspect, MatchesAnIndependentReferenceAndIsDeterministicAcrossThreadCounts)
   std::normal_distribution<float> dist(0.0f, 3.0f);
   std::vector<at::Tensor> grads;
   double reference = 0.0;
-  for (std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{4096}, 3 * kChunkElements + 5, std::int64_t{250000}}) {
+  for (std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{4096},
+                         3 * kChunkElements + 5, std::int64_t{250000}}) {
     std::vector<float> v(n);
     for (auto& x : v) {
       x = dist(rng);

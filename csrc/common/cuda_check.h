@@ -14,24 +14,24 @@
 #define SG_STRINGIFY_IMPL(x) #x
 #define SG_STRINGIFY(x) SG_STRINGIFY_IMPL(x)
 
-#define SG_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                       \
-    const cudaError_t sg_err_ = (expr);                                                      \
-    if (sg_err_ != cudaSuccess) {                                                            \
+#define SG_CUDA_CHECK(expr)                                                                     \
+  do {                                                                                          \
+    const cudaError_t sg_err_ = (expr);                                                         \
+    if (sg_err_ != cudaSuccess) {                                                               \
       throw std::runtime_error(std::string("stepguard: CUDA call " #expr " failed at " __FILE__ \
-                                           ":" SG_STRINGIFY(__LINE__) ": ") +                \
+                                           ":" SG_STRINGIFY(__LINE__) ": ") +                   \
                                cudaGetErrorName(sg_err_) + ": " + cudaGetErrorString(sg_err_)); \
-    }                                                                                        \
+    }                                                                                           \
   } while (0)
 
 #define SG_CUDA_LAUNCH_CHECK() SG_CUDA_CHECK(cudaGetLastError())
 
-#define SG_NCCL_CHECK(expr)                                                                  \
-  do {                                                                                       \
-    const ncclResult_t sg_res_ = (expr);                                                     \
-    if (sg_res_ != ncclSuccess) {                                                            \
+#define SG_NCCL_CHECK(expr)                                                                     \
+  do {                                                                                          \
+    const ncclResult_t sg_res_ = (expr);                                                        \
+    if (sg_res_ != ncclSuccess) {                                                               \
       throw std::runtime_error(std::string("stepguard: NCCL call " #expr " failed at " __FILE__ \
-                                           ":" SG_STRINGIFY(__LINE__) ": ") +                \
-                               ncclGetErrorString(sg_res_));                                 \
-    }                                                                                        \
+                                           ":" SG_STRINGIFY(__LINE__) ": ") +                   \
+                               ncclGetErrorString(sg_res_));                                    \
+    }                                                                                           \
   } while (0)

@@ -41,12 +41,12 @@ bool nccl_self_test(std::string* why) {
   double* buffer = nullptr;
   try {
     SG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buffer), host.size() * sizeof(double)));
-    SG_CUDA_CHECK(cudaMemcpy(buffer, host.data(), host.size() * sizeof(double),
-                             cudaMemcpyHostToDevice));
+    SG_CUDA_CHECK(
+        cudaMemcpy(buffer, host.data(), host.size() * sizeof(double), cudaMemcpyHostToDevice));
     SG_NCCL_CHECK(ncclAllReduce(buffer, buffer, host.size(), ncclFloat64, ncclSum, comm, nullptr));
     SG_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-    SG_CUDA_CHECK(cudaMemcpy(back.data(), buffer, host.size() * sizeof(double),
-                             cudaMemcpyDeviceToHost));
+    SG_CUDA_CHECK(
+        cudaMemcpy(back.data(), buffer, host.size() * sizeof(double), cudaMemcpyDeviceToHost));
   } catch (...) {
     cudaFree(buffer);
     ncclCommDestroy(comm);
@@ -54,7 +54,8 @@ bool nccl_self_test(std::string* why) {
   }
   cudaFree(buffer);
   SG_NCCL_CHECK(ncclCommDestroy(comm));
-  if (back != host) throw std::runtime_error("stepguard: NCCL one-rank all-reduce changed the data");
+  if (back != host)
+    throw std::runtime_error("stepguard: NCCL one-rank all-reduce changed the data");
   return true;
 #else
   if (why) *why = "stepguard was built without CUDA/NCCL";

@@ -26,8 +26,8 @@ struct InspectOptions {
 };
 
 /// Inspects `grads` (undefined tensors are allowed and count as empty). All defined gradients must
-/// be on one device and be float32, float16, bfloat16 or float64; otherwise throws c10::Error with a
-/// message naming the offending tensor index. Non-contiguous gradients are inspected through a
+/// be on one device and be float32, float16, bfloat16 or float64; otherwise throws c10::Error with
+/// a message naming the offending tensor index. Non-contiguous gradients are inspected through a
 /// contiguous copy (in-place unscale then writes back through copy_).
 ///
 /// Deterministic: the sums are reduced per fixed-size chunk and combined in tensor and chunk order,

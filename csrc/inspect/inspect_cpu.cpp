@@ -11,10 +11,14 @@ namespace inspect {
 
 GradDtype grad_dtype_of(const at::Tensor& grad, std::size_t index) {
   switch (grad.scalar_type()) {
-    case at::kFloat: return GradDtype::kFloat32;
-    case at::kHalf: return GradDtype::kFloat16;
-    case at::kBFloat16: return GradDtype::kBFloat16;
-    case at::kDouble: return GradDtype::kFloat64;
+    case at::kFloat:
+      return GradDtype::kFloat32;
+    case at::kHalf:
+      return GradDtype::kFloat16;
+    case at::kBFloat16:
+      return GradDtype::kBFloat16;
+    case at::kDouble:
+      return GradDtype::kFloat64;
     default:
       TORCH_CHECK(false, "stepguard: gradient ", index, " has dtype ", grad.scalar_type(),
                   "; inspection supports float32, float16, bfloat16 and float64");
@@ -82,8 +86,8 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
                        const Chunk& ch = chunks[c];
                        const GradDtype dt = dtypes[ch.tensor];
                        const bool wide = dt == GradDtype::kFloat32 || dt == GradDtype::kFloat64;
-                       partial[c] = inspect_range(views[ch.tensor].data_ptr(), dt, ch.begin,
-                                                  ch.end, options.inv_scale, unscale_here && wide);
+                       partial[c] = inspect_range(views[ch.tensor].data_ptr(), dt, ch.begin, ch.end,
+                                                  options.inv_scale, unscale_here && wide);
                      }
                    });
 

@@ -22,8 +22,8 @@ EventLog::EventLog(const std::string& path, bool every_step)
   }
 }
 
-void EventLog::record(const StepReport& report, const GlobalStats& stats,
-                      const std::string& reason, const std::vector<std::string>& tensors) {
+void EventLog::record(const StepReport& report, const GlobalStats& stats, const std::string& reason,
+                      const std::vector<std::string>& tensors) {
   const bool plain_apply = report.outcome == Outcome::kApplied && !report.incident.has_value();
   if (plain_apply && !every_step_) return;
   nlohmann::json line;

@@ -70,8 +70,9 @@ std::vector<std::int64_t> Corpus::batch_offsets(std::uint64_t seed, std::int64_t
   const std::uint64_t span = static_cast<std::uint64_t>(size() - context - 1);
   std::vector<std::int64_t> offsets(batch_size);
   for (std::int64_t row = 0; row < batch_size; ++row) {
-    const std::uint64_t key = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(batch_index)) ^
-                                         (static_cast<std::uint64_t>(row) << 40));
+    const std::uint64_t key =
+        splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(batch_index)) ^
+                   (static_cast<std::uint64_t>(row) << 40));
     offsets[row] = static_cast<std::int64_t>(key % span);
   }
   return offsets;

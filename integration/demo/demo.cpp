@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <stepguard/stepguard.h>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -13,7 +14,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
-#include <stepguard/stepguard.h>
 
 #include "integration/demo/corpus.h"
 #include "integration/demo/model.h"
@@ -83,12 +83,15 @@ class Progress {
       const auto now = Clock::now();
       if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
       last_draw_ = now;
-      std::fprintf(stderr, "\r\033[K  step %6" PRId64 "/%" PRId64 "  loss %7.4f  %8.0f tok/s  skipped %" PRId64,
+      std::fprintf(stderr,
+                   "\r\033[K  step %6" PRId64 "/%" PRId64
+                   "  loss %7.4f  %8.0f tok/s  skipped %" PRId64,
                    r.step, total_, r.loss, tokens_per_s, skipped);
       if (last) std::fputc('\n', stderr);
       std::fflush(stderr);
     } else if (r.step % every_ == 0 || last || r.step == 1) {
-      std::fprintf(stderr, "step %" PRId64 "/%" PRId64 " loss %.4f tok/s %.0f skipped %" PRId64 "\n",
+      std::fprintf(stderr,
+                   "step %" PRId64 "/%" PRId64 " loss %.4f tok/s %.0f skipped %" PRId64 "\n",
                    r.step, total_, r.loss, tokens_per_s, skipped);
     }
   }
@@ -117,9 +120,8 @@ int run_demo(const DemoOptions& o) {
   mc.context = o.context;
   CharTransformer model(mc);
   auto named = model->named_parameters();
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)
-                                                     .betas({0.9, 0.99})
-                                                     .weight_decay(0.01));
+  torch::optim::AdamW adamw(model->parameters(),
+                            torch::optim::AdamWOptions(o.lr).betas({0.9, 0.99}).weight_decay(0.01));
   stepguard::GuardedOptimizer guard(
       adamw, named,
       GuardOptions().trace_path(o.trace).max_consecutive_bad_steps(o.max_consecutive_bad_steps));
@@ -175,8 +177,8 @@ int run_demo(const DemoOptions& o) {
     adamw.zero_grad();
     const std::int64_t poison_row = injected(o, FaultKind::kNanInput, step) ? 0 : -1;
     auto logits = model->forward(input, poison_row);
-    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}),
-                                                     target.view({-1}));
+    auto loss =
+        torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}), target.view({-1}));
     if (injected(o, FaultKind::kNanLoss, step)) loss = loss * std::nan("");
     if (injected(o, FaultKind::kLossSpike, step)) loss = loss * 1000.0;
     loss.backward();
@@ -199,14 +201,14 @@ int run_demo(const DemoOptions& o) {
     }
     if (report.incident) {
       const auto& inc = *report.incident;
-      nlohmann::json j = {{"step", inc.step},     {"signal", inc.signal}, {"action", inc.action},
-                          {"cause", inc.cause},   {"tensors", inc.tensors}, {"ranks", inc.ranks},
+      nlohmann::json j = {{"step", inc.step},    {"signal", inc.signal},   {"action", inc.action},
+                          {"cause", inc.cause},  {"tensors", inc.tensors}, {"ranks", inc.ranks},
                           {"reason", inc.reason}};
       incidents.push_back(j);
       std::string blamed;
       for (const auto& t : inc.tensors) blamed += (blamed.empty() ? "" : ", ") + t;
-      progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " +
-                    inc.action + (blamed.empty() ? "" : " (" + blamed + ")"));
+      progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " + inc.action +
+                    (blamed.empty() ? "" : " (" + blamed + ")"));
     }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     const double rate = static_cast<double>(o.batch_size * o.context) / std::max(dt, 1e-9);
@@ -285,7 +287,8 @@ int run_demo(const DemoOptions& o) {
     table << line;
     for (const auto& inc : incidents) {
       std::string tensors;
-      for (const auto& t : inc["tensors"]) tensors += (tensors.empty() ? "" : ",") + t.get<std::string>();
+      for (const auto& t : inc["tensors"])
+        tensors += (tensors.empty() ? "" : ",") + t.get<std::string>();
       std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-12s %-8s %s\n",
                     inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),
                     inc["action"].get<std::string>().c_str(),

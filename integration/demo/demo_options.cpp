@@ -15,10 +15,14 @@ struct KindName {
   const char* name;
 };
 constexpr KindName kKinds[] = {
-    {FaultKind::kNanGrad, "nan_grad"},     {FaultKind::kInfGrad, "inf_grad"},
-    {FaultKind::kNanLoss, "nan_loss"},     {FaultKind::kNanInput, "nan_input"},
-    {FaultKind::kOverflow, "overflow"},    {FaultKind::kLrSpike, "lr_spike"},
-    {FaultKind::kLossSpike, "loss_spike"}, {FaultKind::kCorruptWeights, "corrupt_weights"},
+    {FaultKind::kNanGrad, "nan_grad"},
+    {FaultKind::kInfGrad, "inf_grad"},
+    {FaultKind::kNanLoss, "nan_loss"},
+    {FaultKind::kNanInput, "nan_input"},
+    {FaultKind::kOverflow, "overflow"},
+    {FaultKind::kLrSpike, "lr_spike"},
+    {FaultKind::kLossSpike, "loss_spike"},
+    {FaultKind::kCorruptWeights, "corrupt_weights"},
     {FaultKind::kKill, "kill"},
 };
 
@@ -69,7 +73,8 @@ std::optional<Injection> parse_injection(const std::string& text, std::string* e
     }
   }
   if (!known) {
-    *error = "--inject '" + text + "': unknown fault kind '" + kind + "'; expected one of: " + kinds;
+    *error =
+        "--inject '" + text + "': unknown fault kind '" + kind + "'; expected one of: " + kinds;
     return std::nullopt;
   }
   std::string rest = text.substr(at + 1);
@@ -108,8 +113,8 @@ const char* demo_usage() noexcept {
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 
-std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
-                                           std::string* error, bool* help) {
+std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args, std::string* error,
+                                           bool* help) {
   DemoOptions o;
   *help = false;
   for (std::size_t i = 0; i < args.size(); ++i) {
@@ -198,8 +203,9 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!parse_int(value, 0, 100000000, &n)) return bad("expected a whole number >= 0");
       o.log_every = n;
     } else if (flag == "--policy" || flag == "--metrics-port" || flag == "--checkpoint-dir") {
-      *error = flag + ": not available in this build yet (arrives with the policy, telemetry and "
-                      "checkpoint work)";
+      *error = flag +
+               ": not available in this build yet (arrives with the policy, telemetry and "
+               "checkpoint work)";
       return std::nullopt;
     } else {
       *error = "unknown flag '" + flag + "' (see stepguard demo --help)";
@@ -214,8 +220,9 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       return std::nullopt;
     }
     if (inj.kind == FaultKind::kOverflow) {
-      *error = "--inject overflow: needs fp16 emulation (--precision fp16), which this build does "
-               "not have yet";
+      *error =
+          "--inject overflow: needs fp16 emulation (--precision fp16), which this build does "
+          "not have yet";
       return std::nullopt;
     }
   }

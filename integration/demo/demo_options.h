@@ -56,8 +56,8 @@ struct DemoOptions {
 
 /// Parses the arguments after "demo". On error returns nullopt and sets `error` to one line that
 /// names the flag. `--help` sets `error` to the usage text and `help` to true.
-std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
-                                           std::string* error, bool* help);
+std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args, std::string* error,
+                                           bool* help);
 
 /// The usage text of `stepguard demo`.
 const char* demo_usage() noexcept;

@@ -36,7 +36,8 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
 }
 
 CharTransformerImpl::CharTransformerImpl(const ModelConfig& c) : config_(c) {
-  token_embedding_ = register_module("token_embedding", torch::nn::Embedding(c.vocab_size, c.d_model));
+  token_embedding_ =
+      register_module("token_embedding", torch::nn::Embedding(c.vocab_size, c.d_model));
   position_embedding_ =
       register_module("position_embedding", torch::nn::Embedding(c.context, c.d_model));
   blocks_ = register_module("blocks", torch::nn::ModuleList());

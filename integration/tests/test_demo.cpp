@@ -31,8 +31,8 @@ std::string temp_path(const std::string& name) {
 
 ProcessResult run_stepguard(const std::string& args) {
   const std::string out = temp_path("stdout"), err = temp_path("stderr");
-  const std::string cmd = std::string("'") + STEPGUARD_BIN + "' " + args + " >'" + out +
-                          "' 2>'" + err + "' </dev/null";
+  const std::string cmd =
+      std::string("'") + STEPGUARD_BIN + "' " + args + " >'" + out + "' 2>'" + err + "' </dev/null";
   const int raw = std::system(cmd.c_str());
   ProcessResult r;
   if (WIFEXITED(raw)) {
@@ -51,8 +51,10 @@ nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse
 TEST(Demo, TwoInjectedGradientFaultsAreSkippedAndTrainingLearns) {
   const std::string summary = temp_path("s.json");
   const std::string trace = temp_path("trace.jsonl");
-  const ProcessResult r = run_stepguard("demo --steps 300 --inject nan_grad@50 --inject inf_grad@120 "
-                              "--summary-json '" + summary + "' --trace '" + trace + "'");
+  const ProcessResult r = run_stepguard(
+      "demo --steps 300 --inject nan_grad@50 --inject inf_grad@120 "
+      "--summary-json '" +
+      summary + "' --trace '" + trace + "'");
   ASSERT_EQ(r.status, 0) << r.err;
   const auto s = read_json(summary);
   EXPECT_EQ(s["steps"], 300);
@@ -94,8 +96,10 @@ TEST(Demo, TwoInjectedGradientFaultsAreSkippedAndTrainingLearns) {
 
 TEST(Demo, NanLossAndNanInputAreSkipped) {
   const std::string summary = temp_path("s.json");
-  const ProcessResult r = run_stepguard("demo --steps 30 --inject nan_loss@10 --inject nan_input@20 "
-                              "--summary-json '" + summary + "'");
+  const ProcessResult r = run_stepguard(
+      "demo --steps 30 --inject nan_loss@10 --inject nan_input@20 "
+      "--summary-json '" +
+      summary + "'");
   ASSERT_EQ(r.status, 0) << r.err;
   const auto s = read_json(summary);
   EXPECT_EQ(s["skipped"], 2);
@@ -119,8 +123,10 @@ TEST(Demo, SameSeedSameParameters) {
 
 TEST(Demo, CorruptWeightsWithoutRollbackAbortsAtTheBadStepLimit) {
   const std::string summary = temp_path("s.json");
-  const ProcessResult r = run_stepguard("demo --steps 40 --inject corrupt_weights@5 --max-bad-steps 6 "
-                              "--summary-json '" + summary + "'");
+  const ProcessResult r = run_stepguard(
+      "demo --steps 40 --inject corrupt_weights@5 --max-bad-steps 6 "
+      "--summary-json '" +
+      summary + "'");
   EXPECT_EQ(r.status, 3) << r.err;
   const auto s = read_json(summary);
   EXPECT_EQ(s["aborted"], true);

@@ -33,16 +33,16 @@ at::Tensor pack_local_stats(const LocalStats& local, int rank, int world_size,
 GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::int64_t step) {
   const at::Tensor host = buffer.to(at::kCPU);
   const double* s = host.data_ptr<double>();
-  TORCH_CHECK(static_cast<int>(s[stats_slot::kRanksReporting]) == world_size,
-              "stepguard: step ", step, ": ", s[stats_slot::kRanksReporting], " of ", world_size,
+  TORCH_CHECK(static_cast<int>(s[stats_slot::kRanksReporting]) == world_size, "stepguard: step ",
+              step, ": ", s[stats_slot::kRanksReporting], " of ", world_size,
               " ranks reported statistics; the consensus buffer is inconsistent");
   GlobalStats g;
   g.world_size = world_size;
   g.nan_count = static_cast<std::int64_t>(s[stats_slot::kNanCount]);
   g.inf_count = static_cast<std::int64_t>(s[stats_slot::kInfCount]);
   g.sum_squares_overflow = s[stats_slot::kSumSquaresOverflow] > 0.0;
-  g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity()
-                                         : s[stats_slot::kSumSquares];
+  g.sum_squares =
+      g.sum_squares_overflow ? std::numeric_limits<double>::infinity() : s[stats_slot::kSumSquares];
   g.grad_norm = std::sqrt(g.sum_squares);
   g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[stats_slot::kLossNonfinite]);
   const std::int64_t finite_ranks = world_size - g.loss_nonfinite_ranks;
@@ -74,8 +74,8 @@ struct GuardedOptimizer::Impl {
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
     if (!options.trace_path().empty()) {
-      event_log = std::make_unique<telemetry::EventLog>(options.trace_path(),
-                                                         options.trace_every_step());
+      event_log =
+          std::make_unique<telemetry::EventLog>(options.trace_path(), options.trace_every_step());
     }
   }
 
@@ -87,7 +87,8 @@ struct GuardedOptimizer::Impl {
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
         auto it = name_of.find(p.unsafeGetTensorImpl());
-        names.push_back(it != name_of.end() ? it->second : "param_" + std::to_string(params.size()));
+        names.push_back(it != name_of.end() ? it->second
+                                            : "param_" + std::to_string(params.size()));
         params.push_back(p);
       }
     }
@@ -150,9 +151,10 @@ GuardedOptimizer::~GuardedOptimizer() = default;
 
 StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   Impl& s = *impl_;
-  TORCH_CHECK(!s.aborted, "stepguard: training was aborted at step ", s.step, " (",
-              s.abort_reason, "); step() refuses to run after an abort");
-  if (s.optimizer_param_count() != s.params.size()) s.collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
+  TORCH_CHECK(!s.aborted, "stepguard: training was aborted at step ", s.step, " (", s.abort_reason,
+              "); step() refuses to run after an abort");
+  if (s.optimizer_param_count() != s.params.size())
+    s.collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
   s.validate_loss(loss);
 
   // 1 inspect. Validation inside inspection throws before anything changes.
@@ -165,8 +167,8 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
 
   const std::int64_t step = ++s.step;
   // 2 agree: the one collective of the step.
-  at::Tensor buffer = pack_local_stats(local, s.consensus->rank(), s.consensus->world_size(),
-                                       loss.device());
+  at::Tensor buffer =
+      pack_local_stats(local, s.consensus->rank(), s.consensus->world_size(), loss.device());
   s.consensus->all_reduce_sum(buffer, step);
   const GlobalStats global = unpack_global_stats(buffer, s.consensus->world_size(), step);
 

@@ -13,8 +13,8 @@ const char* version() noexcept { return STEPGUARD_VERSION_STRING; }
 
 const char* build_info() noexcept {
   static const std::string info = [] {
-    std::string s = std::string("stepguard ") + STEPGUARD_VERSION_STRING +
-                    " libtorch " + TORCH_VERSION;
+    std::string s =
+        std::string("stepguard ") + STEPGUARD_VERSION_STRING + " libtorch " + TORCH_VERSION;
     if (cuda::compiled_with_cuda()) {
       const int v = consensus::nccl_version();
       s += " cuda yes nccl " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) +

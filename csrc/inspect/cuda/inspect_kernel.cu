@@ -10,8 +10,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void inspect_f32_kernel(const float* __restrict__ data, std::int64_t n,
-                                   double inv_scale, inspect::ChunkStats* partials) {
+__global__ void inspect_f32_kernel(const float* __restrict__ data, std::int64_t n, double inv_scale,
+                                   inspect::ChunkStats* partials) {
   __shared__ double sums[kThreads];
   __shared__ long long nans[kThreads];
   __shared__ long long infs[kThreads];
@@ -20,8 +20,7 @@ __global__ void inspect_f32_kernel(const float* __restrict__ data, std::int64_t 
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const std::uint32_t bits = __float_as_uint(data[i]);
-    inspect::add_element(acc, inspect::classify_f32(bits), static_cast<double>(data[i]),
-                         inv_scale);
+    inspect::add_element(acc, inspect::classify_f32(bits), static_cast<double>(data[i]), inv_scale);
   }
   sums[threadIdx.x] = acc.sum_squares;
   nans[threadIdx.x] = acc.nan_count;

@@ -37,41 +37,56 @@ enum class Action : std::uint8_t {
 
 /// A condition the detectors raised on the agreed global statistics.
 enum class Signal : std::uint8_t {
-  kNonfiniteGrad,  ///< some gradient element is NaN or +/-Inf on some rank
-  kNonfiniteLoss,  ///< the loss is NaN or +/-Inf on some rank
+  kNonfiniteGrad,     ///< some gradient element is NaN or +/-Inf on some rank
+  kNonfiniteLoss,     ///< the loss is NaN or +/-Inf on some rank
   kConsecutiveLimit,  ///< too many bad steps in a row: the skip budget is spent
 };
 
 /// Stable, lowercase names used in traces, JSON and metrics labels.
 constexpr const char* to_string(Outcome o) noexcept {
   switch (o) {
-    case Outcome::kApplied: return "applied";
-    case Outcome::kSkipped: return "skipped";
-    case Outcome::kRolledBack: return "rolled_back";
-    case Outcome::kAborted: return "aborted";
+    case Outcome::kApplied:
+      return "applied";
+    case Outcome::kSkipped:
+      return "skipped";
+    case Outcome::kRolledBack:
+      return "rolled_back";
+    case Outcome::kAborted:
+      return "aborted";
   }
   return "unknown";
 }
 
 constexpr const char* to_string(Action a) noexcept {
   switch (a) {
-    case Action::kApply: return "apply";
-    case Action::kSkipBatch: return "skip_batch";
-    case Action::kClip: return "clip";
-    case Action::kDropLossScale: return "drop_loss_scale";
-    case Action::kLowerLr: return "lower_lr";
-    case Action::kRollback: return "rollback";
-    case Action::kAbort: return "abort";
-    case Action::kAlert: return "alert";
+    case Action::kApply:
+      return "apply";
+    case Action::kSkipBatch:
+      return "skip_batch";
+    case Action::kClip:
+      return "clip";
+    case Action::kDropLossScale:
+      return "drop_loss_scale";
+    case Action::kLowerLr:
+      return "lower_lr";
+    case Action::kRollback:
+      return "rollback";
+    case Action::kAbort:
+      return "abort";
+    case Action::kAlert:
+      return "alert";
   }
   return "unknown";
 }
 
 constexpr const char* to_string(Signal s) noexcept {
   switch (s) {
-    case Signal::kNonfiniteGrad: return "nonfinite_grad";
-    case Signal::kNonfiniteLoss: return "nonfinite_loss";
-    case Signal::kConsecutiveLimit: return "consecutive_limit";
+    case Signal::kNonfiniteGrad:
+      return "nonfinite_grad";
+    case Signal::kNonfiniteLoss:
+      return "nonfinite_loss";
+    case Signal::kConsecutiveLimit:
+      return "consecutive_limit";
   }
   return "unknown";
 }
@@ -80,14 +95,14 @@ constexpr const char* to_string(Signal s) noexcept {
 /// Counts are exact in fp64 up to 2^53. Slot kRankFaultBase + r is 1 on rank r when it saw a
 /// non-finite gradient or loss, so after the sum every rank knows which ranks were faulty.
 namespace stats_slot {
-constexpr int kNanCount = 0;          ///< NaN gradient elements
-constexpr int kInfCount = 1;          ///< +/-Inf gradient elements
-constexpr int kSumSquares = 2;        ///< sum of squares of the finite gradient elements
+constexpr int kNanCount = 0;            ///< NaN gradient elements
+constexpr int kInfCount = 1;            ///< +/-Inf gradient elements
+constexpr int kSumSquares = 2;          ///< sum of squares of the finite gradient elements
 constexpr int kSumSquaresOverflow = 3;  ///< ranks whose finite sum of squares overflowed fp64
-constexpr int kLossSum = 4;           ///< sum of the finite local losses
-constexpr int kLossNonfinite = 5;     ///< ranks whose loss is NaN/Inf
-constexpr int kRanksReporting = 6;    ///< each rank adds 1: a check that every rank took part
-constexpr int kRankFaultBase = 7;     ///< first of world_size per-rank fault flags
+constexpr int kLossSum = 4;             ///< sum of the finite local losses
+constexpr int kLossNonfinite = 5;       ///< ranks whose loss is NaN/Inf
+constexpr int kRanksReporting = 6;      ///< each rank adds 1: a check that every rank took part
+constexpr int kRankFaultBase = 7;       ///< first of world_size per-rank fault flags
 constexpr int size(int world_size) noexcept { return kRankFaultBase + world_size; }
 }  // namespace stats_slot
 
@@ -149,9 +164,9 @@ struct Decision {
 /// One incident: a step where a detector fired and the policy acted.
 struct Incident {
   std::int64_t step = 0;
-  std::string signal;  ///< the first signal raised, e.g. "nonfinite_grad"
-  std::string action;  ///< the strongest action taken, e.g. "skip_batch"
-  std::string cause = "unknown";  ///< root-cause class; "unknown" until forensics can tell
+  std::string signal;                ///< the first signal raised, e.g. "nonfinite_grad"
+  std::string action;                ///< the strongest action taken, e.g. "skip_batch"
+  std::string cause = "unknown";     ///< root-cause class; "unknown" until forensics can tell
   std::vector<std::string> tensors;  ///< first offending parameters, in parameter order
   std::vector<int> ranks;            ///< ranks that saw the fault
   std::string reason;
@@ -160,8 +175,8 @@ struct Incident {
 /// What guard.step(loss) returns to the training loop.
 struct StepReport {
   Outcome outcome = Outcome::kApplied;
-  std::int64_t step = 0;  ///< 1-based count of guarded steps, this one included
-  double loss = 0.0;      ///< the agreed loss (mean over ranks)
+  std::int64_t step = 0;   ///< 1-based count of guarded steps, this one included
+  double loss = 0.0;       ///< the agreed loss (mean over ranks)
   double grad_norm = 0.0;  ///< global L2 norm of the finite gradient elements
   double loss_scale = 1.0;
   double lr_factor = 1.0;

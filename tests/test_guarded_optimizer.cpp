@@ -236,6 +236,31 @@ TEST(GuardedOptimizer, GoodStepResetsTheBadStreak) {
   EXPECT_FALSE(guard.aborted());
 }
 
+TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
+  const std::string path = ::testing::TempDir() + "/sg_guard_policy.yaml";
+  std::ofstream(path) << "version: 1\nlimits:\n  max_consecutive_bad_steps: 2\n";
+  auto model = make_model(9);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt, GuardOptions().policy_file(path));
+  const auto nan_loss = torch::tensor(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
+  EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kAborted);
+
+  expect_error_containing(
+      [&] {
+        GuardedOptimizer both(opt, GuardOptions().policy_file(path).max_consecutive_bad_steps(4));
+      },
+      "max_consecutive_bad_steps is set both in GuardOptions and through the policy file");
+  std::ofstream(path) << "version: 1\nlimits: {max_bad: 1}\n";
+  try {
+    GuardedOptimizer bad(opt, GuardOptions().policy_file(path));
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), path + ":2:10: unknown key 'max_bad' in 'limits'");
+  }
+  std::remove(path.c_str());
+}
+
 TEST(GuardedOptimizer, WritesOneTraceLinePerStep) {
   const std::string path = ::testing::TempDir() + "/stepguard_trace_test.jsonl";
   {

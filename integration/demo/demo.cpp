@@ -122,9 +122,14 @@ int run_demo(const DemoOptions& o) {
   auto named = model->named_parameters();
   torch::optim::AdamW adamw(model->parameters(),
                             torch::optim::AdamWOptions(o.lr).betas({0.9, 0.99}).weight_decay(0.01));
-  stepguard::GuardedOptimizer guard(
-      adamw, named,
-      GuardOptions().trace_path(o.trace).max_consecutive_bad_steps(o.max_consecutive_bad_steps));
+  GuardOptions guard_options = GuardOptions().trace_path(o.trace);
+  if (!o.policy.empty()) {
+    guard_options.policy_file(o.policy);
+  } else {
+    guard_options.max_consecutive_bad_steps(
+        o.max_consecutive_bad_steps >= 0 ? o.max_consecutive_bad_steps : kDefaultMaxBadSteps);
+  }
+  stepguard::GuardedOptimizer guard(adamw, named, guard_options);
 
   std::int64_t num_params = 0;
   for (const auto& p : model->parameters()) num_params += p.numel();

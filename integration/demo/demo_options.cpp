@@ -104,7 +104,8 @@ const char* demo_usage() noexcept {
   return "usage: stepguard demo [--steps N] [--seed S] [--inject KIND@STEP[:RANK]]...\n"
          "                      [--summary-json FILE] [--trace FILE] [--ranks 1]\n"
          "                      [--batch-size B] [--context T] [--lr LR] [--threads N]\n"
-         "                      [--max-bad-steps N] [--log-every N] [--corpus DIR]\n"
+         "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
+         "DIR]\n"
          "\n"
          "Trains a small character-level transformer on /usr/share/common-licenses under\n"
          "stepguard, injecting the faults asked for, and prints a summary.\n"
@@ -202,7 +203,11 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (!parse_int(value, 0, 100000000, &n)) return bad("expected a whole number >= 0");
       o.log_every = n;
-    } else if (flag == "--policy" || flag == "--metrics-port" || flag == "--checkpoint-dir") {
+    } else if (flag == "--policy") {
+      if (!take_value()) return std::nullopt;
+      if (value.empty()) return bad("expected a file path");
+      o.policy = value;
+    } else if (flag == "--metrics-port" || flag == "--checkpoint-dir") {
       *error = flag +
                ": not available in this build yet (arrives with the policy, telemetry and "
                "checkpoint work)";
@@ -211,6 +216,11 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       *error = "unknown flag '" + flag + "' (see stepguard demo --help)";
       return std::nullopt;
     }
+  }
+  if (!o.policy.empty() && o.max_consecutive_bad_steps >= 0) {
+    *error = "--max-bad-steps: the policy file '" + o.policy +
+             "' sets the limits; give one or the other";
+    return std::nullopt;
   }
   for (const auto& inj : o.injections) {
     if (inj.rank >= o.ranks) {

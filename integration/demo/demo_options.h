@@ -37,6 +37,9 @@ struct Injection {
 /// Parses "KIND@STEP[:RANK]". Returns the error text (naming the flag value) on failure.
 std::optional<Injection> parse_injection(const std::string& text, std::string* error);
 
+/// The demo's bad-step limit when neither --policy nor --max-bad-steps says otherwise.
+constexpr std::int64_t kDefaultMaxBadSteps = 50;
+
 /// Everything `stepguard demo` takes.
 struct DemoOptions {
   std::int64_t steps = 300;
@@ -49,8 +52,9 @@ struct DemoOptions {
   std::int64_t batch_size = 32;
   std::int64_t context = 64;
   double lr = 2e-3;
-  int threads = 0;  ///< 0 keeps LibTorch's default
-  std::int64_t max_consecutive_bad_steps = 50;
+  int threads = 0;     ///< 0 keeps LibTorch's default
+  std::string policy;  ///< policy file; empty uses --max-bad-steps (default kDefaultMaxBadSteps)
+  std::int64_t max_consecutive_bad_steps = -1;  ///< -1: not given on the command line
   std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto
 };
 

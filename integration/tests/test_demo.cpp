@@ -167,3 +167,43 @@ TEST(Demo, MissingCorpusIsAClearError) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(PolicyCli, ChecksFilesAndNamesEveryProblem) {
+  const std::string shipped = std::string(STEPGUARD_SOURCE_DIR) + "/configs/policies/default.yaml";
+  ProcessResult r = run_stepguard("policy check '" + shipped + "'");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, shipped + ": ok\n");
+
+  const std::string bad = temp_path("bad.yaml");
+  std::ofstream(bad) << "version: 1\nlimits:\n  max_consecutive_bad_steps: lots\n  bogus: 1\n";
+  r = run_stepguard("policy check '" + shipped + "' '" + bad + "'");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, bad + ":4:3: unknown key 'bogus' in 'limits'\n" + bad +
+                       ":3:30: 'max_consecutive_bad_steps' must be a whole number in [0, "
+                       "1000000000], got 'lots'\n");
+
+  r = run_stepguard("policy explain '" + shipped + "'");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("50 bad steps in a row: training is aborted"), std::string::npos) << r.out;
+
+  r = run_stepguard("demo --steps 2 --policy '" + bad + "'");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find(bad + ":4:3: unknown key 'bogus'"), std::string::npos) << r.err;
+
+  r = run_stepguard("policy frob");
+  EXPECT_EQ(r.status, 2);
+}
+
+TEST(PolicyCli, DemoHonorsThePolicyLimit) {
+  const std::string policy = temp_path("p.yaml");
+  std::ofstream(policy) << "version: 1\nlimits:\n  max_consecutive_bad_steps: 3\n";
+  const std::string summary = temp_path("s.json");
+  const ProcessResult r = run_stepguard("demo --steps 30 --inject corrupt_weights@4 --policy '" +
+                                        policy + "' --summary-json '" + summary + "'");
+  EXPECT_EQ(r.status, 3) << r.err;
+  EXPECT_EQ(read_json(summary)["steps"], 6);
+}
+
+}  // namespace

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/policy/policy_file.h"
 #include "integration/demo/demo.h"
 #include "stepguard/version.h"
 
@@ -13,10 +14,49 @@ constexpr const char* kUsage =
     "usage: stepguard <command> [args]\n"
     "\n"
     "commands:\n"
-    "  demo      train the demo model under stepguard with injected faults\n"
-    "  version   print the version and build facts\n"
+    "  demo                     train the demo model under stepguard with injected faults\n"
+    "  policy check FILE...     validate policy files (exit 0 valid, 2 with FILE:LINE:COL lines)\n"
+    "  policy explain FILE      print a policy's ladder in plain words\n"
+    "  version                  print the version and build facts\n"
     "\n"
     "Run 'stepguard demo --help' for the demo's flags.\n";
+
+// Prints every issue of `path` to stderr; returns true when the file is valid.
+bool report_policy_issues(const std::string& path, stepguard::policy::PolicyConfig* config) {
+  const auto issues = stepguard::policy::check_policy_file(path, config);
+  for (const auto& issue : issues) std::cerr << issue.format() << "\n";
+  return issues.empty();
+}
+
+int run_policy_command(const std::vector<std::string>& args) {
+  const std::string usage =
+      "usage: stepguard policy check FILE... | stepguard policy explain FILE\n";
+  if (args.empty()) {
+    std::cerr << usage;
+    return 2;
+  }
+  const std::vector<std::string> files(args.begin() + 1, args.end());
+  if (args[0] == "check" && !files.empty()) {
+    bool all_valid = true;
+    for (const auto& file : files) {
+      stepguard::policy::PolicyConfig config;
+      if (report_policy_issues(file, &config)) {
+        std::cout << file << ": ok\n";
+      } else {
+        all_valid = false;
+      }
+    }
+    return all_valid ? 0 : 2;
+  }
+  if (args[0] == "explain" && files.size() == 1) {
+    stepguard::policy::PolicyConfig config;
+    if (!report_policy_issues(files[0], &config)) return 2;
+    std::cout << stepguard::policy::explain_policy(config);
+    return 0;
+  }
+  std::cerr << usage;
+  return 2;
+}
 
 int run_demo_command(const std::vector<std::string>& args) {
   std::string error;
@@ -29,6 +69,10 @@ int run_demo_command(const std::vector<std::string>& args) {
     }
     std::cerr << "stepguard demo: " << error << "\n";
     return 2;
+  }
+  if (!options->policy.empty()) {
+    stepguard::policy::PolicyConfig config;
+    if (!report_policy_issues(options->policy, &config)) return 2;
   }
   return stepguard::demo::run_demo(*options);
 }
@@ -45,11 +89,12 @@ int main(int argc, char** argv) {
   args.erase(args.begin());
   try {
     if (command == "demo") return run_demo_command(args);
+    if (command == "policy") return run_policy_command(args);
     if (command == "version" || command == "--version") {
       std::cout << stepguard::build_info() << "\n";
       return 0;
     }
-    if (command == "policy" || command == "replay" || command == "ckpt" || command == "incident") {
+    if (command == "replay" || command == "ckpt" || command == "incident") {
       std::cerr << "stepguard: '" << command
                 << "' is not available in this build yet; see the CHANGELOG\n";
       return 2;

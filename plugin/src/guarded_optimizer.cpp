@@ -10,6 +10,7 @@
 #include "csrc/consensus/consensus.h"
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
+#include "csrc/policy/policy_file.h"
 #include "csrc/telemetry/event_log.h"
 
 namespace stepguard {
@@ -54,6 +55,20 @@ GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::i
   return g;
 }
 
+policy::PolicyConfig policy_config_of(const GuardOptions& options) {
+  TORCH_CHECK(options.max_consecutive_bad_steps() >= 0,
+              "stepguard: max_consecutive_bad_steps must be >= 0, got ",
+              options.max_consecutive_bad_steps());
+  if (options.policy_file().empty()) {
+    return policy::PolicyConfig{options.max_consecutive_bad_steps()};
+  }
+  TORCH_CHECK(options.max_consecutive_bad_steps() == 0,
+              "stepguard: max_consecutive_bad_steps is set both in GuardOptions and through the "
+              "policy file '",
+              options.policy_file(), "'; set it in one place");
+  return policy::load_policy_file(options.policy_file());
+}
+
 // The strongest action of a decision names the incident.
 Action strongest(const std::vector<Action>& actions) {
   Action best = Action::kApply;
@@ -70,7 +85,7 @@ struct GuardedOptimizer::Impl {
       : optimizer(opt),
         options(std::move(opts)),
         consensus(std::make_unique<consensus::LocalConsensus>()),
-        engine(policy::PolicyConfig{options.max_consecutive_bad_steps()}) {
+        engine(policy_config_of(options)) {
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
     if (!options.trace_path().empty()) {

@@ -13,8 +13,12 @@ namespace stepguard {
 
 /// Options of a GuardedOptimizer. A plain value: copy freely; not shared between threads.
 struct GuardOptions {
+  /// Path of a YAML policy file (see configs/policies/README.md); empty uses the options below.
+  /// A bad file fails the guard's construction with every issue as `file:line:col: message`.
+  TORCH_ARG(std::string, policy_file) = "";
   /// Abort training after this many consecutive bad (non-finite) steps; 0 never aborts and keeps
-  /// skipping. Bounds a loop of futility such as a parameter that became NaN.
+  /// skipping. Bounds a loop of futility such as a parameter that became NaN. Set it here or in
+  /// the policy file, not both.
   TORCH_ARG(std::int64_t, max_consecutive_bad_steps) = 0;
   /// Zero the gradients of a skipped step, so a loop that forgets zero_grad() cannot carry a NaN
   /// into the next step.

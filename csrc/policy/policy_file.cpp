@@ -1,0 +1,187 @@
+#include "csrc/policy/policy_file.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace stepguard {
+namespace policy {
+
+namespace {
+
+// Keys of schema version 1, by section.
+const std::vector<std::string> kTopKeys = {"version", "limits"};
+const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps"};
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+class Checker {
+ public:
+  explicit Checker(std::string name) : name_(std::move(name)) {}
+
+  void issue(const YAML::Mark& mark, const std::string& message) {
+    issues_.push_back(
+        {name_, mark.is_null() ? 0 : mark.line + 1, mark.is_null() ? 0 : mark.column + 1, message});
+  }
+
+  // Reports keys of `map` not in `known`, suggesting the closest known key.
+  void check_keys(const YAML::Node& map, const std::vector<std::string>& known,
+                  const std::string& where) {
+    for (const auto& item : map) {
+      const std::string key = item.first.Scalar();
+      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+      std::string best;
+      std::size_t best_distance = std::max<std::size_t>(2, key.size() / 3) + 1;
+      for (const auto& k : known) {
+        const std::size_t d = edit_distance(key, k);
+        if (d < best_distance) {
+          best = k;
+          best_distance = d;
+        }
+      }
+      issue(item.first.Mark(), "unknown key '" + key + "'" + where +
+                                   (best.empty() ? "" : " (did you mean '" + best + "'?)"));
+    }
+  }
+
+  bool whole_number(const YAML::Node& node, const std::string& key, long long lo, long long hi,
+                    long long* out) {
+    if (node.IsScalar()) {
+      const std::string& s = node.Scalar();
+      errno = 0;
+      char* end = nullptr;
+      const long long v = std::strtoll(s.c_str(), &end, 10);
+      if (!s.empty() && errno == 0 && end == s.c_str() + s.size() && v >= lo && v <= hi) {
+        *out = v;
+        return true;
+      }
+    }
+    std::ostringstream msg;
+    msg << "'" << key << "' must be a whole number in [" << lo << ", " << hi << "], got "
+        << (node.IsScalar() ? "'" + node.Scalar() + "'"
+                            : std::string("a ") + (node.IsMap() ? "map" : "list"));
+    issue(node.Mark(), msg.str());
+    return false;
+  }
+
+  std::vector<PolicyIssue> take() { return std::move(issues_); }
+
+ private:
+  std::string name_;
+  std::vector<PolicyIssue> issues_;
+};
+
+}  // namespace
+
+std::string PolicyIssue::format() const {
+  std::ostringstream out;
+  out << file << ":" << line << ":" << column << ": " << message;
+  return out.str();
+}
+
+PolicyFileError::PolicyFileError(std::vector<PolicyIssue> issues)
+    : std::runtime_error([&] {
+        std::string text;
+        for (const auto& i : issues) text += (text.empty() ? "" : "\n") + i.format();
+        return text;
+      }()),
+      issues_(std::move(issues)) {}
+
+std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string& name,
+                                      PolicyConfig* config) {
+  Checker check(name);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    check.issue(e.mark, "YAML syntax error: " + e.msg);
+    return check.take();
+  }
+  if (!root.IsMap()) {
+    check.issue(root.IsNull() ? YAML::Mark() : root.Mark(),  // an empty file: 1:1
+                "a policy must be a map with at least 'version: " +
+                    std::to_string(kPolicySchemaVersion) + "'");
+    return check.take();
+  }
+  check.check_keys(root, kTopKeys, "");
+  PolicyConfig parsed;
+  if (const YAML::Node version = root["version"]; !version) {
+    check.issue(root.Mark(), "missing required key 'version' (this stepguard reads version " +
+                                 std::to_string(kPolicySchemaVersion) + ")");
+  } else {
+    long long v = 0;
+    if (check.whole_number(version, "version", 1, 1000000, &v) && v != kPolicySchemaVersion) {
+      check.issue(version.Mark(), "unsupported schema version " + std::to_string(v) +
+                                      " (this stepguard reads version " +
+                                      std::to_string(kPolicySchemaVersion) + ")");
+    }
+  }
+  if (const YAML::Node limits = root["limits"]; limits) {
+    if (!limits.IsMap()) {
+      check.issue(limits.Mark(), "'limits' must be a map");
+    } else {
+      check.check_keys(limits, kLimitKeys, " in 'limits'");
+      if (const YAML::Node n = limits["max_consecutive_bad_steps"]; n) {
+        long long v = 0;
+        if (check.whole_number(n, "max_consecutive_bad_steps", 0, 1000000000, &v)) {
+          parsed.max_consecutive_bad_steps = v;
+        }
+      }
+    }
+  }
+  std::vector<PolicyIssue> issues = check.take();
+  if (issues.empty() && config != nullptr) *config = parsed;
+  return issues;
+}
+
+std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig* config) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return {{path, 0, 0, std::string("cannot read policy file: ") + std::strerror(errno)}};
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_policy(text.str(), path, config);
+}
+
+PolicyConfig load_policy_file(const std::string& path) {
+  PolicyConfig config;
+  auto issues = check_policy_file(path, &config);
+  if (!issues.empty()) throw PolicyFileError(std::move(issues));
+  return config;
+}
+
+std::string explain_policy(const PolicyConfig& config) {
+  std::ostringstream out;
+  out << "On every step, all gradients and the loss are checked for NaN/Inf.\n";
+  out << "1. Clean step: the optimizer steps.\n";
+  out << "2. Any NaN/Inf gradient or loss, on any rank: the batch is skipped (gradients zeroed, "
+         "parameters and optimizer state untouched).\n";
+  if (config.max_consecutive_bad_steps > 0) {
+    out << "3. " << config.max_consecutive_bad_steps
+        << " bad steps in a row: training is aborted.\n";
+  } else {
+    out << "3. No limit on bad steps in a row: skipping continues for as long as steps are bad.\n";
+  }
+  return out.str();
+}
+
+}  // namespace policy
+}  // namespace stepguard

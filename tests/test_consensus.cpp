@@ -37,9 +37,15 @@ TEST(LocalConsensus, RejectsBuffersOfTheWrongShapeOrType) {
   EXPECT_EQ(c.collectives(), 0);
 }
 
-TEST(StatsLayout, OneSlotPerRankAfterTheFixedSlots) {
-  EXPECT_EQ(stats_slot::size(1), stats_slot::kRankFaultBase + 1);
-  EXPECT_EQ(stats_slot::size(1024), stats_slot::kRankFaultBase + 1024);
+TEST(StatsLayout, TwoSlotsPerRankAfterTheFixedSlots) {
+  EXPECT_EQ(stats_slot::size(1), 7 + 2);
+  EXPECT_EQ(stats_slot::size(1024), 7 + 2048);
+  EXPECT_EQ(stats_slot::rank_fault(3), 10);
+  EXPECT_EQ(stats_slot::rank_digest(4, 3), 14);
+  EXPECT_EQ(stats_slot::rank_digest(4, 3) + 1, stats_slot::size(4));
+  // The largest digest is an integer fp64 holds exactly.
+  const double d = static_cast<double>(stats_slot::kDigestMask);
+  EXPECT_EQ(static_cast<std::uint64_t>(d), stats_slot::kDigestMask);
 }
 
 }  // namespace

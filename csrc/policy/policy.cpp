@@ -17,6 +17,10 @@ Signals PolicyEngine::detect(const GlobalStats& stats) {
   Signals signals;
   if (stats.nonfinite_count() > 0) signals.raised.push_back(Signal::kNonfiniteGrad);
   if (stats.loss_nonfinite_ranks > 0) signals.raised.push_back(Signal::kNonfiniteLoss);
+  if (!stats.desynced_ranks.empty()) {
+    signals.raised.push_back(Signal::kRankDesync);
+    signals.desynced_ranks = stats.desynced_ranks;
+  }
   if (signals.any()) {
     ++state_.consecutive_bad_steps;
     ++state_.bad_steps_total;
@@ -42,7 +46,17 @@ Decision PolicyEngine::decide(const Signals& signals) const {
   for (std::size_t i = 0; i < signals.raised.size(); ++i) {
     reason << (i ? ", " : "") << to_string(signals.raised[i]);
   }
-  if (signals.has(Signal::kConsecutiveLimit)) {
+  if (signals.has(Signal::kRankDesync)) {
+    // Replicas that disagree on the guard's own state cannot be trusted to agree on anything.
+    decision.outcome = Outcome::kAborted;
+    decision.actions = {Action::kAbort};
+    reason << " (rank";
+    if (signals.desynced_ranks.size() > 1) reason << "s";
+    for (std::size_t i = 0; i < signals.desynced_ranks.size(); ++i) {
+      reason << (i ? ", " : " ") << signals.desynced_ranks[i];
+    }
+    reason << " diverged: guard state differs from the other ranks)";
+  } else if (signals.has(Signal::kConsecutiveLimit)) {
     decision.outcome = Outcome::kAborted;
     decision.actions = {Action::kAbort};
     reason << " (" << signals.consecutive_bad_steps << " bad steps in a row, limit "

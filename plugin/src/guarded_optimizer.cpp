@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <unordered_map>
 
 #include "csrc/consensus/consensus.h"
+#include "csrc/consensus/process_group_consensus.h"
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
 #include "csrc/policy/policy_file.h"
@@ -17,7 +19,19 @@ namespace stepguard {
 
 namespace {
 
-at::Tensor pack_local_stats(const LocalStats& local, int rank, int world_size,
+// FNV-1a over the decision state, masked to an integer fp64 holds exactly.
+std::uint64_t digest_of(const GuardState& state) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::int64_t v : {state.step, state.consecutive_bad_steps, state.bad_steps_total}) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= static_cast<std::uint64_t>(v >> (8 * byte)) & 0xffu;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return h & stats_slot::kDigestMask;
+}
+
+at::Tensor pack_local_stats(const LocalStats& local, std::uint64_t digest, int rank, int world_size,
                             const at::Device& device) {
   std::vector<double> slots(stats_slot::size(world_size), 0.0);
   slots[stats_slot::kNanCount] = static_cast<double>(local.nan_count);
@@ -27,7 +41,8 @@ at::Tensor pack_local_stats(const LocalStats& local, int rank, int world_size,
   slots[stats_slot::kLossSum] = local.loss_nonfinite ? 0.0 : local.loss;
   slots[stats_slot::kLossNonfinite] = local.loss_nonfinite ? 1.0 : 0.0;
   slots[stats_slot::kRanksReporting] = 1.0;
-  slots[stats_slot::kRankFaultBase + rank] = local.faulty() ? 1.0 : 0.0;
+  slots[stats_slot::rank_fault(rank)] = local.faulty() ? 1.0 : 0.0;
+  slots[stats_slot::rank_digest(world_size, rank)] = static_cast<double>(digest);
   return at::tensor(slots, at::TensorOptions().dtype(at::kDouble)).to(device);
 }
 
@@ -50,9 +65,34 @@ GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::i
   g.loss = finite_ranks > 0 ? s[stats_slot::kLossSum] / static_cast<double>(finite_ranks)
                             : std::numeric_limits<double>::quiet_NaN();
   for (int r = 0; r < world_size; ++r) {
-    if (s[stats_slot::kRankFaultBase + r] > 0.0) g.faulty_ranks.push_back(r);
+    if (s[stats_slot::rank_fault(r)] > 0.0) g.faulty_ranks.push_back(r);
+  }
+  // The majority digest is the agreed state; ties go to the lower rank's digest. Every rank sees
+  // the same buffer, so every rank names the same outliers.
+  std::map<double, int> votes;
+  for (int r = 0; r < world_size; ++r) ++votes[s[stats_slot::rank_digest(world_size, r)]];
+  double majority = s[stats_slot::rank_digest(world_size, 0)];
+  for (int r = 0; r < world_size; ++r) {
+    const double d = s[stats_slot::rank_digest(world_size, r)];
+    if (votes[d] > votes[majority]) majority = d;
+  }
+  for (int r = 0; r < world_size; ++r) {
+    if (s[stats_slot::rank_digest(world_size, r)] != majority) g.desynced_ranks.push_back(r);
   }
   return g;
+}
+
+std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& options) {
+  TORCH_CHECK(options.collective_timeout_ms() > 0,
+              "stepguard: collective_timeout_ms must be positive, got ",
+              options.collective_timeout_ms());
+  if (!options.process_group()) {
+    TORCH_CHECK(!options.store(), "stepguard: a store was given without a process group");
+    return std::make_unique<consensus::LocalConsensus>();
+  }
+  return std::make_unique<consensus::ProcessGroupConsensus>(
+      options.process_group(), std::chrono::milliseconds(options.collective_timeout_ms()),
+      options.store());
 }
 
 policy::PolicyConfig policy_config_of(const GuardOptions& options) {
@@ -84,7 +124,7 @@ struct GuardedOptimizer::Impl {
   Impl(torch::optim::Optimizer& opt, GuardOptions opts)
       : optimizer(opt),
         options(std::move(opts)),
-        consensus(std::make_unique<consensus::LocalConsensus>()),
+        consensus(make_consensus(options)),
         engine(policy_config_of(options)) {
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
@@ -139,6 +179,10 @@ struct GuardedOptimizer::Impl {
     }
   }
 
+  GuardState state() const {
+    return GuardState{step, engine.state().consecutive_bad_steps, engine.state().bad_steps_total};
+  }
+
   torch::optim::Optimizer& optimizer;
   GuardOptions options;
   std::unique_ptr<consensus::Consensus> consensus;
@@ -180,11 +224,19 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   local.loss = loss.detach().to(at::kDouble).item<double>();
   local.loss_nonfinite = !std::isfinite(local.loss);
 
+  const std::uint64_t digest = digest_of(s.state());
   const std::int64_t step = ++s.step;
   // 2 agree: the one collective of the step.
-  at::Tensor buffer =
-      pack_local_stats(local, s.consensus->rank(), s.consensus->world_size(), loss.device());
-  s.consensus->all_reduce_sum(buffer, step);
+  at::Tensor buffer = pack_local_stats(local, digest, s.consensus->rank(),
+                                       s.consensus->world_size(), loss.device());
+  try {
+    s.consensus->all_reduce_sum(buffer, step);
+  } catch (const std::exception& e) {
+    // The ranks can no longer agree: nothing may be applied from here on.
+    s.aborted = true;
+    s.abort_reason = e.what();
+    throw;
+  }
   const GlobalStats global = unpack_global_stats(buffer, s.consensus->world_size(), step);
 
   // 3 detect, 4 decide.
@@ -242,6 +294,15 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
 }
 
 std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->step; }
+GuardState GuardedOptimizer::state() const noexcept { return impl_->state(); }
+void GuardedOptimizer::restore_state(const GuardState& state) {
+  TORCH_CHECK(state.step >= 0 && state.consecutive_bad_steps >= 0 && state.bad_steps_total >= 0,
+              "stepguard: restore_state got a negative counter");
+  impl_->step = state.step;
+  impl_->engine.restore(policy::EngineState{state.consecutive_bad_steps, state.bad_steps_total});
+}
+int GuardedOptimizer::rank() const noexcept { return impl_->consensus->rank(); }
+int GuardedOptimizer::world_size() const noexcept { return impl_->consensus->world_size(); }
 GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->totals; }
 bool GuardedOptimizer::aborted() const noexcept { return impl_->aborted; }
 std::int64_t GuardedOptimizer::collectives() const noexcept {

@@ -36,6 +36,19 @@ struct GuardTotals {
   std::int64_t incidents = 0;
 };
 
+/// The guard's decision state: the step counter and the policy's streaks. Every rank holds the same
+/// one (the consensus buffer carries a digest of it, so a rank that diverged is found within one
+/// step); snapshots save it.
+struct GuardState {
+  std::int64_t step = 0;
+  std::int64_t consecutive_bad_steps = 0;
+  std::int64_t bad_steps_total = 0;
+  bool operator==(const GuardState& o) const noexcept {
+    return step == o.step && consecutive_bad_steps == o.consecutive_bad_steps &&
+           bad_steps_total == o.bad_steps_total;
+  }
+};
+
 class GuardedOptimizer {
  public:
   /// Guards `optimizer`, which must outlive the guard. Parameters are taken from its param groups
@@ -55,6 +68,14 @@ class GuardedOptimizer {
   /// floating-point tensor with one element on the gradients' device. Throws c10::Error on bad
   /// input (nothing changed) and after an abort.
   StepReport step(const torch::Tensor& loss);
+
+  /// The decision state, and its restore (for snapshots and resume). Restoring different states
+  /// on different ranks is detected at the next step and aborts training.
+  GuardState state() const noexcept;
+  void restore_state(const GuardState& state);
+  /// This rank and the number of ranks agreeing (1 without a process group).
+  int rank() const noexcept;
+  int world_size() const noexcept;
 
   /// Guarded steps taken so far (the step counter; reports number steps from 1).
   std::int64_t step_count() const noexcept;

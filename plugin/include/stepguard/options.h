@@ -5,6 +5,8 @@
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdint>
 #include <string>
@@ -29,6 +31,15 @@ struct GuardOptions {
   TORCH_ARG(bool, trace_every_step) = true;
   /// At most this many offending tensor names in a report or trace line.
   TORCH_ARG(std::int64_t, max_blamed_tensors) = 8;
+  /// The process group the ranks agree through (Gloo on CPU, NCCL on GPUs): typically the one the
+  /// training loop already averages gradients with, or init_gloo_process_group(). Empty: one rank.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group) = {};
+  /// The rendezvous store of that group, if any: used only after a failed collective, to name the
+  /// ranks that are missing.
+  TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
+  /// Deadline of the per-step collective. A dead or stuck rank makes the others throw
+  /// consensus errors naming the step after this long, instead of hanging.
+  TORCH_ARG(std::int64_t, collective_timeout_ms) = 300000;
 };
 
 }  // namespace stepguard

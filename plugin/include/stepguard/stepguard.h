@@ -1,6 +1,7 @@
 /* stepguard: the one header a training loop includes. */
 #pragma once
 
+#include "stepguard/distributed.h"
 #include "stepguard/guarded_optimizer.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"

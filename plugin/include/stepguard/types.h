@@ -40,6 +40,7 @@ enum class Signal : std::uint8_t {
   kNonfiniteGrad,     ///< some gradient element is NaN or +/-Inf on some rank
   kNonfiniteLoss,     ///< the loss is NaN or +/-Inf on some rank
   kConsecutiveLimit,  ///< too many bad steps in a row: the skip budget is spent
+  kRankDesync,        ///< some rank's guard state differs from the others': replicas diverged
 };
 
 /// Stable, lowercase names used in traces, JSON and metrics labels.
@@ -87,13 +88,17 @@ constexpr const char* to_string(Signal s) noexcept {
       return "nonfinite_loss";
     case Signal::kConsecutiveLimit:
       return "consecutive_limit";
+    case Signal::kRankDesync:
+      return "rank_desync";
   }
   return "unknown";
 }
 
 /// Layout of the per-step buffer (fp64) that ONE sum all-reduce carries across ranks.
-/// Counts are exact in fp64 up to 2^53. Slot kRankFaultBase + r is 1 on rank r when it saw a
-/// non-finite gradient or loss, so after the sum every rank knows which ranks were faulty.
+/// Counts are exact in fp64 up to 2^53. After the fixed slots come two blocks of world_size slots:
+/// rank r writes 1 into its fault slot when it saw a non-finite gradient or loss, and its 52-bit
+/// state digest into its digest slot; the others add 0 there, so after the sum every rank knows
+/// which ranks were faulty and every rank's digest, exactly.
 namespace stats_slot {
 constexpr int kNanCount = 0;            ///< NaN gradient elements
 constexpr int kInfCount = 1;            ///< +/-Inf gradient elements
@@ -102,8 +107,15 @@ constexpr int kSumSquaresOverflow = 3;  ///< ranks whose finite sum of squares o
 constexpr int kLossSum = 4;             ///< sum of the finite local losses
 constexpr int kLossNonfinite = 5;       ///< ranks whose loss is NaN/Inf
 constexpr int kRanksReporting = 6;      ///< each rank adds 1: a check that every rank took part
-constexpr int kRankFaultBase = 7;       ///< first of world_size per-rank fault flags
-constexpr int size(int world_size) noexcept { return kRankFaultBase + world_size; }
+constexpr int kFixed = 7;               ///< number of fixed slots
+/// Rank r's fault flag.
+constexpr int rank_fault(int rank) noexcept { return kFixed + rank; }
+/// Rank r's state digest.
+constexpr int rank_digest(int world_size, int rank) noexcept { return kFixed + world_size + rank; }
+/// Length of the buffer for `world_size` ranks.
+constexpr int size(int world_size) noexcept { return kFixed + 2 * world_size; }
+/// Digests are masked to the integers fp64 holds exactly.
+constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace stats_slot
 
 /// What one rank found in its own gradients and loss. Produced by inspection.
@@ -133,7 +145,8 @@ struct GlobalStats {
   double loss = 0.0;  ///< mean of the finite rank losses; NaN when every rank's loss is bad
   std::int64_t loss_nonfinite_ranks = 0;
   int world_size = 1;
-  std::vector<int> faulty_ranks;  ///< ranks that saw a non-finite gradient or loss
+  std::vector<int> faulty_ranks;    ///< ranks that saw a non-finite gradient or loss
+  std::vector<int> desynced_ranks;  ///< ranks whose state digest differs from the majority
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
 };
@@ -142,6 +155,7 @@ struct GlobalStats {
 struct Signals {
   std::vector<Signal> raised;
   std::int64_t consecutive_bad_steps = 0;  ///< including this one when it is bad
+  std::vector<int> desynced_ranks;         ///< with kRankDesync: the ranks that diverged
 
   bool has(Signal s) const noexcept {
     for (Signal r : raised) {

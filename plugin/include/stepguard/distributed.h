@@ -1,0 +1,44 @@
+/*
+ * Multi-rank setup: torchrun-style rendezvous from the environment and a Gloo process group over
+ * TCP, for jobs that do not already have a process group to hand the guard. Jobs that do pass
+ * their own through GuardOptions().process_group(pg).
+ */
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace stepguard {
+
+/// Where and who this rank is. A plain value.
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// Deadline for the rendezvous itself and for every collective of the group.
+  std::chrono::milliseconds timeout{300000};
+};
+
+/// Reads RANK and WORLD_SIZE (required), LOCAL_RANK (default RANK), MASTER_ADDR (default
+/// 127.0.0.1) and MASTER_PORT (default 29500), as torchrun sets them. Throws std::invalid_argument
+/// naming the variable and its value when one is missing or malformed.
+Rendezvous rendezvous_from_env();
+
+/// A process group and the store it met through.
+struct ProcessGroupHandle {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+};
+
+/// Meets the other ranks through a TCPStore hosted by rank 0 at master_addr:master_port and
+/// creates a Gloo process group. Gloo binds to the loopback interface when master_addr is a
+/// loopback address, to GLOO_SOCKET_IFNAME when set, else to this host's address. Throws
+/// std::runtime_error naming the address when the rendezvous misses its deadline.
+ProcessGroupHandle init_gloo_process_group(const Rendezvous& rendezvous);
+
+}  // namespace stepguard

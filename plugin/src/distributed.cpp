@@ -1,0 +1,99 @@
+// Rendezvous and Gloo process-group creation, wiring torch's c10d.
+#include "stepguard/distributed.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace stepguard {
+
+namespace {
+
+bool env_int(const char* name, long lo, long hi, bool required, int* out) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') {
+    if (required) {
+      throw std::invalid_argument(std::string("stepguard: environment variable ") + name +
+                                  " is not set (torchrun-style rendezvous needs RANK and "
+                                  "WORLD_SIZE)");
+    }
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 10);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) {
+    throw std::invalid_argument(std::string("stepguard: environment variable ") + name + "='" +
+                                value + "' is not a whole number in [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "]");
+  }
+  *out = static_cast<int>(v);
+  return true;
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+}  // namespace
+
+Rendezvous rendezvous_from_env() {
+  Rendezvous r;
+  env_int("WORLD_SIZE", 1, 1 << 20, true, &r.world_size);
+  env_int("RANK", 0, r.world_size - 1, true, &r.rank);
+  if (!env_int("LOCAL_RANK", 0, r.world_size - 1, false, &r.local_rank)) r.local_rank = r.rank;
+  if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') {
+    r.master_addr = addr;
+  }
+  env_int("MASTER_PORT", 1, 65535, false, &r.master_port);
+  return r;
+}
+
+ProcessGroupHandle init_gloo_process_group(const Rendezvous& r) {
+  if (r.world_size < 1 || r.rank < 0 || r.rank >= r.world_size) {
+    throw std::invalid_argument("stepguard: rank " + std::to_string(r.rank) +
+                                " is outside world size " + std::to_string(r.world_size));
+  }
+  if (r.master_port < 1 || r.master_port > 65535) {
+    throw std::invalid_argument("stepguard: master_port " + std::to_string(r.master_port) +
+                                " is not a TCP port");
+  }
+  ProcessGroupHandle handle;
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(r.master_port);
+    store_options.isServer = r.rank == 0;
+    store_options.numWorkers = r.world_size;
+    store_options.waitWorkers = false;
+    store_options.timeout = r.timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, store_options);
+    handle.store = c10::make_intrusive<c10d::PrefixStore>("stepguard", tcp);
+
+    auto options = c10d::ProcessGroupGloo::Options::create(r.timeout);
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (is_loopback(r.master_addr)) {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    options->threads = 2;
+    handle.group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo", tcp), r.rank, r.world_size, options);
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string cause = e.what();
+    if (const auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);
+    throw std::runtime_error("stepguard: rank " + std::to_string(r.rank) + " of " +
+                             std::to_string(r.world_size) + ": rendezvous at " + r.master_addr +
+                             ":" + std::to_string(r.master_port) + " failed: " + cause);
+  }
+  return handle;
+}
+
+}  // namespace stepguard

@@ -1,0 +1,243 @@
+// Several ranks as threads of one process, each with its own Gloo process group over loopback and a
+// shared in-memory store: the real c10d path, without process start-up costs.
+#include <gtest/gtest.h>
+#include <stepguard/stepguard.h>
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <chrono>
+#include <functional>
+#include <limits>
+#include <thread>
+
+#include "csrc/consensus/process_group_consensus.h"
+
+namespace stepguard {
+namespace {
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> ranks;
+};
+
+Group make_group(int world, std::chrono::milliseconds timeout) {
+  Group g;
+  g.store = c10::make_intrusive<c10d::HashStore>();
+  g.ranks.resize(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      g.ranks[r] = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo", g.store), r, world, options);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return g;
+}
+
+void run_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+TEST(ProcessGroupConsensus, SumsAcrossRanksInOneCollective) {
+  const int world = 3;
+  Group g = make_group(world, std::chrono::seconds(20));
+  std::vector<at::Tensor> results(world);
+  run_ranks(world, [&](int r) {
+    consensus::ProcessGroupConsensus c(g.ranks[r], std::chrono::seconds(20), g.store);
+    EXPECT_EQ(c.rank(), r);
+    EXPECT_EQ(c.world_size(), world);
+    EXPECT_STREQ(c.backend_name(), "gloo");
+    auto buffer = at::full({5}, static_cast<double>(r + 1), at::kDouble);
+    c.all_reduce_sum(buffer, 1);
+    EXPECT_EQ(c.collectives(), 1);
+    results[r] = buffer;
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(at::equal(results[r], at::full({5}, 6.0, at::kDouble))) << r;
+  }
+}
+
+// Each rank trains its own replica; faults hit one rank at a time, after gradient averaging.
+TEST(ProcessGroupConsensus, RankLocalFaultsGiveTheSameDecisionOnEveryRank) {
+  const int world = 4, steps = 12;
+  Group g = make_group(world, std::chrono::seconds(30));
+  std::vector<std::vector<Outcome>> outcomes(world);
+  std::vector<std::vector<std::vector<int>>> faulty(world);
+  std::vector<std::vector<torch::Tensor>> params(world);
+  std::vector<std::int64_t> collectives(world);
+  run_ranks(world, [&](int r) {
+    torch::nn::Linear model(6, 2);
+    {
+      // Identical replicas: the ranks share one process, so set the values explicitly.
+      torch::NoGradGuard no_grad;
+      model->weight.copy_(torch::linspace(-0.5, 0.5, 12).view({2, 6}));
+      model->bias.copy_(torch::tensor({0.1f, -0.2f}));
+    }
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    GuardedOptimizer guard(adam, model->named_parameters(),
+                           GuardOptions().process_group(g.ranks[r]).store(g.store));
+    EXPECT_EQ(guard.rank(), r);
+    EXPECT_EQ(guard.world_size(), world);
+    for (int step = 1; step <= steps; ++step) {
+      adam.zero_grad();
+      auto x = torch::full({4, 6}, 0.1 * (r + 1) * step);
+      auto loss = model->forward(x).pow(2).mean();
+      loss.backward();
+      // Average gradients with the group, as data-parallel training does (not counted by the
+      // guard: those are the loop's collectives).
+      for (auto& p : model->parameters()) {
+        std::vector<at::Tensor> t{p.mutable_grad()};
+        g.ranks[r]->allreduce(t)->wait();
+        p.mutable_grad().div_(world);
+      }
+      if ((step == 3 && r == 2) || (step == 7 && r == 1)) {
+        model->weight.mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
+      }
+      if (step == 9 && r == 3) loss = loss * std::numeric_limits<float>::infinity();
+      const StepReport report = guard.step(loss);
+      outcomes[r].push_back(report.outcome);
+      faulty[r].push_back(report.incident ? report.incident->ranks : std::vector<int>{});
+    }
+    collectives[r] = guard.collectives();
+    for (const auto& p : model->parameters()) params[r].push_back(p.detach().clone());
+  });
+  std::vector<Outcome> expected(steps, Outcome::kApplied);
+  expected[2] = expected[6] = expected[8] = Outcome::kSkipped;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(outcomes[r], expected) << "rank " << r;
+    EXPECT_EQ(faulty[r][2], std::vector<int>({2})) << "rank " << r;
+    EXPECT_EQ(faulty[r][6], std::vector<int>({1})) << "rank " << r;
+    EXPECT_EQ(faulty[r][8], std::vector<int>({3})) << "rank " << r;
+    EXPECT_EQ(collectives[r], steps);  // exactly one guard collective per step
+    for (std::size_t i = 0; i < params[r].size(); ++i) {
+      EXPECT_TRUE(torch::equal(params[r][i], params[0][i])) << "rank " << r << " param " << i;
+    }
+  }
+}
+
+TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
+  const int world = 3;
+  Group g = make_group(world, std::chrono::seconds(30));
+  std::vector<StepReport> last(world);
+  run_ranks(world, [&](int r) {
+    auto p = torch::zeros({3}, torch::requires_grad());
+    torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+    GuardedOptimizer guard(sgd, GuardOptions().process_group(g.ranks[r]));
+    for (int step = 1; step <= 2; ++step) {
+      auto loss = (p - 1.0).pow(2).sum();
+      sgd.zero_grad();
+      loss.backward();
+      ASSERT_TRUE(guard.step(loss).applied());
+    }
+    if (r == 1) {
+      GuardState s = guard.state();
+      s.consecutive_bad_steps += 1;  // a bug or a bit flip on one rank
+      guard.restore_state(s);
+    }
+    auto loss = (p - 1.0).pow(2).sum();
+    sgd.zero_grad();
+    loss.backward();
+    last[r] = guard.step(loss);
+    EXPECT_TRUE(guard.aborted());
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(last[r].outcome, Outcome::kAborted) << r;
+    ASSERT_TRUE(last[r].incident.has_value());
+    EXPECT_EQ(last[r].incident->signal, "rank_desync");
+    EXPECT_EQ(last[r].incident->reason,
+              "rank_desync (rank 1 diverged: guard state differs from the other ranks)");
+  }
+}
+
+TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
+  const int world = 3;
+  // The group's own timeout bounds how long tearing it down waits for the absent rank.
+  Group g = make_group(world, std::chrono::seconds(3));
+  std::vector<std::string> errors(world);
+  std::vector<double> seconds(world, 0.0);
+  run_ranks(world, [&](int r) {
+    if (r == 2) return;  // this rank never arrives at step 1
+    auto p = torch::zeros({2}, torch::requires_grad());
+    torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+    GuardedOptimizer guard(
+        sgd, GuardOptions().process_group(g.ranks[r]).store(g.store).collective_timeout_ms(1500));
+    auto loss = (p - 1.0).pow(2).sum();
+    loss.backward();
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      guard.step(loss);
+      ADD_FAILURE() << "rank " << r << ": expected a consensus error";
+    } catch (const consensus::ConsensusError& e) {
+      errors[r] = e.what();
+      EXPECT_EQ(e.step(), 1);
+      EXPECT_EQ(e.missing_ranks(), std::vector<int>({2}));
+    }
+    seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(guard.aborted());
+    EXPECT_THROW(guard.step(loss), c10::Error);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) +
+                             ": the step 1 all-reduce over gloo (3 ranks, deadline 1500 ms) "
+                             "failed; missing rank 2"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_LT(seconds[r], 1.5 + 1.5 + 2.0) << "deadline plus check-in grace, with slack";
+  }
+}
+
+TEST(Rendezvous, FromEnvironmentNamesTheBadVariable) {
+  ::setenv("WORLD_SIZE", "4", 1);
+  ::setenv("RANK", "2", 1);
+  ::unsetenv("LOCAL_RANK");
+  ::setenv("MASTER_ADDR", "10.1.2.3", 1);
+  ::setenv("MASTER_PORT", "29555", 1);
+  Rendezvous r = rendezvous_from_env();
+  EXPECT_EQ(r.rank, 2);
+  EXPECT_EQ(r.world_size, 4);
+  EXPECT_EQ(r.local_rank, 2);
+  EXPECT_EQ(r.master_addr, "10.1.2.3");
+  EXPECT_EQ(r.master_port, 29555);
+
+  ::setenv("RANK", "4", 1);
+  try {
+    rendezvous_from_env();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(),
+                 "stepguard: environment variable RANK='4' is not a whole number in [0, 3]");
+  }
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_PORT", "http", 1);
+  EXPECT_THROW(rendezvous_from_env(), std::invalid_argument);
+  ::unsetenv("WORLD_SIZE");
+  try {
+    rendezvous_from_env();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("WORLD_SIZE is not set"), std::string::npos);
+  }
+  for (const char* v : {"RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(v);
+}
+
+}  // namespace
+}  // namespace stepguard

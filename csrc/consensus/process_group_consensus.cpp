@@ -62,25 +62,29 @@ std::vector<int> ProcessGroupConsensus::find_missing_ranks(std::int64_t step, st
   if (!store_) return {};
   // Survivors fail at about the same time; a short grace lets them all check in.
   const auto grace = std::min<std::chrono::milliseconds>(timeout_, kCheckInGrace);
+  std::vector<int> missing;
+  bool polled = false;
   try {
     store_->setTimeout(grace);
     store_->set(check_in_key(step, rank_), std::vector<uint8_t>{1});
     const auto deadline = std::chrono::steady_clock::now() + grace;
-    std::vector<int> missing;
     while (true) {
-      missing.clear();
+      std::vector<int> absent;
       for (int r = 0; r < world_size_; ++r) {
-        if (r != rank_ && !store_->check({check_in_key(step, r)})) missing.push_back(r);
+        if (r != rank_ && !store_->check({check_in_key(step, r)})) absent.push_back(r);
       }
+      missing = std::move(absent);
+      polled = true;
       if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    return missing;
   } catch (const std::exception&) {
-    // The store lives with rank 0 under torchrun-style rendezvous.
-    *note = "the rendezvous store is unreachable (its host, usually rank 0, may be gone)";
-    return {};
+    // The store lives with rank 0 under torchrun-style rendezvous; when it goes away after a
+    // poll, that poll's answer stands.
+    if (!polled)
+      *note = "the rendezvous store is unreachable (its host, usually rank 0, may be gone)";
   }
+  return missing;
 }
 
 }  // namespace consensus

@@ -14,8 +14,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "integration/demo/corpus.h"
+#include "integration/demo/launcher.h"
 #include "integration/demo/model.h"
 
 namespace stepguard {
@@ -55,11 +57,55 @@ nlohmann::json number_or_null(double v) {
   return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json();
 }
 
-bool injected(const DemoOptions& o, FaultKind kind, std::int64_t step) {
+// Whether `kind` hits `rank` at `step`; an injection without a rank hits every rank.
+bool injected(const DemoOptions& o, FaultKind kind, std::int64_t step, int rank) {
   for (const auto& inj : o.injections) {
-    if (inj.kind == kind && inj.step == step) return true;
+    if (inj.kind == kind && inj.step == step && (inj.rank < 0 || inj.rank == rank)) return true;
   }
   return false;
+}
+
+// Where this process stands in a multi-rank run.
+struct World {
+  int rank = 0;
+  int size = 1;
+  ProcessGroupHandle group;  // empty for one rank
+};
+
+// Averages all gradients over the group in one flat all-reduce, as data-parallel training does.
+void average_gradients(const std::vector<torch::Tensor>& params, const World& world,
+                       std::int64_t timeout_s) {
+  if (world.size == 1) return;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.grad().defined()) grads.push_back(p.grad().view(-1));
+  }
+  std::vector<torch::Tensor> flat{torch::cat(grads)};
+  world.group.group->allreduce(flat)->wait(std::chrono::seconds(timeout_s));
+  flat[0].div_(world.size);
+  std::int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat[0].slice(0, offset, offset + g.numel()));
+    offset += g.numel();
+  }
+}
+
+// Every rank's value of `v`, in rank order (one all-gather, after training).
+std::vector<std::uint64_t> gather_u64(std::uint64_t v, const World& world) {
+  if (world.size == 1) return {v};
+  std::vector<torch::Tensor> input{torch::tensor({static_cast<std::int64_t>(v)}, torch::kLong)};
+  std::vector<std::vector<torch::Tensor>> output(1);
+  for (int r = 0; r < world.size; ++r) output[0].push_back(torch::zeros({1}, torch::kLong));
+  world.group.group->allgather(output, input)->wait();
+  std::vector<std::uint64_t> values;
+  for (const auto& t : output[0])
+    values.push_back(static_cast<std::uint64_t>(t.item<std::int64_t>()));
+  return values;
+}
+
+std::string rank_path(const std::string& path, const World& world) {
+  if (path.empty() || world.rank == 0) return path;
+  return path + ".rank" + std::to_string(world.rank);
 }
 
 torch::Tensor& grad_of(torch::OrderedDict<std::string, torch::Tensor>& named, const char* name) {
@@ -110,8 +156,37 @@ class Progress {
 }  // namespace
 
 int run_demo(const DemoOptions& o) {
-  if (o.threads > 0) torch::set_num_threads(o.threads);
-  torch::manual_seed(static_cast<std::uint64_t>(o.seed));
+  const bool in_launched_world = std::getenv("WORLD_SIZE") != nullptr;
+  if (o.ranks > 1 && !in_launched_world) return launch_ranks(o);
+
+  World world;
+  if (in_launched_world) {
+    Rendezvous rdv = rendezvous_from_env();
+    rdv.timeout = std::chrono::seconds(o.collective_timeout_s);
+    if (o.ranks != 1 && o.ranks != rdv.world_size) {
+      throw std::invalid_argument("--ranks " + std::to_string(o.ranks) +
+                                  " disagrees with WORLD_SIZE=" + std::to_string(rdv.world_size));
+    }
+    world.rank = rdv.rank;
+    world.size = rdv.world_size;
+    if (world.size > 1) world.group = init_gloo_process_group(rdv);
+  }
+  for (const auto& inj : o.injections) {
+    if (inj.rank >= world.size) {
+      throw std::invalid_argument(
+          std::string("--inject ") + to_string(inj.kind) + "@" + std::to_string(inj.step) + ":" +
+          std::to_string(inj.rank) + ": rank " + std::to_string(inj.rank) + " does not exist (" +
+          std::to_string(world.size) + " rank" + (world.size > 1 ? "s" : "") + ")");
+    }
+  }
+  // Ranks sharing this machine's cores: one thread each unless told otherwise.
+  if (o.threads > 0) {
+    torch::set_num_threads(o.threads);
+  } else if (world.size > 1) {
+    torch::set_num_threads(1);
+  }
+  const bool lead = world.rank == 0;
+  torch::manual_seed(static_cast<std::uint64_t>(o.seed));  // identical replicas on every rank
   const Corpus corpus = Corpus::load(o.corpus_dir);
   TORCH_CHECK(corpus.size() > o.context + 1, "demo: corpus is shorter than the context");
 
@@ -120,44 +195,51 @@ int run_demo(const DemoOptions& o) {
   mc.context = o.context;
   CharTransformer model(mc);
   auto named = model->named_parameters();
-  torch::optim::AdamW adamw(model->parameters(),
+  const auto params = model->parameters();
+  torch::optim::AdamW adamw(params,
                             torch::optim::AdamWOptions(o.lr).betas({0.9, 0.99}).weight_decay(0.01));
-  GuardOptions guard_options = GuardOptions().trace_path(o.trace);
+  GuardOptions guard_options = GuardOptions().trace_path(rank_path(o.trace, world));
   if (!o.policy.empty()) {
     guard_options.policy_file(o.policy);
   } else {
     guard_options.max_consecutive_bad_steps(
         o.max_consecutive_bad_steps >= 0 ? o.max_consecutive_bad_steps : kDefaultMaxBadSteps);
   }
+  if (world.size > 1) {
+    guard_options.process_group(world.group.group)
+        .store(world.group.store)
+        .collective_timeout_ms(o.collective_timeout_s * 1000);
+  }
   stepguard::GuardedOptimizer guard(adamw, named, guard_options);
 
-  std::int64_t num_params = 0;
-  for (const auto& p : model->parameters()) num_params += p.numel();
-  std::fprintf(stderr,
-               "stepguard demo: %zu license files, %" PRId64 " characters, vocab %" PRId64
-               ", %" PRId64 " parameters, %" PRId64 " steps of %" PRId64 "x%" PRId64 " tokens\n",
-               corpus.num_files(), corpus.size(), corpus.vocab_size(), num_params, o.steps,
-               o.batch_size, o.context);
-  std::fprintf(stderr, "  %s\n", stepguard::build_info());
+  if (lead) {
+    std::int64_t num_params = 0;
+    for (const auto& p : params) num_params += p.numel();
+    std::fprintf(stderr,
+                 "stepguard demo: %zu license files, %" PRId64 " characters, vocab %" PRId64
+                 ", %" PRId64 " parameters, %" PRId64 " steps of %" PRId64 "x%" PRId64
+                 " tokens x %d rank%s\n",
+                 corpus.num_files(), corpus.size(), corpus.vocab_size(), num_params, o.steps,
+                 o.batch_size, o.context, world.size, world.size > 1 ? "s" : "");
+    std::fprintf(stderr, "  %s\n", stepguard::build_info());
+  }
 
   Progress progress(o.steps, o.log_every);
   std::vector<double> applied_losses;
   double initial_loss = std::numeric_limits<double>::quiet_NaN();
   nlohmann::json incidents = nlohmann::json::array();
-  std::int64_t batch_index = 0;  // the data position: batches consumed
+  std::int64_t batch_index = 0;  // the data position: batches consumed (per rank)
   double tokens_per_s = 0.0;
   int exit_status = 0;
+  std::uint64_t outcome_digest = 0xcbf29ce484222325ull;  // FNV-1a over every step's outcome
   const auto& tokens = corpus.tokens();
 
   for (std::int64_t step = 1; step <= o.steps; ++step) {
     const auto t0 = Clock::now();
-    if (injected(o, FaultKind::kKill, step)) {
-      progress.note("injected kill at step " + std::to_string(step));
-      std::fflush(nullptr);
-      raise(SIGKILL);
-    }
-    // Batch from the data position.
-    const auto offsets = corpus.batch_offsets(o.seed, batch_index++, o.batch_size, o.context);
+    // Each rank reads its own slice of every global batch.
+    const auto offsets = corpus.batch_offsets(o.seed, batch_index * world.size + world.rank,
+                                              o.batch_size, o.context);
+    ++batch_index;
     auto input = torch::empty({o.batch_size, o.context}, torch::kLong);
     auto target = torch::empty({o.batch_size, o.context}, torch::kLong);
     auto* in_ptr = input.data_ptr<std::int64_t>();
@@ -169,36 +251,69 @@ int run_demo(const DemoOptions& o) {
       }
     }
 
-    if (injected(o, FaultKind::kCorruptWeights, step)) {
+    if (injected(o, FaultKind::kCorruptWeights, step, world.rank)) {
       torch::NoGradGuard no_grad;
       named.find(kCorruptParam)->view(-1)[0].fill_(std::nan(""));
     }
     const double saved_lr = adamw.param_groups()[0].options().get_lr();
-    const bool lr_spike = injected(o, FaultKind::kLrSpike, step);
+    const bool lr_spike = injected(o, FaultKind::kLrSpike, step, world.rank);
     if (lr_spike) {
       for (auto& g : adamw.param_groups()) g.options().set_lr(saved_lr * 1000.0);
     }
 
     adamw.zero_grad();
-    const std::int64_t poison_row = injected(o, FaultKind::kNanInput, step) ? 0 : -1;
+    const std::int64_t poison_row = injected(o, FaultKind::kNanInput, step, world.rank) ? 0 : -1;
     auto logits = model->forward(input, poison_row);
     auto loss =
         torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}), target.view({-1}));
-    if (injected(o, FaultKind::kNanLoss, step)) loss = loss * std::nan("");
-    if (injected(o, FaultKind::kLossSpike, step)) loss = loss * 1000.0;
+    if (injected(o, FaultKind::kNanLoss, step, world.rank)) loss = loss * std::nan("");
+    if (injected(o, FaultKind::kLossSpike, step, world.rank)) loss = loss * 1000.0;
     loss.backward();
-    if (injected(o, FaultKind::kNanGrad, step)) {
+    try {
+      average_gradients(params, world, o.collective_timeout_s);
+    } catch (const std::exception& e) {
+      std::string cause = e.what();
+      if (const auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);
+      std::fprintf(stderr,
+                   "\n[rank %d] stepguard demo: error: step %" PRId64
+                   ": the gradient all-reduce failed (%s)\n",
+                   world.rank, step, cause.c_str());
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
+    // Gradient faults land after the average: rank-local, as in a sharded optimizer or a bad GPU.
+    if (injected(o, FaultKind::kNanGrad, step, world.rank)) {
       grad_of(named, kNanGradParam).view(-1)[7].fill_(std::nan(""));
     }
-    if (injected(o, FaultKind::kInfGrad, step)) {
+    if (injected(o, FaultKind::kInfGrad, step, world.rank)) {
       grad_of(named, kInfGradParam).view(-1)[3].fill_(std::numeric_limits<float>::infinity());
     }
 
-    const StepReport report = guard.step(loss);
+    if (injected(o, FaultKind::kKill, step, world.rank)) {
+      // Dies between the gradient average and the guard's collective: the survivors' guards
+      // must notice within their deadline.
+      progress.note("[rank " + std::to_string(world.rank) + "] injected kill at step " +
+                    std::to_string(step));
+      std::fflush(nullptr);
+      raise(SIGKILL);
+    }
+    StepReport report;
+    try {
+      report = guard.step(loss);
+    } catch (const std::runtime_error& e) {
+      // The ranks can no longer agree. Leave at once: tearing down a process group whose peers
+      // are gone can itself wait for their deadline.
+      std::fprintf(stderr, "\n[rank %d] %s\n", world.rank, e.what());
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
     if (lr_spike) {
       for (auto& g : adamw.param_groups()) g.options().set_lr(saved_lr);
     }
     batch_index += report.batches_to_skip;
+    for (const char* c = to_string(report.outcome); *c; ++c) {
+      outcome_digest = (outcome_digest ^ static_cast<unsigned char>(*c)) * 0x100000001b3ull;
+    }
 
     if (report.applied()) {
       if (std::isnan(initial_loss)) initial_loss = report.loss;
@@ -212,22 +327,31 @@ int run_demo(const DemoOptions& o) {
       incidents.push_back(j);
       std::string blamed;
       for (const auto& t : inc.tensors) blamed += (blamed.empty() ? "" : ", ") + t;
-      progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " + inc.action +
-                    (blamed.empty() ? "" : " (" + blamed + ")"));
+      std::string ranks;
+      for (int r : inc.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      if (lead) {
+        progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " +
+                      inc.action + (blamed.empty() ? "" : " (" + blamed + ")") +
+                      (world.size > 1 ? " on rank " + ranks : ""));
+      }
     }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double rate = static_cast<double>(o.batch_size * o.context) / std::max(dt, 1e-9);
+    const double rate =
+        static_cast<double>(o.batch_size * o.context * world.size) / std::max(dt, 1e-9);
     tokens_per_s = tokens_per_s == 0.0 ? rate : 0.9 * tokens_per_s + 0.1 * rate;
-    progress.update(report, tokens_per_s, guard.totals().skipped);
+    if (lead) progress.update(report, tokens_per_s, guard.totals().skipped);
     if (report.aborted()) {
-      progress.note("stepguard aborted training at step " + std::to_string(report.step) + ": " +
-                    report.incident.value_or(Incident{}).reason);
+      if (lead) {
+        progress.note("stepguard aborted training at step " + std::to_string(report.step) + ": " +
+                      report.incident.value_or(Incident{}).reason);
+      }
       exit_status = 3;
       break;
     }
   }
 
-  // Summary.
+  // Summary. Hashes and outcome digests come from every rank: equal values mean the replicas
+  // stayed bitwise identical and decided identically on every step.
   const GuardTotals totals = guard.totals();
   const std::size_t tail = std::min<std::size_t>(10, applied_losses.size());
   double final_loss = std::numeric_limits<double>::quiet_NaN();
@@ -239,11 +363,21 @@ int run_demo(const DemoOptions& o) {
     final_loss = sum / static_cast<double>(tail);
   }
   bool params_finite = true;
-  for (const auto& p : model->parameters()) {
+  for (const auto& p : params)
     params_finite = params_finite && torch::isfinite(p).all().item<bool>();
-  }
-  const std::string param_hash = hex64(hash_parameters(model->parameters()));
+  const auto hashes = gather_u64(hash_parameters(params), world);
+  const auto outcome_digests = gather_u64(outcome_digest, world);
+  const auto finite_flags = gather_u64(params_finite ? 1 : 0, world);
+  if (!lead) return exit_status;
 
+  nlohmann::json param_hashes = nlohmann::json::array();
+  bool hashes_equal = true, outcomes_agree = true;
+  for (std::size_t r = 0; r < hashes.size(); ++r) {
+    param_hashes.push_back(hex64(hashes[r]));
+    hashes_equal = hashes_equal && hashes[r] == hashes[0];
+    outcomes_agree = outcomes_agree && outcome_digests[r] == outcome_digests[0];
+    params_finite = params_finite && finite_flags[r] == 1;
+  }
   nlohmann::json summary = {
       {"steps", totals.steps},
       {"applied", totals.applied},
@@ -253,10 +387,11 @@ int run_demo(const DemoOptions& o) {
       {"initial_loss", number_or_null(initial_loss)},
       {"final_loss", number_or_null(final_loss)},
       {"params_finite", params_finite},
-      {"param_hashes", {param_hash}},
+      {"param_hashes", param_hashes},
+      {"outcomes_agree", outcomes_agree},
       {"loss_scale", 1.0},
       {"lr_factor", 1.0},
-      {"ranks", o.ranks},
+      {"ranks", world.size},
       {"seed", o.seed},
       {"collectives", guard.collectives()},
       {"batches_consumed", batch_index},
@@ -283,26 +418,36 @@ int run_demo(const DemoOptions& o) {
                 100.0 * (final_loss / initial_loss - 1.0));
   row("loss", line);
   row("params finite", params_finite ? "yes" : "NO");
-  row("param hash", param_hash);
+  if (world.size == 1) {
+    row("param hash", param_hashes[0].get<std::string>());
+  } else {
+    row("ranks", std::to_string(world.size) +
+                     (hashes_equal ? ", parameters bitwise equal" : ", PARAMETERS DIFFER") +
+                     (outcomes_agree ? ", same decision every step" : ", DECISIONS DIFFER"));
+  }
   row("collectives", std::to_string(guard.collectives()) + " (one per step)");
   if (!incidents.empty()) {
     table << "  incidents\n";
-    std::snprintf(line, sizeof line, "    %-6s %-16s %-12s %-8s %s\n", "step", "signal", "action",
-                  "cause", "tensors");
+    std::snprintf(line, sizeof line, "    %-6s %-16s %-12s %-8s %-6s %s\n", "step", "signal",
+                  "action", "cause", "ranks", "tensors");
     table << line;
     for (const auto& inc : incidents) {
-      std::string tensors;
-      for (const auto& t : inc["tensors"])
+      std::string tensors, ranks;
+      for (const auto& t : inc["tensors"]) {
         tensors += (tensors.empty() ? "" : ",") + t.get<std::string>();
-      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-12s %-8s %s\n",
+      }
+      for (const auto& r : inc["ranks"]) {
+        ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+      }
+      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-12s %-8s %-6s %s\n",
                     inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),
                     inc["action"].get<std::string>().c_str(),
-                    inc["cause"].get<std::string>().c_str(), tensors.c_str());
+                    inc["cause"].get<std::string>().c_str(), ranks.c_str(), tensors.c_str());
       table << line;
     }
   }
   if (!o.summary_json.empty()) row("summary json", o.summary_json);
-  if (!o.trace.empty()) row("trace", o.trace);
+  if (!o.trace.empty()) row("trace", o.trace + (world.size > 1 ? " (+ .rank<r> per rank)" : ""));
   std::cout << table.str() << std::flush;
   return exit_status;
 }

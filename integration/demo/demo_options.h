@@ -56,6 +56,8 @@ struct DemoOptions {
   std::string policy;  ///< policy file; empty uses --max-bad-steps (default kDefaultMaxBadSteps)
   std::int64_t max_consecutive_bad_steps = -1;  ///< -1: not given on the command line
   std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto
+  std::int64_t collective_timeout_s = 300;  ///< deadline of every collective between ranks
+  std::vector<std::string> raw_args;        ///< the arguments as given, for launching ranks
 };
 
 /// Parses the arguments after "demo". On error returns nullopt and sets `error` to one line that

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -204,6 +207,96 @@ TEST(PolicyCli, DemoHonorsThePolicyLimit) {
                                         policy + "' --summary-json '" + summary + "'");
   EXPECT_EQ(r.status, 3) << r.err;
   EXPECT_EQ(read_json(summary)["steps"], 6);
+}
+
+}  // namespace
+
+namespace {
+
+// Processes whose command line contains `needle` (read from /proc, so no helper matches itself).
+int processes_mentioning(const std::string& needle) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmdline.find(needle) != std::string::npos) ++count;
+  }
+  return count;
+}
+
+std::vector<std::string> outcomes_in(const std::string& trace) {
+  std::ifstream in(trace);
+  std::vector<std::string> outcomes;
+  std::string line;
+  while (std::getline(in, line)) outcomes.push_back(nlohmann::json::parse(line)["outcome"]);
+  return outcomes;
+}
+
+TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
+  const std::string summary = temp_path("s.json");
+  const std::string trace = temp_path("t.jsonl");
+  const ProcessResult r = run_stepguard(
+      "demo --ranks 4 --steps 120 --inject nan_grad@30:2 --inject inf_grad@70:1 "
+      "--summary-json '" +
+      summary + "' --trace '" + trace + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["ranks"], 4);
+  EXPECT_EQ(s["skipped"], 2);
+  EXPECT_EQ(s["applied"], 118);
+  EXPECT_EQ(s["collectives"], 120);
+  EXPECT_EQ(s["params_finite"], true);
+  EXPECT_EQ(s["outcomes_agree"], true);
+  ASSERT_EQ(s["param_hashes"].size(), 4u);
+  for (const auto& h : s["param_hashes"]) EXPECT_EQ(h, s["param_hashes"][0]);
+  ASSERT_EQ(s["incidents"].size(), 2u);
+  EXPECT_EQ(s["incidents"][0]["step"], 30);
+  EXPECT_EQ(s["incidents"][0]["ranks"], nlohmann::json::array({2}));
+  EXPECT_EQ(s["incidents"][1]["step"], 70);
+  EXPECT_EQ(s["incidents"][1]["ranks"], nlohmann::json::array({1}));
+  EXPECT_LT(s["final_loss"].get<double>(), 0.8 * s["initial_loss"].get<double>());
+
+  // Every rank's own trace shows the same outcome on every step.
+  const auto rank0 = outcomes_in(trace);
+  ASSERT_EQ(rank0.size(), 120u);
+  EXPECT_EQ(rank0[29], "skipped");
+  EXPECT_EQ(rank0[69], "skipped");
+  for (int rank = 1; rank < 4; ++rank) {
+    EXPECT_EQ(outcomes_in(trace + ".rank" + std::to_string(rank)), rank0) << "rank " << rank;
+  }
+}
+
+TEST(MultiRank, AKilledRankMakesTheOthersExitWithinTheDeadlineNamingStepAndRank) {
+  const std::string marker = temp_path("kill_marker.jsonl");  // unique, to find stragglers
+  const auto t0 = std::chrono::steady_clock::now();
+  const ProcessResult r = run_stepguard(
+      "demo --ranks 3 --steps 40 --batch-size 8 --inject kill@5:1 --collective-timeout 10 "
+      "--trace '" +
+      marker + "'");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_LT(seconds, 10.0 + 5.0) << "collective deadline plus check-in grace";
+  EXPECT_NE(r.err.find("rank 1 was killed by signal 9"), std::string::npos) << r.err;
+  for (int rank : {0, 2}) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] stepguard: rank " +
+                               std::to_string(rank) + ": the step 5 all-reduce over gloo";
+    EXPECT_NE(r.err.find(prefix), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("rank " + std::to_string(rank) + " exited with status 1"),
+              std::string::npos)
+        << r.err;
+  }
+  EXPECT_NE(r.err.find("missing rank 1"), std::string::npos) << r.err;
+  // No rank is left behind.
+  EXPECT_EQ(processes_mentioning(marker), 0);
+}
+
+TEST(MultiRank, InjectionOnARankThatDoesNotExistIsABadArgument) {
+  const ProcessResult r = run_stepguard("demo --steps 3 --inject nan_grad@2:3");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "stepguard demo: --inject nan_grad@2:3: rank 3 does not exist (1 rank)\n");
 }
 
 }  // namespace

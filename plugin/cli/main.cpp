@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
     }
     std::cerr << "stepguard: unknown command '" << command << "'\n" << kUsage;
     return 2;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "stepguard " << command << ": " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "stepguard " << command << ": error: " << e.what() << "\n";
     return 1;

@@ -1,0 +1,142 @@
+#include "integration/demo/launcher.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace stepguard {
+namespace demo {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A port the kernel just handed out on loopback; free again once the socket closes.
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error(std::string("demo: socket(): ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error("demo: cannot find a free loopback port: " + why);
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
+           strsignal(WTERMSIG(status)) + ")";
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
+}  // namespace
+
+int launch_ranks(const DemoOptions& o) {
+  const int port = free_loopback_port();
+  std::vector<std::string> args = {"/proc/self/exe", "demo"};
+  args.insert(args.end(), o.raw_args.begin(), o.raw_args.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  std::fprintf(stderr, "stepguard demo: launching %d ranks (gloo over 127.0.0.1:%d)\n", o.ranks,
+               port);
+  std::fflush(stderr);
+  std::vector<pid_t> pids(o.ranks, -1);
+  for (int r = 0; r < o.ranks; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, SIGKILL);
+      }
+      throw std::runtime_error(std::string("demo: fork(): ") + std::strerror(errno));
+    }
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(o.ranks).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("STEPGUARD_DEMO_LAUNCHED", "1", 1);
+      ::execv("/proc/self/exe", argv.data());
+      std::fprintf(stderr, "demo: exec of rank %d failed: %s\n", r, std::strerror(errno));
+      std::_Exit(127);
+    }
+    pids[r] = pid;
+  }
+
+  std::vector<int> status(o.ranks, 0);
+  std::vector<bool> done(o.ranks, false);
+  int remaining = o.ranks;
+  bool failure_seen = false;
+  Clock::time_point kill_at = Clock::time_point::max();
+  const auto grace = std::chrono::seconds(o.collective_timeout_s) + std::chrono::seconds(15);
+  while (remaining > 0) {
+    int st = 0;
+    const pid_t pid = ::waitpid(-1, &st, WNOHANG);
+    if (pid > 0) {
+      for (int r = 0; r < o.ranks; ++r) {
+        if (pids[r] != pid || done[r]) continue;
+        done[r] = true;
+        status[r] = st;
+        --remaining;
+        const bool ok = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3);
+        if (!ok) {
+          std::fprintf(stderr, "stepguard demo: rank %d %s\n", r, describe(st).c_str());
+          if (!failure_seen) {
+            failure_seen = true;
+            kill_at = Clock::now() + grace;
+          }
+        }
+      }
+      continue;
+    }
+    if (pid < 0 && errno != EINTR) break;
+    if (Clock::now() >= kill_at) {
+      for (int r = 0; r < o.ranks; ++r) {
+        if (!done[r]) {
+          std::fprintf(stderr,
+                       "stepguard demo: rank %d still running after the deadline; killing it\n", r);
+          ::kill(pids[r], SIGKILL);
+        }
+      }
+      kill_at = Clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
+  bool all_ok = true, all_aborted = true;
+  for (int r = 0; r < o.ranks; ++r) {
+    const bool exited = WIFEXITED(status[r]);
+    all_ok = all_ok && exited && WEXITSTATUS(status[r]) == 0;
+    all_aborted = all_aborted && exited && WEXITSTATUS(status[r]) == 3;
+  }
+  if (all_ok) return 0;
+  if (all_aborted) return 3;
+  return 1;
+}
+
+}  // namespace demo
+}  // namespace stepguard

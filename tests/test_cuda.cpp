@@ -1,12 +1,21 @@
 // The CUDA path: built and linked whenever nvcc exists; run only where a GPU is present.
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#if STEPGUARD_EXPECT_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "csrc/consensus/nccl_probe.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
+#include "csrc/inspect/inspect.h"
 
 namespace stepguard {
 namespace {
@@ -34,40 +43,118 @@ TEST(CudaBuild, DeviceCountNeverThrowsAndExplainsAZero) {
   if (n == 0) EXPECT_FALSE(why.empty());
 }
 
-TEST(CudaKernel, CountsNonFiniteAndSumsSquaresLikeTheCpuReference) {
-  SKIP_WITHOUT_GPU();
-  std::vector<float> host(100003, 0.5f);
-  host[0] = std::numeric_limits<float>::quiet_NaN();
-  host[5000] = std::numeric_limits<float>::infinity();
-  host[100002] = -std::numeric_limits<float>::infinity();
-  host[77] = 1e30f;
-  const inspect::ChunkStats s = cuda::inspect_host_f32_on_device(host.data(), host.size());
-  EXPECT_EQ(s.nan_count, 1);
-  EXPECT_EQ(s.inf_count, 2);
-  const double big = static_cast<double>(1e30f);
-  const double expected = big * big + 0.25 * (host.size() - 4);
-  EXPECT_NEAR(s.sum_squares, expected, 1e-12 * expected);
+// Gradients as raw bytes plus the same data as CPU tensors, for GPU-vs-CPU comparisons.
+struct Case {
+  std::vector<at::Tensor> tensors;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<inspect::GradDtype> dtypes;
+  void add(const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    tensors.push_back(c.clone());
+    const auto* p = static_cast<const std::uint8_t*>(c.data_ptr());
+    bytes.emplace_back(p, p + c.numel() * c.element_size());
+    dtypes.push_back(inspect::grad_dtype_of(c, 0));
+  }
+};
+
+Case mixed_case() {
+  at::manual_seed(11);
+  Case k;
+  auto big = at::randn({3 * inspect::kChunkElements + 777});
+  big[0] = std::nanf("");
+  big[inspect::kChunkElements] = INFINITY;
+  big[big.numel() - 1] = -INFINITY;
+  k.add(big);
+  k.add(at::empty({0}));                      // empty
+  k.add(at::full({1}, 1e30f));                // one huge element
+  k.add(at::randn({1000003}).to(at::kHalf));  // odd size, fp16
+  auto bf = at::randn({70001}).to(at::kBFloat16);
+  bf[70000] = std::nanf("");
+  k.add(bf);                              // bf16 with NaN in the tail
+  k.add(at::randn({4097}, at::kDouble));  // fp64
+  k.add(at::full({5}, 1e-40f));           // fp32 denormals
+  return k;
 }
 
-TEST(CudaKernel, EmptyBufferIsAllZero) {
-  SKIP_WITHOUT_GPU();
-  const inspect::ChunkStats s = cuda::inspect_host_f32_on_device(nullptr, 0);
-  EXPECT_EQ(s.nan_count + s.inf_count, 0);
-  EXPECT_EQ(s.sum_squares, 0.0);
+void expect_gpu_equals_cpu(const Case& k, double inv_scale, bool unscale, std::size_t misalign) {
+  const cuda::HostInspection gpu =
+      cuda::inspect_host_on_device(k.bytes, k.dtypes, inv_scale, unscale, misalign);
+  std::vector<at::Tensor> cpu_grads;
+  for (const auto& t : k.tensors) cpu_grads.push_back(t.clone());
+  inspect::InspectOptions opt;
+  opt.inv_scale = inv_scale;
+  opt.unscale_in_place = unscale;
+  const LocalStats cpu = inspect::inspect_gradients(cpu_grads, opt);
+  EXPECT_EQ(gpu.global.nan_count, cpu.nan_count);
+  EXPECT_EQ(gpu.global.inf_count, cpu.inf_count);
+  EXPECT_EQ(gpu.global.sum_squares, cpu.sum_squares);  // bitwise, same reduction order
+  EXPECT_EQ(gpu.tensor_sum_squares, cpu.tensor_sum_squares);
+  for (std::size_t i = 0; i < k.tensors.size(); ++i) {
+    const bool flagged = std::find(cpu.nonfinite_tensors.begin(), cpu.nonfinite_tensors.end(),
+                                   static_cast<std::int64_t>(i)) != cpu.nonfinite_tensors.end();
+    EXPECT_EQ(gpu.tensor_nonfinite[i], flagged ? 1 : 0) << i;
+    if (unscale) {
+      const at::Tensor c = cpu_grads[i].contiguous();
+      EXPECT_EQ(0, std::memcmp(gpu.unscaled[i].data(), c.data_ptr(), gpu.unscaled[i].size()))
+          << "unscaled tensor " << i;
+    }
+  }
 }
 
-TEST(Nccl, OneRankAllReduceRuns) {
+TEST(CudaKernel, MatchesTheCpuPassBitwise) {
   SKIP_WITHOUT_GPU();
-  std::string why;
-  EXPECT_TRUE(consensus::nccl_self_test(&why)) << why;
+  expect_gpu_equals_cpu(mixed_case(), 1.0, false, 0);
 }
+
+TEST(CudaKernel, MatchesTheCpuPassWithInvScaleAndInPlaceUnscale) {
+  SKIP_WITHOUT_GPU();
+  expect_gpu_equals_cpu(mixed_case(), 1.0 / 65536.0, true, 0);
+}
+
+TEST(CudaKernel, MisalignedTensorsTakeTheScalarPathWithTheSameResult) {
+  SKIP_WITHOUT_GPU();
+  expect_gpu_equals_cpu(mixed_case(), 1.0, false, 4);
+  expect_gpu_equals_cpu(mixed_case(), 0.25, true, 2);
+}
+
+TEST(CudaKernel, EmptySetIsAllZero) {
+  SKIP_WITHOUT_GPU();
+  const cuda::HostInspection gpu = cuda::inspect_host_on_device({}, {});
+  EXPECT_EQ(gpu.global.nan_count + gpu.global.inf_count, 0);
+  EXPECT_EQ(gpu.global.sum_squares, 0.0);
+}
+
+#if STEPGUARD_EXPECT_CUDA
+TEST(CudaKernel, OneLaunchPerCallAndTheTableIsBuiltOnce) {
+  SKIP_WITHOUT_GPU();
+  cuda::FusedInspector inspector(0);
+  std::vector<float> host(300000, 1.0f);
+  float* device = nullptr;
+  double* global = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), host.size() * sizeof(float)),
+            cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&global), 4 * sizeof(double)), cudaSuccess);
+  cudaMemcpy(device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+  const std::vector<cuda::DeviceGradient> grads = {
+      {device, 100000, inspect::GradDtype::kFloat32},
+      {device + 100000, 200000, inspect::GradDtype::kFloat32}};
+  for (int i = 0; i < 5; ++i)
+    inspector.inspect(grads, 1.0, false, {global, nullptr, nullptr}, nullptr);
+  double g[4];
+  cudaMemcpy(g, global, sizeof g, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(g[2], 300000.0);
+  EXPECT_EQ(inspector.launches(), 5);
+  EXPECT_EQ(inspector.table_builds(), 1);
+  cudaFree(device);
+  cudaFree(global);
+}
+#endif
 
 TEST(CudaKernel, WithoutAGpuTheCallFailsWithAClearError) {
   std::string why;
   if (cuda::device_count(&why) > 0) GTEST_SKIP() << "a GPU is present";
-  const float x = 1.0f;
   try {
-    cuda::inspect_host_f32_on_device(&x, 1);
+    cuda::inspect_host_on_device({{0, 0, 128, 63}}, {inspect::GradDtype::kFloat32});
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     const std::string msg = e.what();
@@ -77,12 +164,18 @@ TEST(CudaKernel, WithoutAGpuTheCallFailsWithAClearError) {
   }
 }
 
+TEST(Nccl, OneRankAllReduceRuns) {
+  SKIP_WITHOUT_GPU();
+  std::string why;
+  EXPECT_TRUE(consensus::nccl_self_test(&why)) << why;
+}
+
 }  // namespace
 }  // namespace stepguard
 
 #if STEPGUARD_EXPECT_CUDA
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/cuda.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "csrc/consensus/nccl_consensus.h"
 

@@ -22,28 +22,9 @@ namespace inspect {
 /// Gradient element types the inspection understands.
 enum class GradDtype : std::int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
-/// Elements per chunk: the unit of parallel work and of the fixed reduction order.
+/// Elements per chunk: the unit of parallel work and of the fixed reduction order. A multiple of
+/// every dtype's row length (lanes_per_row), so rows never straddle chunks.
 constexpr std::int64_t kChunkElements = std::int64_t{1} << 16;
-
-/// Class of one element: finite, NaN or +/-Inf.
-enum ElementClass : int { kFinite = 0, kNaN = 1, kInf = 2 };
-
-SG_HOST_DEVICE int classify_f32(std::uint32_t bits) {
-  if ((bits & 0x7f800000u) != 0x7f800000u) return kFinite;
-  return (bits & 0x007fffffu) ? kNaN : kInf;
-}
-SG_HOST_DEVICE int classify_f16(std::uint16_t bits) {
-  if ((bits & 0x7c00u) != 0x7c00u) return kFinite;
-  return (bits & 0x03ffu) ? kNaN : kInf;
-}
-SG_HOST_DEVICE int classify_bf16(std::uint16_t bits) {
-  if ((bits & 0x7f80u) != 0x7f80u) return kFinite;
-  return (bits & 0x007fu) ? kNaN : kInf;
-}
-SG_HOST_DEVICE int classify_f64(std::uint64_t bits) {
-  if ((bits & 0x7ff0000000000000ull) != 0x7ff0000000000000ull) return kFinite;
-  return (bits & 0x000fffffffffffffull) ? kNaN : kInf;
-}
 
 SG_HOST_DEVICE float bits_to_f32(std::uint32_t bits) {
   float f;
@@ -61,27 +42,6 @@ SG_HOST_DEVICE std::uint32_t f32_to_bits(float f) {
   return b;
 }
 
-/// IEEE binary16 of a finite value to double, exactly (subnormals included).
-SG_HOST_DEVICE double f16_to_f64(std::uint16_t bits) {
-  const int sign = (bits >> 15) & 1;
-  const int exponent = (bits >> 10) & 0x1f;
-  const int mantissa = bits & 0x3ff;
-  double magnitude;
-  if (exponent == 0) {
-    magnitude = static_cast<double>(mantissa) * (1.0 / 16777216.0);  // mantissa * 2^-24
-  } else {
-    // (1024 + mantissa) * 2^(exponent - 25), built from an exact power of two.
-    const std::uint64_t pow_bits = static_cast<std::uint64_t>(exponent - 25 + 1023) << 52;
-    magnitude = static_cast<double>(1024 + mantissa) * bits_to_f64(pow_bits);
-  }
-  return sign ? -magnitude : magnitude;
-}
-
-/// bfloat16 to double: the upper half of an fp32.
-SG_HOST_DEVICE double bf16_to_f64(std::uint16_t bits) {
-  return static_cast<double>(bits_to_f32(static_cast<std::uint32_t>(bits) << 16));
-}
-
 /// Partial results of one chunk. Chunks combine in index order only.
 struct ChunkStats {
   double sum_squares = 0.0;
@@ -89,63 +49,143 @@ struct ChunkStats {
   std::int64_t inf_count = 0;
 };
 
-SG_HOST_DEVICE void add_element(ChunkStats& acc, int cls, double value, double inv_scale) {
-  if (cls == kFinite) {
-    const double v = value * inv_scale;
-    acc.sum_squares += v * v;
-  } else if (cls == kNaN) {
-    ++acc.nan_count;
-  } else {
-    ++acc.inf_count;
-  }
+// ---------------------------------------------------------------------------------------------
+// The reduction order, shared by the CPU pass and the CUDA kernel so both give the same bits.
+//
+// A chunk is processed in rows of kThreadsPerChunk 16-byte packets. Thread t of the GPU block owns
+// packet t of every row and keeps one fp64 accumulator per element slot of its packet; on the CPU
+// those accumulators are the "lanes" (lane = element index within the row), added to in the same
+// order. At the end of the chunk each thread's slots are combined pairwise, then the threads'
+// values by a fixed binary tree. The order depends only on element positions, never on the
+// number of CPU threads or GPU blocks.
+// ---------------------------------------------------------------------------------------------
+
+/// GPU threads per chunk; CPU lanes are grouped the same way.
+constexpr int kThreadsPerChunk = 256;
+/// Bytes per vector load.
+constexpr int kPacketBytes = 16;
+/// Largest number of lanes (16-bit elements: 8 per packet).
+constexpr int kMaxLanes = kThreadsPerChunk * 8;
+
+SG_HOST_DEVICE int element_bytes(GradDtype dtype) {
+  return dtype == GradDtype::kFloat32 ? 4 : dtype == GradDtype::kFloat64 ? 8 : 2;
+}
+/// Elements per 16-byte packet: 4 (fp32), 8 (fp16, bf16), 2 (fp64).
+SG_HOST_DEVICE int elements_per_packet(GradDtype dtype) {
+  return kPacketBytes / element_bytes(dtype);
+}
+/// Elements per row of a chunk.
+SG_HOST_DEVICE int lanes_per_row(GradDtype dtype) {
+  return kThreadsPerChunk * elements_per_packet(dtype);
 }
 
-/// Inspects elements [begin, end) of one gradient given as raw bits. When `unscale` is set, each
-/// finite element is multiplied by inv_scale in place (non-finite ones are left as they are).
-SG_HOST_DEVICE ChunkStats inspect_range(void* data, GradDtype dtype, std::int64_t begin,
-                                        std::int64_t end, double inv_scale, bool unscale) {
-  ChunkStats acc;
-  switch (dtype) {
-    case GradDtype::kFloat32: {
-      auto* p = static_cast<std::uint32_t*>(data);
-      const float scale_f = static_cast<float>(inv_scale);
-      for (std::int64_t i = begin; i < end; ++i) {
-        const int cls = classify_f32(p[i]);
-        const float f = bits_to_f32(p[i]);
-        add_element(acc, cls, static_cast<double>(f), inv_scale);
-        if (unscale && cls == kFinite) p[i] = f32_to_bits(f * scale_f);
-      }
-      break;
-    }
-    case GradDtype::kFloat64: {
-      auto* p = static_cast<std::uint64_t*>(data);
-      for (std::int64_t i = begin; i < end; ++i) {
-        const int cls = classify_f64(p[i]);
-        const double d = bits_to_f64(p[i]);
-        add_element(acc, cls, d, inv_scale);
-        if (unscale && cls == kFinite) {
-          const double u = d * inv_scale;
-          std::memcpy(&p[i], &u, sizeof u);
-        }
-      }
-      break;
-    }
-    case GradDtype::kFloat16:
-    case GradDtype::kBFloat16: {
-      // Half types are inspected read-only here; in-place unscale of them is done by the caller
-      // through a float round trip (see inspect_cpu.cpp), because rounding back to 16 bits needs
-      // the platform's conversion.
-      auto* p = static_cast<const std::uint16_t*>(data);
-      const bool is_half = dtype == GradDtype::kFloat16;
-      for (std::int64_t i = begin; i < end; ++i) {
-        const int cls = is_half ? classify_f16(p[i]) : classify_bf16(p[i]);
-        const double d = cls != kFinite ? 0.0 : (is_half ? f16_to_f64(p[i]) : bf16_to_f64(p[i]));
-        add_element(acc, cls, d, inv_scale);
-      }
-      break;
+/// Combines one thread's `n` slot accumulators (n = 2, 4 or 8) pairwise, in place; returns the sum.
+SG_HOST_DEVICE double combine_slots(double* slots, int n) {
+  for (int width = n / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) slots[i] += slots[i + width];
+  }
+  return slots[0];
+}
+
+/// Sums kThreadsPerChunk values by the fixed tree the GPU block uses, in place.
+SG_HOST_DEVICE double tree_sum_threads(double* values) {
+  for (int width = kThreadsPerChunk / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) values[i] += values[i + width];
+  }
+  return values[0];
+}
+
+/// Element traits: the raw bit type and the magnitude of a finite element as double.
+/// Non-finite elements are told apart by exponent bits alone.
+template <GradDtype DT>
+struct Element;
+
+template <>
+struct Element<GradDtype::kFloat32> {
+  using Bits = std::uint32_t;
+  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7f800000u) == 0x7f800000u; }
+  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x007fffffu) != 0; }
+  SG_HOST_DEVICE static double magnitude(Bits b) {
+    return static_cast<double>(bits_to_f32(b & 0x7fffffffu));
+  }
+};
+
+template <>
+struct Element<GradDtype::kFloat64> {
+  using Bits = std::uint64_t;
+  SG_HOST_DEVICE static bool nonfinite(Bits b) {
+    return (b & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+  }
+  SG_HOST_DEVICE static bool nan(Bits b) {
+    return nonfinite(b) && (b & 0x000fffffffffffffull) != 0;
+  }
+  SG_HOST_DEVICE static double magnitude(Bits b) { return bits_to_f64(b & 0x7fffffffffffffffull); }
+};
+
+template <>
+struct Element<GradDtype::kFloat16> {
+  using Bits = std::uint16_t;
+  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7c00u) == 0x7c00u; }
+  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x03ffu) != 0; }
+  // Branch-free and exact: (implicit + mantissa) * 2^(max(exponent, 1) - 25), the power of two
+  // built from bits. Subnormals (exponent 0) have no implicit bit and exponent 1.
+  SG_HOST_DEVICE static double magnitude(Bits b) {
+    const std::uint32_t exponent = (b >> 10) & 0x1fu;
+    const std::uint32_t mantissa = b & 0x3ffu;
+    const std::uint32_t implicit = exponent != 0 ? 1024u : 0u;
+    const std::uint32_t e = exponent != 0 ? exponent : 1u;
+    const std::uint64_t pow2 = static_cast<std::uint64_t>(e - 25 + 1023) << 52;
+    return static_cast<double>(implicit + mantissa) * bits_to_f64(pow2);
+  }
+};
+
+template <>
+struct Element<GradDtype::kBFloat16> {
+  using Bits = std::uint16_t;
+  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7f80u) == 0x7f80u; }
+  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x007fu) != 0; }
+  SG_HOST_DEVICE static double magnitude(Bits b) {
+    return static_cast<double>(bits_to_f32((static_cast<std::uint32_t>(b) & 0x7fffu) << 16));
+  }
+};
+
+/// The square (of element * inv_scale) that one element adds to its lane: 0 when non-finite.
+template <GradDtype DT>
+SG_HOST_DEVICE double element_square(typename Element<DT>::Bits b, double inv_scale) {
+  const double v = Element<DT>::nonfinite(b) ? 0.0 : Element<DT>::magnitude(b) * inv_scale;
+  return v * v;
+}
+
+/// One chunk on the CPU, in the GPU block's order: `n` elements starting at `p` (the chunk's
+/// first element, at a multiple of lanes_per_row within its tensor).
+template <GradDtype DT>
+inline ChunkStats inspect_chunk(const typename Element<DT>::Bits* p, std::int64_t n,
+                                double inv_scale) {
+  using E = Element<DT>;
+  constexpr int kSlots = kPacketBytes / sizeof(typename E::Bits);
+  constexpr int kLanes = kThreadsPerChunk * kSlots;
+  alignas(64) double lanes[kLanes];
+  for (int k = 0; k < kLanes; ++k) lanes[k] = 0.0;
+  std::int64_t nan_count = 0;
+  std::int64_t nonfinite_count = 0;
+  for (std::int64_t base = 0; base < n; base += kLanes) {
+    const int m = n - base < kLanes ? static_cast<int>(n - base) : kLanes;
+    const typename E::Bits* row = p + base;
+    for (int k = 0; k < m; ++k) {
+      const typename E::Bits b = row[k];
+      lanes[k] += element_square<DT>(b, inv_scale);
+      nonfinite_count += E::nonfinite(b) ? 1 : 0;
+      nan_count += E::nan(b) ? 1 : 0;
     }
   }
-  return acc;
+  alignas(64) double per_thread[kThreadsPerChunk];
+  for (int t = 0; t < kThreadsPerChunk; ++t)
+    per_thread[t] = combine_slots(lanes + t * kSlots, kSlots);
+  ChunkStats out;
+  out.sum_squares = tree_sum_threads(per_thread);
+  out.nan_count = nan_count;
+  out.inf_count = nonfinite_count - nan_count;
+  return out;
 }
 
 }  // namespace inspect

@@ -35,6 +35,11 @@ struct InspectOptions {
 LocalStats inspect_gradients(const std::vector<at::Tensor>& grads,
                              const InspectOptions& options = {});
 
+/// One chunk of at most kChunkElements elements, starting at a multiple of lanes_per_row(dtype)
+/// within its tensor, in the shared reduction order (the CUDA kernel gives the same bits).
+ChunkStats inspect_chunk_cpu(GradDtype dtype, const void* first_element, std::int64_t n,
+                             double inv_scale);
+
 /// Maps an ATen dtype to the inspection's element type; throws for anything else.
 GradDtype grad_dtype_of(const at::Tensor& grad, std::size_t index);
 

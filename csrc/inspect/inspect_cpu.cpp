@@ -35,7 +35,61 @@ struct Chunk {
   std::int64_t end;
 };
 
+// The hot loops, compiled for AVX-512, AVX2 and the baseline; the loader picks one at start-up.
+// Without -ffast-math the compiler keeps every lane's order, so each clone gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SG_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SG_CPU_CLONES
+#endif
+
+SG_CPU_CLONES ChunkStats chunk_f32(const void* p, std::int64_t n, double inv_scale) {
+  return inspect_chunk<GradDtype::kFloat32>(static_cast<const std::uint32_t*>(p), n, inv_scale);
+}
+SG_CPU_CLONES ChunkStats chunk_f16(const void* p, std::int64_t n, double inv_scale) {
+  return inspect_chunk<GradDtype::kFloat16>(static_cast<const std::uint16_t*>(p), n, inv_scale);
+}
+SG_CPU_CLONES ChunkStats chunk_bf16(const void* p, std::int64_t n, double inv_scale) {
+  return inspect_chunk<GradDtype::kBFloat16>(static_cast<const std::uint16_t*>(p), n, inv_scale);
+}
+SG_CPU_CLONES ChunkStats chunk_f64(const void* p, std::int64_t n, double inv_scale) {
+  return inspect_chunk<GradDtype::kFloat64>(static_cast<const std::uint64_t*>(p), n, inv_scale);
+}
+
+// In-place unscale of finite fp32 elements (in fp32, as GradScaler does) while the chunk is hot.
+SG_CPU_CLONES void unscale_f32(void* p, std::int64_t n, double inv_scale) {
+  auto* x = static_cast<float*>(p);
+  const float s = static_cast<float>(inv_scale);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const bool finite = (f32_to_bits(x[i]) & 0x7f800000u) != 0x7f800000u;
+    x[i] = finite ? x[i] * s : x[i];
+  }
+}
+SG_CPU_CLONES void unscale_f64(void* p, std::int64_t n, double inv_scale) {
+  auto* x = static_cast<double*>(p);
+  for (std::int64_t i = 0; i < n; ++i) x[i] = std::isfinite(x[i]) ? x[i] * inv_scale : x[i];
+}
+
+ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, double inv_scale) {
+  switch (dtype) {
+    case GradDtype::kFloat32:
+      return chunk_f32(p, n, inv_scale);
+    case GradDtype::kFloat16:
+      return chunk_f16(p, n, inv_scale);
+    case GradDtype::kBFloat16:
+      return chunk_bf16(p, n, inv_scale);
+    case GradDtype::kFloat64:
+      return chunk_f64(p, n, inv_scale);
+  }
+  return {};
+}
+
 }  // namespace
+
+ChunkStats inspect_chunk_cpu(GradDtype dtype, const void* first_element, std::int64_t n,
+                             double inv_scale) {
+  return inspect_one_chunk(dtype, first_element, n, inv_scale);
+}
 
 LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const InspectOptions& options) {
   TORCH_CHECK(std::isfinite(options.inv_scale) && options.inv_scale > 0.0,
@@ -80,14 +134,21 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
 
   const bool unscale_here = options.unscale_in_place && options.inv_scale != 1.0;
   std::vector<ChunkStats> partial(chunks.size());
-  at::parallel_for(0, static_cast<std::int64_t>(chunks.size()), 1,
+  // A few chunks per task: enough to spread over threads, few enough to keep tasks cheap.
+  at::parallel_for(0, static_cast<std::int64_t>(chunks.size()), 4,
                    [&](std::int64_t lo, std::int64_t hi) {
                      for (std::int64_t c = lo; c < hi; ++c) {
                        const Chunk& ch = chunks[c];
                        const GradDtype dt = dtypes[ch.tensor];
-                       const bool wide = dt == GradDtype::kFloat32 || dt == GradDtype::kFloat64;
-                       partial[c] = inspect_range(views[ch.tensor].data_ptr(), dt, ch.begin, ch.end,
-                                                  options.inv_scale, unscale_here && wide);
+                       char* base = static_cast<char*>(views[ch.tensor].data_ptr());
+                       void* first = base + ch.begin * element_bytes(dt);
+                       const std::int64_t n = ch.end - ch.begin;
+                       partial[c] = inspect_one_chunk(dt, first, n, options.inv_scale);
+                       if (unscale_here && dt == GradDtype::kFloat32) {
+                         unscale_f32(first, n, options.inv_scale);
+                       } else if (unscale_here && dt == GradDtype::kFloat64) {
+                         unscale_f64(first, n, options.inv_scale);
+                       }
                      }
                    });
 

@@ -95,72 +95,89 @@ SG_HOST_DEVICE double tree_sum_threads(double* values) {
   return values[0];
 }
 
-/// Element traits: the raw bit type and the magnitude of a finite element as double.
-/// Non-finite elements are told apart by exponent bits alone.
+/// Element traits: the raw bit type, the sign-free bits of +Inf, and the magnitude of a finite
+/// element (given its sign-free bits) as double. With the sign cleared, a value is non-finite when
+/// its bits are >= those of +Inf and NaN when they are greater: exponent-bit tests that fast-math
+/// cannot fold away, written without branches so the CPU loop vectorizes.
 template <GradDtype DT>
 struct Element;
 
 template <>
 struct Element<GradDtype::kFloat32> {
   using Bits = std::uint32_t;
-  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7f800000u) == 0x7f800000u; }
-  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x007fffffu) != 0; }
-  SG_HOST_DEVICE static double magnitude(Bits b) {
-    return static_cast<double>(bits_to_f32(b & 0x7fffffffu));
-  }
+  static constexpr Bits kMagnitudeMask = 0x7fffffffu;
+  static constexpr Bits kInfBits = 0x7f800000u;
+  SG_HOST_DEVICE static double magnitude(Bits m) { return static_cast<double>(bits_to_f32(m)); }
 };
 
 template <>
 struct Element<GradDtype::kFloat64> {
   using Bits = std::uint64_t;
-  SG_HOST_DEVICE static bool nonfinite(Bits b) {
-    return (b & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-  }
-  SG_HOST_DEVICE static bool nan(Bits b) {
-    return nonfinite(b) && (b & 0x000fffffffffffffull) != 0;
-  }
-  SG_HOST_DEVICE static double magnitude(Bits b) { return bits_to_f64(b & 0x7fffffffffffffffull); }
+  static constexpr Bits kMagnitudeMask = 0x7fffffffffffffffull;
+  static constexpr Bits kInfBits = 0x7ff0000000000000ull;
+  SG_HOST_DEVICE static double magnitude(Bits m) { return bits_to_f64(m); }
 };
 
 template <>
 struct Element<GradDtype::kFloat16> {
   using Bits = std::uint16_t;
-  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7c00u) == 0x7c00u; }
-  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x03ffu) != 0; }
-  // Branch-free and exact: (implicit + mantissa) * 2^(max(exponent, 1) - 25), the power of two
-  // built from bits. Subnormals (exponent 0) have no implicit bit and exponent 1.
-  SG_HOST_DEVICE static double magnitude(Bits b) {
-    const std::uint32_t exponent = (b >> 10) & 0x1fu;
-    const std::uint32_t mantissa = b & 0x3ffu;
-    const std::uint32_t implicit = exponent != 0 ? 1024u : 0u;
-    const std::uint32_t e = exponent != 0 ? exponent : 1u;
-    const std::uint64_t pow2 = static_cast<std::uint64_t>(e - 25 + 1023) << 52;
-    return static_cast<double>(implicit + mantissa) * bits_to_f64(pow2);
+  static constexpr Bits kMagnitudeMask = 0x7fffu;
+  static constexpr Bits kInfBits = 0x7c00u;
+  // Exact: (implicit + mantissa) * 2^(max(exponent, 1) - 25), the power of two built from bits.
+  // Subnormals (exponent 0) have no implicit bit and exponent 1.
+  SG_HOST_DEVICE static double magnitude(Bits m) {
+    const std::uint32_t exponent = static_cast<std::uint32_t>(m) >> 10;
+    const std::uint32_t mantissa = static_cast<std::uint32_t>(m) & 0x3ffu;
+    // Arithmetic rather than selects, so the compiler keeps the loop branch-free.
+    const std::uint32_t is_normal = exponent != 0;
+    const std::uint32_t implicit = is_normal << 10;
+    const std::uint64_t e = exponent + (1u - is_normal);
+    const std::uint64_t pow2 = (e + (1023 - 25)) << 52;
+    return static_cast<double>(static_cast<std::int32_t>(implicit + mantissa)) * bits_to_f64(pow2);
   }
 };
 
 template <>
 struct Element<GradDtype::kBFloat16> {
   using Bits = std::uint16_t;
-  SG_HOST_DEVICE static bool nonfinite(Bits b) { return (b & 0x7f80u) == 0x7f80u; }
-  SG_HOST_DEVICE static bool nan(Bits b) { return nonfinite(b) && (b & 0x007fu) != 0; }
-  SG_HOST_DEVICE static double magnitude(Bits b) {
-    return static_cast<double>(bits_to_f32((static_cast<std::uint32_t>(b) & 0x7fffu) << 16));
+  static constexpr Bits kMagnitudeMask = 0x7fffu;
+  static constexpr Bits kInfBits = 0x7f80u;
+  SG_HOST_DEVICE static double magnitude(Bits m) {
+    return static_cast<double>(bits_to_f32(static_cast<std::uint32_t>(m) << 16));
   }
 };
 
-/// The square (of element * inv_scale) that one element adds to its lane: 0 when non-finite.
+/// What one element contributes to its lane and to the counts.
+struct ElementContribution {
+  double square;  ///< (element * inv_scale)^2, 0 when non-finite
+  int nonfinite;  ///< 1 for NaN or +/-Inf
+  int nan;        ///< 1 for NaN
+};
+
 template <GradDtype DT>
-SG_HOST_DEVICE double element_square(typename Element<DT>::Bits b, double inv_scale) {
-  const double v = Element<DT>::nonfinite(b) ? 0.0 : Element<DT>::magnitude(b) * inv_scale;
-  return v * v;
+SG_HOST_DEVICE ElementContribution contribution(typename Element<DT>::Bits b, double inv_scale) {
+  using E = Element<DT>;
+  using Bits = typename E::Bits;
+  const Bits m = b & E::kMagnitudeMask;
+  // A mask instead of a select: with a select the compiler branches around the FP math.
+  const Bits finite = m < E::kInfBits;
+  const Bits finite_bits = m & static_cast<Bits>(Bits{0} - finite);
+  const double v = E::magnitude(finite_bits) * inv_scale;
+  return {v * v, static_cast<int>(1 - finite), m > E::kInfBits ? 1 : 0};
+}
+
+/// True when the element is NaN or +/-Inf.
+template <GradDtype DT>
+SG_HOST_DEVICE bool is_nonfinite(typename Element<DT>::Bits b) {
+  return (b & Element<DT>::kMagnitudeMask) >= Element<DT>::kInfBits;
 }
 
 /// One chunk on the CPU, in the GPU block's order: `n` elements starting at `p` (the chunk's
 /// first element, at a multiple of lanes_per_row within its tensor).
+/// Always inlined, so each CPU target clone (AVX-512, AVX2, baseline) compiles its own copy.
 template <GradDtype DT>
-inline ChunkStats inspect_chunk(const typename Element<DT>::Bits* p, std::int64_t n,
-                                double inv_scale) {
+__attribute__((always_inline)) inline ChunkStats inspect_chunk(const typename Element<DT>::Bits* p,
+                                                               std::int64_t n, double inv_scale) {
   using E = Element<DT>;
   constexpr int kSlots = kPacketBytes / sizeof(typename E::Bits);
   constexpr int kLanes = kThreadsPerChunk * kSlots;
@@ -171,12 +188,17 @@ inline ChunkStats inspect_chunk(const typename Element<DT>::Bits* p, std::int64_
   for (std::int64_t base = 0; base < n; base += kLanes) {
     const int m = n - base < kLanes ? static_cast<int>(n - base) : kLanes;
     const typename E::Bits* row = p + base;
+    // 32-bit counters inside a row keep the vector lanes narrow.
+    std::int32_t row_nonfinite = 0;
+    std::int32_t row_nan = 0;
     for (int k = 0; k < m; ++k) {
-      const typename E::Bits b = row[k];
-      lanes[k] += element_square<DT>(b, inv_scale);
-      nonfinite_count += E::nonfinite(b) ? 1 : 0;
-      nan_count += E::nan(b) ? 1 : 0;
+      const ElementContribution c = contribution<DT>(row[k], inv_scale);
+      lanes[k] += c.square;
+      row_nonfinite += c.nonfinite;
+      row_nan += c.nan;
     }
+    nonfinite_count += row_nonfinite;
+    nan_count += row_nan;
   }
   alignas(64) double per_thread[kThreadsPerChunk];
   for (int t = 0; t < kThreadsPerChunk; ++t)

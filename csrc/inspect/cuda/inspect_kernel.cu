@@ -19,7 +19,7 @@ template <GradDtype DT>
 __device__ __forceinline__ typename Element<DT>::Bits unscaled_bits(typename Element<DT>::Bits b,
                                                                     double inv_scale) {
   using Bits = typename Element<DT>::Bits;
-  if (Element<DT>::nonfinite(b)) return b;
+  if (inspect::is_nonfinite<DT>(b)) return b;
   if constexpr (DT == GradDtype::kFloat32) {
     return __float_as_uint(__uint_as_float(b) * static_cast<float>(inv_scale));
   } else if constexpr (DT == GradDtype::kFloat64) {
@@ -65,9 +65,10 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       if (first + s < n) {
-        acc[s] += inspect::element_square<DT>(e[s], inv_scale);
-        nonfinite += E::nonfinite(e[s]) ? 1 : 0;
-        nan += E::nan(e[s]) ? 1 : 0;
+        const inspect::ElementContribution c = inspect::contribution<DT>(e[s], inv_scale);
+        acc[s] += c.square;
+        nonfinite += c.nonfinite;
+        nan += c.nan;
       }
     }
     if (unscale) {

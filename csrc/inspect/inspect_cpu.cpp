@@ -44,16 +44,24 @@ struct Chunk {
 #endif
 
 SG_CPU_CLONES ChunkStats chunk_f32(const void* p, std::int64_t n, double inv_scale) {
-  return inspect_chunk<GradDtype::kFloat32>(static_cast<const std::uint32_t*>(p), n, inv_scale);
+  const auto* bits = static_cast<const std::uint32_t*>(p);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat32, false>(bits, n, inv_scale)
+                          : inspect_chunk<GradDtype::kFloat32, true>(bits, n, inv_scale);
 }
 SG_CPU_CLONES ChunkStats chunk_f16(const void* p, std::int64_t n, double inv_scale) {
-  return inspect_chunk<GradDtype::kFloat16>(static_cast<const std::uint16_t*>(p), n, inv_scale);
+  const auto* bits = static_cast<const std::uint16_t*>(p);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat16, false>(bits, n, inv_scale)
+                          : inspect_chunk<GradDtype::kFloat16, true>(bits, n, inv_scale);
 }
 SG_CPU_CLONES ChunkStats chunk_bf16(const void* p, std::int64_t n, double inv_scale) {
-  return inspect_chunk<GradDtype::kBFloat16>(static_cast<const std::uint16_t*>(p), n, inv_scale);
+  const auto* bits = static_cast<const std::uint16_t*>(p);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kBFloat16, false>(bits, n, inv_scale)
+                          : inspect_chunk<GradDtype::kBFloat16, true>(bits, n, inv_scale);
 }
 SG_CPU_CLONES ChunkStats chunk_f64(const void* p, std::int64_t n, double inv_scale) {
-  return inspect_chunk<GradDtype::kFloat64>(static_cast<const std::uint64_t*>(p), n, inv_scale);
+  const auto* bits = static_cast<const std::uint64_t*>(p);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat64, false>(bits, n, inv_scale)
+                          : inspect_chunk<GradDtype::kFloat64, true>(bits, n, inv_scale);
 }
 
 // In-place unscale of finite fp32 elements (in fp32, as GradScaler does) while the chunk is hot.

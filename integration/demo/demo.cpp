@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "integration/demo/corpus.h"
@@ -184,6 +185,9 @@ int run_demo(const DemoOptions& o) {
     torch::set_num_threads(o.threads);
   } else if (world.size > 1) {
     torch::set_num_threads(1);
+  } else {
+    // LibTorch's default counts physical cores; on a small VM that can be 1 of 2 CPUs.
+    torch::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   }
   const bool lead = world.rank == 0;
   torch::manual_seed(static_cast<std::uint64_t>(o.seed));  // identical replicas on every rank

@@ -199,3 +199,53 @@ TEST(NcclConsensus, OneRankAllReduceOfADeviceBufferWithinItsDeadline) {
 }  // namespace
 }  // namespace stepguard
 #endif
+
+#if STEPGUARD_EXPECT_CUDA
+#include <stepguard/stepguard.h>
+#include <torch/torch.h>
+
+namespace stepguard {
+namespace {
+
+TEST(CudaGuard, CudaGradientsTakeTheFusedPathAndMatchTheCpuPassBitwise) {
+  SKIP_WITHOUT_GPU();
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "this LibTorch was built without CUDA";
+  at::manual_seed(5);
+  std::vector<at::Tensor> cpu = {at::randn({300001}), at::randn({77}).to(at::kHalf),
+                                 at::randn({5000}).to(at::kBFloat16), at::Tensor()};
+  cpu[0][12345] = std::nanf("");
+  std::vector<at::Tensor> gpu;
+  for (const auto& t : cpu) gpu.push_back(t.defined() ? t.cuda() : t);
+  const LocalStats a = inspect::inspect_gradients(cpu);
+  const LocalStats b = inspect::inspect_gradients(gpu);
+  EXPECT_EQ(a.sum_squares, b.sum_squares);
+  EXPECT_EQ(a.tensor_sum_squares, b.tensor_sum_squares);
+  EXPECT_EQ(a.nan_count, b.nan_count);
+  EXPECT_EQ(a.nonfinite_tensors, b.nonfinite_tensors);
+}
+
+TEST(CudaGuard, ASkippedCudaStepLeavesParametersUnchanged) {
+  SKIP_WITHOUT_GPU();
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "this LibTorch was built without CUDA";
+  torch::nn::Linear model(8, 4);
+  model->to(torch::kCUDA);
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(adamw, model->named_parameters());
+  auto loss = model->forward(torch::ones({2, 8}, torch::kCUDA)).pow(2).sum();
+  loss.backward();
+  EXPECT_TRUE(guard.step(loss).applied());
+  const auto before = model->weight.detach().clone();
+  adamw.zero_grad();
+  loss = model->forward(torch::ones({2, 8}, torch::kCUDA)).pow(2).sum();
+  loss.backward();
+  model->weight.mutable_grad()[1][2] = INFINITY;
+  const StepReport r = guard.step(loss);
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  ASSERT_TRUE(r.incident.has_value());
+  EXPECT_EQ(r.incident->tensors, std::vector<std::string>({"weight"}));
+  EXPECT_TRUE(torch::equal(before, model->weight.detach()));
+}
+
+}  // namespace
+}  // namespace stepguard
+#endif

@@ -5,6 +5,10 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <unordered_map>
+
+#include "csrc/inspect/cuda/inspect_cuda.h"
 
 namespace stepguard {
 namespace inspect {
@@ -92,6 +96,54 @@ ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, dou
   return {};
 }
 
+// The CUDA path: one fused launch, then one small device-to-host read of its results.
+// One FusedInspector per device and thread keeps the chunk table across steps.
+void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& views,
+                     const std::vector<GradDtype>& dtypes, const InspectOptions& options,
+                     LocalStats* stats) {
+  thread_local std::unordered_map<int, std::unique_ptr<cuda::FusedInspector>> inspectors;
+  const at::Device device = [&] {
+    for (const auto& v : views) {
+      if (v.defined()) return v.device();
+    }
+    return at::Device(at::kCUDA, 0);
+  }();
+  auto& inspector = inspectors[device.index()];
+  if (!inspector) inspector = std::make_unique<cuda::FusedInspector>(device.index());
+
+  std::vector<cuda::DeviceGradient> device_grads(views.size());
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    if (!views[i].defined()) continue;
+    device_grads[i] = {views[i].data_ptr(), views[i].numel(), dtypes[i]};
+    stats->num_elements += views[i].numel();
+  }
+  const auto on_device = at::TensorOptions().device(device);
+  const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(views.size()));
+  at::Tensor global = at::empty({4}, on_device.dtype(at::kDouble));
+  at::Tensor sums = at::empty({n}, on_device.dtype(at::kDouble));
+  at::Tensor flags = at::empty({n}, on_device.dtype(at::kInt));
+  const bool unscale = options.unscale_in_place && options.inv_scale != 1.0;
+  // The legacy default stream orders the launch after work on LibTorch's default stream.
+  inspector->inspect(device_grads, options.inv_scale, unscale,
+                     {global.data_ptr<double>(), sums.data_ptr<double>(), flags.data_ptr<int>()},
+                     nullptr);
+  if (unscale) {
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
+    }
+  }
+  const at::Tensor host = at::cat({global, sums, flags.to(at::kDouble)}).cpu();
+  const double* h = host.data_ptr<double>();
+  stats->nan_count = static_cast<std::int64_t>(h[0]);
+  stats->inf_count = static_cast<std::int64_t>(h[1]);
+  stats->sum_squares_overflow = h[3] != 0.0;
+  stats->sum_squares = stats->sum_squares_overflow ? std::numeric_limits<double>::infinity() : h[2];
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    stats->tensor_sum_squares[i] = h[4 + i];
+    if (h[4 + n + i] != 0.0) stats->nonfinite_tensors.push_back(static_cast<std::int64_t>(i));
+  }
+}
+
 }  // namespace
 
 ChunkStats inspect_chunk_cpu(GradDtype dtype, const void* first_element, std::int64_t n,
@@ -124,10 +176,16 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
                   " but gradient ", first_index, " is on ", first->device(),
                   "; all gradients of one guard must be on one device");
     }
-    TORCH_CHECK(g.device().is_cpu(), "stepguard: gradient ", i, " is on ", g.device(),
-                "; this build inspects CPU gradients only");
+    TORCH_CHECK(g.device().is_cpu() || (g.device().is_cuda() && cuda::compiled_with_cuda()),
+                "stepguard: gradient ", i, " is on ", g.device(), "; this build inspects ",
+                cuda::compiled_with_cuda() ? "CPU and CUDA" : "CPU", " gradients only");
     dtypes[i] = grad_dtype_of(g, i);
     views[i] = g.is_contiguous() ? g : g.contiguous();
+  }
+
+  if (first != nullptr && first->is_cuda()) {
+    inspect_on_cuda(grads, views, dtypes, options, &stats);
+    return stats;
   }
 
   std::vector<Chunk> chunks;

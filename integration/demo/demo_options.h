@@ -52,7 +52,7 @@ struct DemoOptions {
   std::int64_t batch_size = 32;
   std::int64_t context = 64;
   double lr = 2e-3;
-  int threads = 0;     ///< 0 keeps LibTorch's default
+  int threads = 0;     ///< 0: every CPU for one rank, one per rank for several
   std::string policy;  ///< policy file; empty uses --max-bad-steps (default kDefaultMaxBadSteps)
   std::int64_t max_consecutive_bad_steps = -1;  ///< -1: not given on the command line
   std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU check: builds stepguard against the GPU machine's CUDA LibTorch, runs the GPU tests and
+# the GPU benchmark, and writes everything into the folder named by its argument.
+#
+#   benchmarks/gpu_check.sh --fetch-deps   # on the build machine (Debian, with apt): downloads the
+#                                          # .debs the GPU machine lacks into .gpudeps/
+#   benchmarks/gpu_check.sh OUTDIR         # on the GPU machine, from the repo root
+#
+# The GPU machine has CMake, ninja, nvcc and a CUDA LibTorch in its Python, but no yaml-cpp,
+# GoogleTest, Google Benchmark or nlohmann-json and no package registry: the .debs travel with the
+# tree and are unpacked (dpkg -x) into .gpudeps/root. NCCL comes from the nvidia-nccl wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBS=(libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian libyaml-cpp-dev
+      libyaml-cpp0.7 nlohmann-json3-dev)
+
+if [[ "${1:-}" == "--fetch-deps" ]]; then
+  mkdir -p .gpudeps
+  grep -qx '/.gpudeps/' .git/info/exclude 2>/dev/null || echo '/.gpudeps/' >> .git/info/exclude
+  (cd .gpudeps && apt-get download "${DEBS[@]}")
+  ls -l .gpudeps
+  exit 0
+fi
+
+OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR | --fetch-deps}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+
+DEPS="$PWD/.gpudeps/root"
+mkdir -p "$DEPS"
+for deb in .gpudeps/*.deb; do dpkg -x "$deb" "$DEPS"; done
+export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+
+PY=python3
+TORCH_CMAKE=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')
+NCCL_HOME=$($PY -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])')
+NCCL_LIB=$(ls "$NCCL_HOME"/lib/libnccl.so* | head -n1)
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cxx11abi", torch._C._GLIBCXX_USE_CXX11_ABI, torch.cuda.get_device_name(0))'
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$DEPS/usr;$DEPS/usr/lib/x86_64-linux-gnu/cmake;$DEPS/usr/share/cmake" \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_PROMETHEUS=OFF \
+  -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB"
+cmake --build build-gpu -j16 --target stepguard_tests bench_inspect_gpu
+
+set +e
+build-gpu/bin/stepguard_tests --gtest_filter='Cuda*:Nccl*:Inspect*' \
+  --gtest_output="xml:$OUT/gpu_tests.xml"
+tests_rc=$?
+build-gpu/bin/bench_inspect_gpu --benchmark_format=json --benchmark_out="$OUT/bench_gpu.json" \
+  --benchmark_out_format=json
+bench_rc=$?
+set -e
+echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc; results in $OUT"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

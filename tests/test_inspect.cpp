@@ -72,6 +72,15 @@ TEST(Inspect, HugeFiniteValuesAreNotNonFinite) {
   EXPECT_FALSE(s.sum_squares_overflow);
 }
 
+TEST(Inspect, OverflowOfTheSumOfSquaresIsReportedApartFromNonFinite) {
+  // 1e200 is a finite fp64 gradient; its square is not.
+  auto g = at::tensor(std::vector<double>{1e200, 1.0}, at::TensorOptions().dtype(at::kDouble));
+  const LocalStats s = inspect_gradients({g});
+  EXPECT_EQ(s.nonfinite_count(), 0);
+  EXPECT_TRUE(s.sum_squares_overflow);
+  EXPECT_TRUE(std::isinf(s.sum_squares));
+}
+
 TEST(Inspect, Float16BitPatterns) {
   // 0x3c00 = 1.0, 0xc000 = -2.0, 0x7bff = 65504 (max), 0x0001 = 2^-24 (smallest subnormal),
   // 0x7c00 = +Inf, 0xfc00 = -Inf, 0x7e00 = NaN, 0xfe01 = NaN with sign and payload.

@@ -2,7 +2,9 @@
 BUILD_DIR ?= build
 JOBS      ?= 2
 BUILD_TYPE ?= Release
+DEMO_METRICS_PORT ?= 9464
 DEMO_ARGS ?= --steps 300 --inject nan_grad@100 --inject inf_grad@180 --inject nan_loss@240 \
+             --metrics-port $(DEMO_METRICS_PORT) \
              --summary-json $(BUILD_DIR)/demo-summary.json --trace $(BUILD_DIR)/demo-trace.jsonl
 
 .PHONY: all deps configure build test demo format clean

@@ -41,7 +41,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$DEPS/usr;$DEPS/usr/lib/x86_64-linux-gnu/cmake;$DEPS/usr/share/cmake" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_PROMETHEUS=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_METRICS=OFF \
   -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB"
 cmake --build build-gpu -j16 --target stepguard_tests bench_inspect_gpu
 

@@ -69,6 +69,7 @@ bool injected(const DemoOptions& o, FaultKind kind, std::int64_t step, int rank)
 // Where this process stands in a multi-rank run.
 struct World {
   int rank = 0;
+  int local_rank = 0;
   int size = 1;
   ProcessGroupHandle group;  // empty for one rank
 };
@@ -169,6 +170,7 @@ int run_demo(const DemoOptions& o) {
                                   " disagrees with WORLD_SIZE=" + std::to_string(rdv.world_size));
     }
     world.rank = rdv.rank;
+    world.local_rank = rdv.local_rank;
     world.size = rdv.world_size;
     if (world.size > 1) world.group = init_gloo_process_group(rdv);
   }
@@ -214,7 +216,16 @@ int run_demo(const DemoOptions& o) {
         .store(world.group.store)
         .collective_timeout_ms(o.collective_timeout_s * 1000);
   }
+  if (o.metrics_port >= 0) {
+    guard_options.metrics_port(o.metrics_port == 0 ? 0 : o.metrics_port + world.local_rank)
+        .run_name(o.run_name);
+  }
   stepguard::GuardedOptimizer guard(adamw, named, guard_options);
+  if (o.metrics_port >= 0) {
+    std::fprintf(stderr, "%smetrics: http://%s/metrics\n",
+                 world.size > 1 ? ("[rank " + std::to_string(world.rank) + "] ").c_str() : "",
+                 guard.metrics_endpoint().c_str());
+  }
 
   if (lead) {
     std::int64_t num_params = 0;
@@ -369,6 +380,12 @@ int run_demo(const DemoOptions& o) {
   bool params_finite = true;
   for (const auto& p : params)
     params_finite = params_finite && torch::isfinite(p).all().item<bool>();
+  if (o.linger_s > 0 && o.metrics_port >= 0) {
+    if (lead) {
+      std::fprintf(stderr, "serving metrics for %" PRId64 " more seconds\n", o.linger_s);
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(o.linger_s));
+  }
   const auto hashes = gather_u64(hash_parameters(params), world);
   const auto outcome_digests = gather_u64(outcome_digest, world);
   const auto finite_flags = gather_u64(params_finite ? 1 : 0, world);

@@ -103,7 +103,8 @@ std::optional<Injection> parse_injection(const std::string& text, std::string* e
 const char* demo_usage() noexcept {
   return "usage: stepguard demo [--steps N] [--seed S] [--inject KIND@STEP[:RANK]]...\n"
          "                      [--summary-json FILE] [--trace FILE] [--ranks R]\n"
-         "                      [--collective-timeout SECONDS]\n"
+         "                      [--collective-timeout SECONDS] [--metrics-port P] [--linger S]\n"
+         "                      [--run-name NAME]\n"
          "                      [--batch-size B] [--context T] [--lr LR] [--threads N]\n"
          "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
          "DIR]\n"
@@ -214,10 +215,20 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (value.empty()) return bad("expected a file path");
       o.policy = value;
-    } else if (flag == "--metrics-port" || flag == "--checkpoint-dir") {
-      *error = flag +
-               ": not available in this build yet (arrives with the policy, telemetry and "
-               "checkpoint work)";
+    } else if (flag == "--metrics-port") {
+      if (!take_value()) return std::nullopt;
+      if (!parse_int(value, 0, 65535, &n)) return bad("expected a TCP port in [0, 65535]");
+      o.metrics_port = static_cast<int>(n);
+    } else if (flag == "--linger") {
+      if (!take_value()) return std::nullopt;
+      if (!parse_int(value, 0, 86400, &n)) return bad("expected whole seconds in [0, 86400]");
+      o.linger_s = n;
+    } else if (flag == "--run-name") {
+      if (!take_value()) return std::nullopt;
+      if (value.empty()) return bad("expected a name");
+      o.run_name = value;
+    } else if (flag == "--checkpoint-dir") {
+      *error = flag + ": not available in this build yet (arrives with the checkpoint work)";
       return std::nullopt;
     } else {
       *error = "unknown flag '" + flag + "' (see stepguard demo --help)";

@@ -2,18 +2,24 @@
 #include "stepguard/guarded_optimizer.h"
 
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <unordered_map>
 
 #include "csrc/consensus/consensus.h"
+#include "csrc/consensus/nccl_probe.h"
 #include "csrc/consensus/process_group_consensus.h"
+#include "csrc/inspect/cuda/inspect_cuda.h"
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/telemetry/event_log.h"
+#include "csrc/telemetry/metrics.h"
+#include "stepguard/version.h"
 
 namespace stepguard {
 
@@ -128,6 +134,28 @@ struct GuardedOptimizer::Impl {
         engine(policy_config_of(options)) {
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
+    TORCH_CHECK(options.metrics_port() >= -1 && options.metrics_port() <= 65535,
+                "stepguard: metrics_port must be -1 (off), 0 (any free port) or a TCP port, got ",
+                options.metrics_port());
+#if !defined(STEPGUARD_WITH_METRICS)
+    TORCH_CHECK(options.metrics_port() < 0,
+                "stepguard: metrics_port is set but this build has no metrics "
+                "(configured with STEPGUARD_WITH_METRICS=OFF)");
+#else
+    if (options.metrics_port() >= 0) {
+      telemetry::MetricsConfig mc;
+      mc.bind_address = options.metrics_bind_address();
+      mc.port = options.metrics_port();
+      mc.run = options.run_name();
+      mc.rank = consensus->rank();
+      const int nccl = consensus::nccl_version();
+      mc.build_labels = {{"version", version()},
+                         {"libtorch", TORCH_VERSION},
+                         {"cuda", cuda::compiled_with_cuda() ? "yes" : "no"},
+                         {"nccl", nccl ? std::to_string(nccl) : "none"}};
+      metrics = std::make_unique<telemetry::Metrics>(mc);
+    }
+#endif
     if (!options.trace_path().empty()) {
       event_log =
           std::make_unique<telemetry::EventLog>(options.trace_path(), options.trace_every_step());
@@ -188,6 +216,7 @@ struct GuardedOptimizer::Impl {
   std::unique_ptr<consensus::Consensus> consensus;
   policy::PolicyEngine engine;
   std::unique_ptr<telemetry::EventLog> event_log;
+  std::unique_ptr<telemetry::Metrics> metrics;
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
   std::int64_t step = 0;
@@ -220,15 +249,19 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   std::vector<at::Tensor> grads;
   grads.reserve(s.params.size());
   for (const auto& p : s.params) grads.push_back(p.grad());
+  using Clock = std::chrono::steady_clock;
+  const auto t_inspect = Clock::now();
   LocalStats local = inspect::inspect_gradients(grads);
   local.loss = loss.detach().to(at::kDouble).item<double>();
   local.loss_nonfinite = !std::isfinite(local.loss);
 
+  const double inspect_seconds = std::chrono::duration<double>(Clock::now() - t_inspect).count();
   const std::uint64_t digest = digest_of(s.state());
   const std::int64_t step = ++s.step;
   // 2 agree: the one collective of the step.
   at::Tensor buffer = pack_local_stats(local, digest, s.consensus->rank(),
                                        s.consensus->world_size(), loss.device());
+  const auto t_consensus = Clock::now();
   try {
     s.consensus->all_reduce_sum(buffer, step);
   } catch (const std::exception& e) {
@@ -238,6 +271,8 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     throw;
   }
   const GlobalStats global = unpack_global_stats(buffer, s.consensus->world_size(), step);
+  const double consensus_seconds =
+      std::chrono::duration<double>(Clock::now() - t_consensus).count();
 
   // 3 detect, 4 decide.
   const Signals signals = s.engine.detect(global);
@@ -290,6 +325,10 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     ++s.totals.incidents;
   }
   if (s.event_log) s.event_log->record(report, global, decision.reason, blamed);
+  if (s.metrics) {
+    s.metrics->record_step(report, signals.consecutive_bad_steps, inspect_seconds,
+                           consensus_seconds);
+  }
   return report;
 }
 
@@ -300,6 +339,12 @@ void GuardedOptimizer::restore_state(const GuardState& state) {
               "stepguard: restore_state got a negative counter");
   impl_->step = state.step;
   impl_->engine.restore(policy::EngineState{state.consecutive_bad_steps, state.bad_steps_total});
+}
+std::string GuardedOptimizer::metrics_endpoint() const {
+  return impl_->metrics ? impl_->metrics->endpoint() : std::string();
+}
+std::string GuardedOptimizer::metrics_text() const {
+  return impl_->metrics ? impl_->metrics->serialize() : std::string();
 }
 int GuardedOptimizer::rank() const noexcept { return impl_->consensus->rank(); }
 int GuardedOptimizer::world_size() const noexcept { return impl_->consensus->world_size(); }

@@ -77,6 +77,11 @@ class GuardedOptimizer {
   int rank() const noexcept;
   int world_size() const noexcept;
 
+  /// Where /metrics is served ("127.0.0.1:9464"), or empty when metrics are off.
+  std::string metrics_endpoint() const;
+  /// The exposition text a scrape would see now; empty when metrics are off.
+  std::string metrics_text() const;
+
   /// Guarded steps taken so far (the step counter; reports number steps from 1).
   std::int64_t step_count() const noexcept;
   /// Totals by outcome.

@@ -37,6 +37,14 @@ struct GuardOptions {
   /// The rendezvous store of that group, if any: used only after a failed collective, to name the
   /// ranks that are missing.
   TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
+  /// TCP port of this guard's Prometheus /metrics endpoint: -1 serves none, 0 picks a free port
+  /// (GuardedOptimizer::metrics_endpoint() says which). With several ranks on one host, give each
+  /// its own (e.g. base + LOCAL_RANK), or -1 on all but rank 0.
+  TORCH_ARG(int, metrics_port) = -1;
+  /// Address the endpoint binds to: loopback unless told otherwise.
+  TORCH_ARG(std::string, metrics_bind_address) = "127.0.0.1";
+  /// The `run` label on every metric: names the training job in alerts.
+  TORCH_ARG(std::string, run_name) = "stepguard";
   /// Deadline of the per-step collective. A dead or stuck rank makes the others throw
   /// consensus errors naming the step after this long, instead of hanging.
   TORCH_ARG(std::int64_t, collective_timeout_ms) = 300000;

@@ -1,0 +1,293 @@
+#include "csrc/telemetry/metrics.h"
+
+#include <functional>
+#include <stdexcept>
+
+#if defined(STEPGUARD_WITH_METRICS)
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <poll.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <thread>
+#endif
+
+namespace stepguard {
+namespace telemetry {
+
+#if defined(STEPGUARD_WITH_METRICS)
+namespace {
+
+constexpr Outcome kOutcomes[] = {Outcome::kApplied, Outcome::kSkipped, Outcome::kRolledBack,
+                                 Outcome::kAborted};
+constexpr Action kActions[] = {Action::kApply,         Action::kSkipBatch, Action::kClip,
+                               Action::kDropLossScale, Action::kLowerLr,   Action::kRollback,
+                               Action::kAbort,         Action::kAlert};
+constexpr Signal kSignals[] = {Signal::kNonfiniteGrad, Signal::kNonfiniteLoss,
+                               Signal::kConsecutiveLimit, Signal::kRankDesync};
+
+// A minimal HTTP endpoint for /metrics on one thread. prometheus-cpp's own exposer (civetweb)
+// cannot start its threads inside a process that has loaded Debian's LibTorch ("Cannot create
+// threads"), so stepguard serves the registry itself; scrapes are rare and small.
+class MetricsServer {
+ public:
+  MetricsServer(const std::string& address, int port, std::function<std::string()> render)
+      : render_(std::move(render)) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd_ < 0) throw std::runtime_error(std::string("socket(): ") + std::strerror(errno));
+    const int one = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
+      ::close(fd_);
+      throw std::runtime_error("'" + address + "' is not an IPv4 address");
+    }
+    socklen_t len = sizeof addr;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(fd_, 16) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd_);
+      throw std::runtime_error(why);
+    }
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~MetricsServer() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  int port() const noexcept { return port_; }
+
+ private:
+  void serve() {
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const int client = ::accept(fd_, nullptr, nullptr);
+      if (client < 0) continue;
+      answer(client);
+      ::close(client);
+    }
+  }
+  void answer(int client) {
+    timeval timeout{2, 0};
+    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    std::string request;
+    char buf[2048];
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      const ssize_t n = ::recv(client, buf, sizeof buf, 0);
+      if (n <= 0) return;
+      request.append(buf, static_cast<std::size_t>(n));
+    }
+    const bool metrics =
+        request.rfind("GET /metrics ", 0) == 0 || request.rfind("GET /metrics?", 0) == 0;
+    const std::string body = metrics ? render_() : "not found; try /metrics\n";
+    std::string response = std::string("HTTP/1.1 ") + (metrics ? "200 OK" : "404 Not Found") +
+                           "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8"
+                           "\r\nContent-Length: " +
+                           std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+    std::size_t sent = 0;
+    while (sent < response.size()) {
+      const ssize_t n =
+          ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += static_cast<std::size_t>(n);
+    }
+  }
+
+  std::function<std::string()> render_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+struct Metrics::State {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<MetricsServer> server;
+  std::string endpoint;
+
+  std::map<Outcome, prometheus::Counter*> steps;
+  std::map<Action, prometheus::Counter*> actions;
+  std::map<std::string, prometheus::Counter*> incidents;  // by signal
+  prometheus::Counter* nonfinite_steps = nullptr;
+  prometheus::Counter* skipped_batches = nullptr;
+  prometheus::Counter* rollbacks = nullptr;
+  prometheus::Counter* aborts = nullptr;
+  prometheus::Gauge* aborted = nullptr;
+  prometheus::Gauge* loss_scale = nullptr;
+  prometheus::Gauge* loss_scale_min = nullptr;
+  prometheus::Gauge* lr_factor = nullptr;
+  prometheus::Gauge* loss = nullptr;
+  prometheus::Gauge* grad_norm = nullptr;
+  prometheus::Gauge* last_step = nullptr;
+  prometheus::Gauge* last_applied_step = nullptr;
+  prometheus::Gauge* last_applied_time = nullptr;
+  prometheus::Gauge* consecutive_bad = nullptr;
+  prometheus::Histogram* inspect_seconds = nullptr;
+  prometheus::Histogram* consensus_seconds = nullptr;
+};
+
+Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  const std::map<std::string, std::string> constant = {{"run", config.run},
+                                                       {"rank", std::to_string(config.rank)}};
+  auto& reg = *s.registry;
+  auto counter = [&](const char* name,
+                     const char* help) -> prometheus::Family<prometheus::Counter>& {
+    return prometheus::BuildCounter().Name(name).Help(help).Labels(constant).Register(reg);
+  };
+  auto gauge = [&](const char* name, const char* help) -> prometheus::Gauge* {
+    return &prometheus::BuildGauge().Name(name).Help(help).Labels(constant).Register(reg).Add({});
+  };
+
+  auto& steps = counter("stepguard_steps_total", "Guarded optimizer steps, by outcome.");
+  for (Outcome o : kOutcomes) s.steps[o] = &steps.Add({{"outcome", to_string(o)}});
+  auto& actions = counter("stepguard_actions_total", "Actions the policy took, by kind.");
+  for (Action a : kActions) s.actions[a] = &actions.Add({{"action", to_string(a)}});
+  auto& incidents =
+      counter("stepguard_incidents_total", "Steps where a detector fired, by first signal.");
+  for (Signal g : kSignals) s.incidents[to_string(g)] = &incidents.Add({{"signal", to_string(g)}});
+  s.nonfinite_steps = &counter("stepguard_nonfinite_steps_total",
+                               "Steps with a NaN/Inf gradient or loss on any rank.")
+                           .Add({});
+  s.skipped_batches = &counter("stepguard_skipped_batches_total",
+                               "Batches dropped (skipped steps and skips "
+                               "after rollbacks).")
+                           .Add({});
+  s.rollbacks =
+      &counter("stepguard_rollbacks_total", "In-process rollbacks to a snapshot.").Add({});
+  s.aborts = &counter("stepguard_aborts_total", "Times the policy aborted training.").Add({});
+  s.aborted = gauge("stepguard_aborted", "1 once the policy aborted training, else 0.");
+  s.loss_scale = gauge("stepguard_loss_scale", "Current loss scale (1 without loss scaling).");
+  s.loss_scale_min =
+      gauge("stepguard_loss_scale_min", "Floor of the loss scale (0 without loss scaling).");
+  s.lr_factor = gauge("stepguard_lr_factor", "Factor applied to every learning rate.");
+  s.loss = gauge("stepguard_loss", "Loss of the last step (mean over ranks).");
+  s.grad_norm = gauge("stepguard_grad_norm", "Global L2 norm of the last step's gradients.");
+  s.last_step = gauge("stepguard_last_step", "Number of the last guarded step.");
+  s.last_applied_step = gauge("stepguard_last_applied_step", "Number of the last applied step.");
+  s.last_applied_time =
+      gauge("stepguard_last_applied_timestamp_seconds", "Unix time of the last applied step.");
+  s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
+  const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
+                                                           3e-2, 0.1,  0.3,  1,    3,    10};
+  s.inspect_seconds = &prometheus::BuildHistogram()
+                           .Name("stepguard_inspect_duration_seconds")
+                           .Help("Time to inspect all gradients of one step.")
+                           .Labels(constant)
+                           .Register(reg)
+                           .Add({}, buckets);
+  s.consensus_seconds = &prometheus::BuildHistogram()
+                             .Name("stepguard_consensus_duration_seconds")
+                             .Help("Time of the per-step collective across ranks.")
+                             .Labels(constant)
+                             .Register(reg)
+                             .Add({}, buckets);
+  prometheus::BuildGauge()
+      .Name("stepguard_build_info")
+      .Help("Build facts of the running stepguard; always 1.")
+      .Labels(constant)
+      .Register(reg)
+      .Add(config.build_labels)
+      .Set(1);
+  s.lr_factor->Set(1.0);
+  s.loss_scale->Set(1.0);
+
+  try {
+    s.server = std::make_unique<MetricsServer>(config.bind_address, config.port,
+                                               [this] { return serialize(); });
+  } catch (const std::exception& e) {
+    throw std::runtime_error("stepguard: cannot serve metrics on " + config.bind_address + ":" +
+                             std::to_string(config.port) + ": " + e.what());
+  }
+  s.endpoint = config.bind_address + ":" + std::to_string(s.server->port());
+}
+
+Metrics::~Metrics() { state_->server.reset(); }
+
+void Metrics::record_step(const StepReport& r, std::int64_t consecutive_bad_steps,
+                          double inspect_seconds, double consensus_seconds) {
+  State& s = *state_;
+  s.steps[r.outcome]->Increment();
+  for (Action a : r.actions) s.actions[a]->Increment();
+  if (r.incident) {
+    auto it = s.incidents.find(r.incident->signal);
+    if (it != s.incidents.end()) it->second->Increment();
+  }
+  if (r.nonfinite_count > 0 || (r.incident && r.incident->signal == "nonfinite_loss")) {
+    s.nonfinite_steps->Increment();
+  }
+  if (r.outcome == Outcome::kSkipped) s.skipped_batches->Increment();
+  if (r.batches_to_skip > 0) s.skipped_batches->Increment(static_cast<double>(r.batches_to_skip));
+  if (r.outcome == Outcome::kRolledBack) s.rollbacks->Increment();
+  if (r.outcome == Outcome::kAborted) record_abort();
+  s.loss_scale->Set(r.loss_scale);
+  s.lr_factor->Set(r.lr_factor);
+  if (std::isfinite(r.loss)) s.loss->Set(r.loss);
+  if (std::isfinite(r.grad_norm)) s.grad_norm->Set(r.grad_norm);
+  s.last_step->Set(static_cast<double>(r.step));
+  if (r.applied()) {
+    s.last_applied_step->Set(static_cast<double>(r.step));
+    s.last_applied_time->Set(unix_seconds());
+  }
+  s.consecutive_bad->Set(static_cast<double>(consecutive_bad_steps));
+  s.inspect_seconds->Observe(inspect_seconds);
+  s.consensus_seconds->Observe(consensus_seconds);
+}
+
+void Metrics::record_abort() {
+  state_->aborts->Increment();
+  state_->aborted->Set(1);
+}
+
+std::string Metrics::endpoint() const { return state_->endpoint; }
+
+std::string Metrics::serialize() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, state_->registry->Collect());
+  return out.str();
+}
+
+#else  // built without prometheus-cpp
+
+struct Metrics::State {};
+Metrics::Metrics(const MetricsConfig&) {
+  throw std::runtime_error("stepguard: this build has no metrics (STEPGUARD_WITH_METRICS=OFF)");
+}
+Metrics::~Metrics() = default;
+void Metrics::record_step(const StepReport&, std::int64_t, double, double) {}
+void Metrics::record_abort() {}
+std::string Metrics::endpoint() const { return {}; }
+std::string Metrics::serialize() const { return {}; }
+
+#endif
+
+}  // namespace telemetry
+}  // namespace stepguard

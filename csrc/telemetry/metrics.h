@@ -1,0 +1,62 @@
+/*
+ * Prometheus metrics of one guard: a prometheus-cpp registry with every family created once at
+ * start-up and every label set pre-created at zero (so rate() and absent() behave from the first
+ * scrape), served over HTTP at /metrics on 127.0.0.1 unless told otherwise. Names follow Prometheus
+ * conventions: the stepguard_ prefix, _total counters, base units (seconds), no step or batch
+ * labels; constant labels `run` and `rank` tell jobs and ranks apart.
+ *
+ * Not here: deciding anything, or the JSONL event log (event_log.h).
+ */
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "stepguard/types.h"
+
+namespace stepguard {
+namespace telemetry {
+
+struct MetricsConfig {
+  std::string bind_address = "127.0.0.1";
+  /// TCP port of the /metrics endpoint; 0 picks a free one (see Metrics::endpoint()).
+  int port = 0;
+  /// Constant labels on every series.
+  std::string run = "stepguard";
+  int rank = 0;
+  /// Labels of stepguard_build_info.
+  std::map<std::string, std::string> build_labels;
+};
+
+/// Thread-safety: record_* are called by the one training thread; scrapes run on the endpoint's
+/// own thread and read the registry, which prometheus-cpp synchronizes.
+class Metrics {
+ public:
+  /// Creates the families and starts serving; throws std::runtime_error naming the address when
+  /// the port cannot be bound.
+  explicit Metrics(const MetricsConfig& config);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  /// One guarded step: what happened, the streak after it, and how long inspection and the
+  /// collective took.
+  void record_step(const StepReport& report, std::int64_t consecutive_bad_steps,
+                   double inspect_seconds, double consensus_seconds);
+  /// The policy aborted training (also counted by record_step through the outcome).
+  void record_abort();
+
+  /// "address:port" where /metrics is served.
+  std::string endpoint() const;
+  /// The current exposition text, as a scrape would see it.
+  std::string serialize() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace telemetry
+}  // namespace stepguard

@@ -1,0 +1,139 @@
+// Metrics move as the guard acts, and a real HTTP scrape sees them.
+#include <gtest/gtest.h>
+#include <stepguard/stepguard.h>
+#include <torch/torch.h>
+
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "tests/support/http_get.h"
+
+namespace stepguard {
+namespace {
+
+// The value of the series `name` whose labels include every pair of `labels`; NaN when absent.
+double value_of(const std::string& text, const std::string& name,
+                const std::map<std::string, std::string>& labels = {}) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(name + "{", 0) != 0 && line.rfind(name + " ", 0) != 0) continue;
+    bool match = true;
+    for (const auto& [k, v] : labels) {
+      if (line.find(k + "=\"" + v + "\"") == std::string::npos) match = false;
+    }
+    if (match) return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+#if defined(STEPGUARD_EXPECT_METRICS) && STEPGUARD_EXPECT_METRICS
+
+TEST(Metrics, CountersAndGaugesFollowTheGuard) {
+  auto p = torch::zeros({4}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(
+      sgd, GuardOptions().metrics_port(0).run_name("unit").max_consecutive_bad_steps(2));
+  ASSERT_FALSE(guard.metrics_endpoint().empty());
+  std::string text = guard.metrics_text();
+  // Every series exists at zero before the first step.
+  EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "skipped"}, {"run", "unit"}}), 0);
+  EXPECT_EQ(value_of(text, "stepguard_actions_total", {{"action", "rollback"}}), 0);
+  EXPECT_EQ(value_of(text, "stepguard_incidents_total", {{"signal", "rank_desync"}}), 0);
+  EXPECT_EQ(value_of(text, "stepguard_lr_factor"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_build_info", {{"version", version()}}), 1);
+
+  auto step = [&](bool bad) {
+    sgd.zero_grad();
+    auto loss = (p - 1.0).pow(2).sum();
+    loss.backward();
+    if (bad) p.mutable_grad()[0] = std::numeric_limits<float>::quiet_NaN();
+    return guard.step(loss);
+  };
+  step(false);
+  step(false);
+  step(true);
+  text = guard.metrics_text();
+  EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "applied"}}), 2);
+  EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "skipped"}}), 1);
+  EXPECT_EQ(value_of(text, "stepguard_nonfinite_steps_total"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_skipped_batches_total"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_actions_total", {{"action", "skip_batch"}}), 1);
+  EXPECT_EQ(value_of(text, "stepguard_actions_total", {{"action", "apply"}}), 2);
+  EXPECT_EQ(value_of(text, "stepguard_incidents_total", {{"signal", "nonfinite_grad"}}), 1);
+  EXPECT_EQ(value_of(text, "stepguard_last_step"), 3);
+  EXPECT_EQ(value_of(text, "stepguard_last_applied_step"), 2);
+  EXPECT_GT(value_of(text, "stepguard_last_applied_timestamp_seconds"), 1.7e9);
+  EXPECT_EQ(value_of(text, "stepguard_consecutive_bad_steps"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_inspect_duration_seconds_count"), 3);
+  EXPECT_EQ(value_of(text, "stepguard_consensus_duration_seconds_count"), 3);
+  EXPECT_EQ(value_of(text, "stepguard_aborted"), 0);
+  // Loss of the last (skipped) step: SGD with lr 0.1 took p from 0 to 0.2 to 0.36, and the loss
+  // is 4 * (0.36 - 1)^2.
+  EXPECT_NEAR(value_of(text, "stepguard_loss"), 4 * 0.64 * 0.64, 1e-6);
+
+  step(true);  // second bad step in a row: the limit of 2 aborts
+  text = guard.metrics_text();
+  EXPECT_EQ(value_of(text, "stepguard_aborted"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_aborts_total"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "aborted"}}), 1);
+
+  // A real scrape over HTTP sees the same.
+  const std::string endpoint = guard.metrics_endpoint();
+  const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  int status = 0;
+  const std::string scraped = testing_support::http_get("127.0.0.1", port, "/metrics", &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(value_of(scraped, "stepguard_aborts_total"), 1);
+  testing_support::http_get("127.0.0.1", port, "/other", &status);
+  EXPECT_EQ(status, 404);
+}
+
+TEST(Metrics, NoLabelNamesAStepOrBatch) {
+  auto p = torch::zeros({1}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd, GuardOptions().metrics_port(0));
+  const std::string text = guard.metrics_text();
+  EXPECT_EQ(text.find("step=\""), std::string::npos);
+  EXPECT_EQ(text.find("batch=\""), std::string::npos);
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_EQ(line.rfind("stepguard_", 0), 0u) << line;
+  }
+}
+
+TEST(Metrics, ABusyPortOrBadAddressIsAClearError) {
+  auto p = torch::zeros({1}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer first(sgd, GuardOptions().metrics_port(0));
+  const std::string endpoint = first.metrics_endpoint();
+  const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  try {
+    GuardedOptimizer second(sgd, GuardOptions().metrics_port(port));
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("cannot serve metrics on 127.0.0.1:" + std::to_string(port)),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(GuardedOptimizer(sgd, GuardOptions().metrics_port(0).metrics_bind_address("nohost")),
+               std::runtime_error);
+  EXPECT_THROW(GuardedOptimizer(sgd, GuardOptions().metrics_port(70000)), c10::Error);
+}
+
+#endif
+
+TEST(Metrics, OffByDefault) {
+  auto p = torch::zeros({1}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd);
+  EXPECT_TRUE(guard.metrics_endpoint().empty());
+  EXPECT_TRUE(guard.metrics_text().empty());
+}
+
+}  // namespace
+}  // namespace stepguard

@@ -221,11 +221,6 @@ int run_demo(const DemoOptions& o) {
         .run_name(o.run_name);
   }
   stepguard::GuardedOptimizer guard(adamw, named, guard_options);
-  if (o.metrics_port >= 0) {
-    std::fprintf(stderr, "%smetrics: http://%s/metrics\n",
-                 world.size > 1 ? ("[rank " + std::to_string(world.rank) + "] ").c_str() : "",
-                 guard.metrics_endpoint().c_str());
-  }
 
   if (lead) {
     std::int64_t num_params = 0;

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <unordered_map>
@@ -154,6 +155,9 @@ struct GuardedOptimizer::Impl {
                          {"cuda", cuda::compiled_with_cuda() ? "yes" : "no"},
                          {"nccl", nccl ? std::to_string(nccl) : "none"}};
       metrics = std::make_unique<telemetry::Metrics>(mc);
+      // Say where, once: with port 0 nobody else knows.
+      std::fprintf(stderr, "stepguard: serving metrics at http://%s/metrics (run %s, rank %d)\n",
+                   metrics->endpoint().c_str(), mc.run.c_str(), mc.rank);
     }
 #endif
     if (!options.trace_path().empty()) {

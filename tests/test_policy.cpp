@@ -53,8 +53,8 @@ TEST(Policy, NonFiniteGradientsOrLossAreSkipped) {
   GlobalStats both = nan_grads();
   both.loss_nonfinite_ranks = 1;
   s = engine.detect(both);
-  EXPECT_EQ(s.raised, std::vector<Signal>({Signal::kNonfiniteGrad, Signal::kNonfiniteLoss}));
-  EXPECT_EQ(engine.decide(s).reason, "nonfinite_grad, nonfinite_loss");
+  EXPECT_EQ(s.raised, std::vector<Signal>({Signal::kNonfiniteLoss, Signal::kNonfiniteGrad}));
+  EXPECT_EQ(engine.decide(s).reason, "nonfinite_loss, nonfinite_grad");
   EXPECT_EQ(engine.state().consecutive_bad_steps, 2);
 }
 

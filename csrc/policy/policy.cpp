@@ -15,8 +15,9 @@ PolicyEngine::PolicyEngine(PolicyConfig config) : config_(config) {
 
 Signals PolicyEngine::detect(const GlobalStats& stats) {
   Signals signals;
-  if (stats.nonfinite_count() > 0) signals.raised.push_back(Signal::kNonfiniteGrad);
+  // The loss comes first: a non-finite loss makes every gradient non-finite, not the reverse.
   if (stats.loss_nonfinite_ranks > 0) signals.raised.push_back(Signal::kNonfiniteLoss);
+  if (stats.nonfinite_count() > 0) signals.raised.push_back(Signal::kNonfiniteGrad);
   if (!stats.desynced_ranks.empty()) {
     signals.raised.push_back(Signal::kRankDesync);
     signals.desynced_ranks = stats.desynced_ranks;

@@ -336,7 +336,10 @@ int run_demo(const DemoOptions& o) {
                           {"reason", inc.reason}};
       incidents.push_back(j);
       std::string blamed;
-      for (const auto& t : inc.tensors) blamed += (blamed.empty() ? "" : ", ") + t;
+      for (std::size_t i = 0; i < inc.tensors.size() && i < 3; ++i) {
+        blamed += (i ? ", " : "") + inc.tensors[i];
+      }
+      if (inc.tensors.size() > 3) blamed += ", ...";
       std::string ranks;
       for (int r : inc.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
       if (lead) {
@@ -449,8 +452,11 @@ int run_demo(const DemoOptions& o) {
     table << line;
     for (const auto& inc : incidents) {
       std::string tensors, ranks;
-      for (const auto& t : inc["tensors"]) {
-        tensors += (tensors.empty() ? "" : ",") + t.get<std::string>();
+      for (std::size_t i = 0; i < inc["tensors"].size() && i < 2; ++i) {
+        tensors += (i ? "," : "") + inc["tensors"][i].get<std::string>();
+      }
+      if (inc["tensors"].size() > 2) {
+        tensors += " (+" + std::to_string(inc["tensors"].size() - 2) + " more)";
       }
       for (const auto& r : inc["ranks"]) {
         ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());

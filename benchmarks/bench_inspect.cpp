@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/llama_shapes.h"
 #include "csrc/inspect/inspect.h"
 
 namespace {
@@ -29,18 +30,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::vector<at::Tensor> llama_like(bool mixed) {
-  const std::int64_t hidden = 352, ffn = 952, vocab = 2768, layers = 32;
-  std::vector<std::vector<std::int64_t>> shapes = {{vocab, hidden}};
-  for (int l = 0; l < layers; ++l) {
-    for (int i = 0; i < 4; ++i) shapes.push_back({hidden, hidden});
-    shapes.push_back({ffn, hidden});
-    shapes.push_back({ffn, hidden});
-    shapes.push_back({hidden, ffn});
-    shapes.push_back({hidden});
-    shapes.push_back({hidden});
-  }
-  shapes.push_back({hidden});
-  shapes.push_back({vocab, hidden});
+  // Every dimension of Llama-7B scaled by 0.086: ~200 MB in fp32.
+  const auto shapes = stepguard::bench::llama_shapes(352, 952, 2768);
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     auto g = at::randn(shapes[i]);

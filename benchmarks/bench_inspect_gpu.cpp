@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "benchmarks/ceiling_kernel.h"
+#include "benchmarks/llama_shapes.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
 #include "csrc/inspect/inspect.h"
 
@@ -35,18 +36,7 @@ std::vector<at::Tensor> make_set(const std::string& name) {
     return grads;
   }
   // Llama-7B shapes scaled by 0.27 per dimension: ~2 GB in fp32.
-  const std::int64_t hidden = 1104, ffn = 2976, vocab = 8640, layers = 32;
-  std::vector<std::vector<std::int64_t>> shapes = {{vocab, hidden}};
-  for (int l = 0; l < layers; ++l) {
-    for (int i = 0; i < 4; ++i) shapes.push_back({hidden, hidden});
-    shapes.push_back({ffn, hidden});
-    shapes.push_back({ffn, hidden});
-    shapes.push_back({hidden, ffn});
-    shapes.push_back({hidden});
-    shapes.push_back({hidden});
-  }
-  shapes.push_back({hidden});
-  shapes.push_back({vocab, hidden});
+  const auto shapes = stepguard::bench::llama_shapes(1104, 2976, 8640);
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     auto g = at::randn(shapes[i], opts);
     grads.push_back(name == "D3" && i % 2 == 1 ? g.to(at::kBFloat16) : g);

@@ -1,0 +1,62 @@
+#include "csrc/scaling/loss_scaler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace stepguard {
+namespace scaling {
+
+namespace {
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("stepguard: loss_scale: " + what);
+}
+}  // namespace
+
+LossScaler::LossScaler(LossScalerConfig config) : config_(config) {
+  require(std::isfinite(config_.init_scale) && config_.init_scale > 0,
+          "init_scale must be finite and > 0");
+  require(config_.growth_factor > 1 && std::isfinite(config_.growth_factor),
+          "growth_factor must be > 1");
+  require(config_.backoff_factor > 0 && config_.backoff_factor < 1,
+          "backoff_factor must be in (0, 1)");
+  require(config_.growth_interval >= 1, "growth_interval must be >= 1");
+  require(config_.hysteresis >= 1, "hysteresis must be >= 1");
+  require(config_.min_scale >= 0 && std::isfinite(config_.min_scale), "min_scale must be >= 0");
+  require(config_.max_scale > 0, "max_scale must be > 0");
+  require(config_.init_scale >= config_.min_scale && config_.init_scale <= config_.max_scale,
+          "init_scale must lie between min_scale and max_scale");
+  state_.scale = config_.init_scale;
+  state_.hysteresis_left = config_.hysteresis;
+}
+
+void LossScaler::set_scale(double scale) {
+  state_.scale = std::min(std::max(scale, config_.min_scale), config_.max_scale);
+}
+
+void LossScaler::update(bool nonfinite) {
+  if (nonfinite) {
+    state_.growth_tracker = 0;
+    state_.hysteresis_left -= 1;
+    if (state_.hysteresis_left <= 0) set_scale(state_.scale * config_.backoff_factor);
+  } else {
+    state_.growth_tracker += 1;
+    if (state_.growth_tracker == config_.growth_interval) {
+      state_.growth_tracker = 0;
+      state_.hysteresis_left = config_.hysteresis;
+      const double grown = state_.scale * config_.growth_factor;
+      if (std::isfinite(grown)) set_scale(grown);
+    }
+  }
+  state_.steps_at_floor = at_floor() ? state_.steps_at_floor + 1 : 0;
+}
+
+void LossScaler::drop(double factor) {
+  require(factor > 0 && factor < 1, "drop factor must be in (0, 1)");
+  set_scale(state_.scale * factor);
+  state_.growth_tracker = 0;
+}
+
+}  // namespace scaling
+}  // namespace stepguard

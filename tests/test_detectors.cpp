@@ -1,0 +1,67 @@
+// Spike detectors, with the averages worked out by hand (decay 0.5 keeps the numbers short).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "csrc/policy/detectors.h"
+
+namespace stepguard {
+namespace policy {
+namespace {
+
+TEST(EmaZScore, WarmsUpThenFlagsSpikesWithoutLearningFromThem) {
+  EmaZScore d(EmaZScoreConfig{3.0, 2, 0.5});
+  SpikeVerdict v = d.observe(10);  // first value: mean 10, variance 0
+  EXPECT_FALSE(v.spike);
+  EXPECT_EQ(d.state().mean, 10);
+  v = d.observe(12);  // no spread yet, z = inf, but still warming up
+  EXPECT_FALSE(v.spike);
+  EXPECT_TRUE(std::isinf(v.z));
+  EXPECT_EQ(d.state().mean, 11);     // 10 + 0.5 * 2
+  EXPECT_EQ(d.state().variance, 1);  // 0.5 * (0 + 0.5 * 4)
+  v = d.observe(11.5);               // z = 0.5 / 1
+  EXPECT_FALSE(v.spike);
+  EXPECT_EQ(v.z, 0.5);
+  EXPECT_EQ(d.state().mean, 11.25);
+  EXPECT_EQ(d.state().variance, 0.5625);  // 0.5 * (1 + 0.5 * 0.25)
+  v = d.observe(20);                      // z = 8.75 / 0.75
+  EXPECT_TRUE(v.spike);
+  EXPECT_NEAR(v.z, 11.6666666667, 1e-9);
+  EXPECT_EQ(d.state().mean, 11.25);  // the spike did not move the average
+  EXPECT_EQ(d.state().count, 3);
+  v = d.observe(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_FALSE(v.spike);
+  EXPECT_EQ(d.state().count, 3);
+}
+
+TEST(EmaZScore, DefaultsAreZSixAfterAHundredSteps) {
+  const EmaZScoreConfig c;
+  EXPECT_EQ(c.threshold, 6.0);
+  EXPECT_EQ(c.warmup, 100);
+  EmaZScore d;
+  for (int i = 0; i < 99; ++i) d.observe(1.0 + 0.01 * (i % 2));
+  EXPECT_FALSE(d.observe(1e6).spike);  // the 100th value is still warm-up
+  EXPECT_TRUE(d.observe(1e6).spike);
+}
+
+TEST(RatioRule, FiresAboveKTimesTheEarlyMaximum) {
+  RatioRule r(RatioRuleConfig{10.0, 3});
+  EXPECT_FALSE(r.observe(5));
+  EXPECT_FALSE(r.observe(3));
+  EXPECT_FALSE(r.observe(4));
+  EXPECT_EQ(r.state().reference_max, 5);
+  EXPECT_FALSE(r.observe(49));
+  EXPECT_TRUE(r.observe(51));
+  EXPECT_FALSE(r.observe(std::numeric_limits<double>::infinity()));
+}
+
+TEST(Detectors, BadConfigIsRefused) {
+  EXPECT_THROW(EmaZScore(EmaZScoreConfig{0.0, 1, 0.5}), std::invalid_argument);
+  EXPECT_THROW(EmaZScore(EmaZScoreConfig{6.0, 1, 1.0}), std::invalid_argument);
+  EXPECT_THROW(RatioRule(RatioRuleConfig{1.0, 3}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace policy
+}  // namespace stepguard

@@ -90,6 +90,10 @@ TEST(PolicyFile, MissingFileIsOneIssueAndLoadThrowsWithEveryLine) {
   EXPECT_EQ(issues[0].format(),
             "/nonexistent/policy.yaml:0:0: cannot read policy file: No such file or directory");
 
+  const auto dir_issues = check_policy_file(::testing::TempDir(), nullptr);
+  ASSERT_EQ(dir_issues.size(), 1u);
+  EXPECT_NE(dir_issues[0].message.find("it is a directory"), std::string::npos);
+
   const std::string path = ::testing::TempDir() + "/sg_bad_policy.yaml";
   std::ofstream(path) << "version: 3\nlimit: {}\n";
   try {

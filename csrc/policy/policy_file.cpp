@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -152,6 +153,10 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
 }
 
 std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig* config) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return {{path, 0, 0, "cannot read policy file: it is a directory"}};
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return {{path, 0, 0, std::string("cannot read policy file: ") + std::strerror(errno)}};

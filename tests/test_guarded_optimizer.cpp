@@ -236,6 +236,72 @@ TEST(GuardedOptimizer, GoodStepResetsTheBadStreak) {
   EXPECT_FALSE(guard.aborted());
 }
 
+TEST(GuardedOptimizer, LossScalingUnscalesInThePassAndMatchesAPlainStepBitwise) {
+  auto scaled_model = make_model(11);
+  auto plain_model = make_model(11);
+  torch::optim::AdamW scaled_opt(scaled_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(scaled_opt, GuardOptions().loss_scaling(true));
+  EXPECT_EQ(guard.loss_scale(), 65536.0);
+  for (int step = 0; step < 3; ++step) {
+    scaled_opt.zero_grad();
+    auto loss = loss_of(scaled_model, step);
+    guard.scale_loss(loss).backward();
+    const StepReport r = guard.step(loss);
+    EXPECT_TRUE(r.applied());
+    EXPECT_EQ(r.loss_scale, 65536.0);
+    EXPECT_EQ(r.loss, loss.item<double>());  // the report speaks of the unscaled loss
+    plain_opt.zero_grad();
+    loss_of(plain_model, step).backward();
+    plain_opt.step();
+  }
+  // Scaling by a power of two and unscaling by its inverse is exact.
+  const auto a = scaled_model->parameters();
+  const auto b = plain_model->parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
+}
+
+TEST(GuardedOptimizer, OverflowSkipsAndHalvesTheLossScale) {
+  auto model = make_model(12);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt, GuardOptions().loss_scaling(true));
+  opt.zero_grad();
+  auto loss = loss_of(model, 0);
+  guard.scale_loss(loss).backward();
+  model->named_parameters()["0.weight"].mutable_grad()[0][0] = INFINITY;  // fp16 overflow
+  const auto before = clone_all(model->parameters());
+  const StepReport r = guard.step(loss);
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  EXPECT_EQ(r.actions, std::vector<Action>({Action::kSkipBatch, Action::kDropLossScale}));
+  EXPECT_EQ(r.loss_scale, 32768.0);
+  EXPECT_EQ(guard.loss_scale(), 32768.0);
+  EXPECT_EQ(guard.state().loss_scale, 32768.0);
+  const auto after = model->parameters();
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i]));
+}
+
+TEST(GuardedOptimizer, PolicyFileLossScaleSectionSetsTheNumbers) {
+  const std::string path = ::testing::TempDir() + "/sg_loss_scale_policy.yaml";
+  std::ofstream(path) << "version: 1\nloss_scale:\n  init_scale: 8\n  growth_interval: 2\n";
+  auto p = torch::zeros({2}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd, GuardOptions().policy_file(path));
+  EXPECT_EQ(guard.loss_scale(), 8.0);
+  for (int i = 0; i < 2; ++i) {
+    sgd.zero_grad();
+    auto loss = (p - 1.0).pow(2).sum();
+    guard.scale_loss(loss).backward();
+    guard.step(loss);
+  }
+  EXPECT_EQ(guard.loss_scale(), 16.0);  // grown after 2 clean steps
+  // A restored state brings the scale back with it.
+  GuardState s = guard.state();
+  s.loss_scale = 4.0;
+  guard.restore_state(s);
+  EXPECT_EQ(guard.loss_scale(), 4.0);
+  std::remove(path.c_str());
+}
+
 TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
   const std::string path = ::testing::TempDir() + "/sg_guard_policy.yaml";
   std::ofstream(path) << "version: 1\nlimits:\n  max_consecutive_bad_steps: 2\n";

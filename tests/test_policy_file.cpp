@@ -26,6 +26,34 @@ TEST(PolicyFile, ValidFileLoads) {
   EXPECT_EQ(config.max_consecutive_bad_steps, 7);
 }
 
+TEST(PolicyFile, LossScaleSection) {
+  PolicyConfig config;
+  ASSERT_TRUE(parse_policy("version: 1\nloss_scale:\n  init_scale: 1024\n  growth_interval: 100\n"
+                           "  hysteresis: 2\n  min_scale: 1\n",
+                           "p.yaml", &config)
+                  .empty());
+  EXPECT_TRUE(config.has_loss_scale);
+  EXPECT_TRUE(config.loss_scale.enabled);
+  EXPECT_EQ(config.loss_scale.init_scale, 1024);
+  EXPECT_EQ(config.loss_scale.growth_interval, 100);
+  EXPECT_EQ(config.loss_scale.hysteresis, 2);
+  EXPECT_EQ(config.loss_scale.min_scale, 1);
+  EXPECT_EQ(config.loss_scale.backoff_factor, 0.5);  // GradScaler's default
+  ASSERT_TRUE(
+      parse_policy("version: 1\nloss_scale: {enabled: false}\n", "p.yaml", &config).empty());
+  EXPECT_FALSE(config.loss_scale.enabled);
+
+  EXPECT_EQ(issues_of("version: 1\nloss_scale:\n  backoff_factor: 1.5\n  enabled: maybe\n"
+                      "  growth_intervl: 5\n"),
+            std::vector<std::string>(
+                {"p.yaml:5:3: unknown key 'growth_intervl' in 'loss_scale' (did you mean "
+                 "'growth_interval'?)",
+                 "p.yaml:4:12: 'enabled' must be true or false, got 'maybe'",
+                 "p.yaml:3:19: 'backoff_factor' must be a number in (0, 1), got '1.5'"}));
+  EXPECT_EQ(issues_of("version: 1\nloss_scale:\n  init_scale: 4\n  min_scale: 8\n"),
+            std::vector<std::string>({"p.yaml:4:14: 'min_scale' 8 is above 'init_scale'"}));
+}
+
 TEST(PolicyFile, LimitsAreOptional) {
   PolicyConfig config;
   config.max_consecutive_bad_steps = 99;

@@ -18,9 +18,24 @@ namespace stepguard {
 namespace policy {
 
 /// The knobs of the built-in ladder.
+/// Dynamic loss scaling for fp16, as the policy file's `loss_scale` section gives it. Defaults are
+/// PyTorch GradScaler's; min_scale 0 means no floor.
+struct LossScaleSettings {
+  bool enabled = false;
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  std::int64_t growth_interval = 2000;
+  std::int64_t hysteresis = 1;
+  double min_scale = 0.0;
+};
+
 struct PolicyConfig {
   /// Abort after this many consecutive bad steps (0 = never abort, skip forever).
   std::int64_t max_consecutive_bad_steps = 0;
+  /// Present when the file has a `loss_scale` section.
+  bool has_loss_scale = false;
+  LossScaleSettings loss_scale;
 };
 
 /// The engine's whole state: what a snapshot stores and ranks compare.

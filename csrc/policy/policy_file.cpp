@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,7 +16,10 @@ namespace policy {
 namespace {
 
 // Keys of schema version 1, by section.
-const std::vector<std::string> kTopKeys = {"version", "limits"};
+const std::vector<std::string> kTopKeys = {"version", "limits", "loss_scale"};
+const std::vector<std::string> kLossScaleKeys = {
+    "enabled",         "init_scale", "growth_factor", "backoff_factor",
+    "growth_interval", "hysteresis", "min_scale"};
 const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps"};
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
@@ -79,6 +83,41 @@ class Checker {
         << (node.IsScalar() ? "'" + node.Scalar() + "'"
                             : std::string("a ") + (node.IsMap() ? "map" : "list"));
     issue(node.Mark(), msg.str());
+    return false;
+  }
+
+  bool number(const YAML::Node& node, const std::string& key, double lo, double hi, bool open_lo,
+              bool open_hi, double* out) {
+    if (node.IsScalar()) {
+      const std::string& s = node.Scalar();
+      errno = 0;
+      char* end = nullptr;
+      const double v = std::strtod(s.c_str(), &end);
+      const bool above = open_lo ? v > lo : v >= lo;
+      const bool below = open_hi ? v < hi : v <= hi;
+      if (!s.empty() && errno == 0 && end == s.c_str() + s.size() && std::isfinite(v) && above &&
+          below) {
+        *out = v;
+        return true;
+      }
+    }
+    std::ostringstream msg;
+    msg << "'" << key << "' must be a number in " << (open_lo ? "(" : "[") << lo << ", " << hi
+        << (open_hi ? ")" : "]") << ", got "
+        << (node.IsScalar() ? "'" + node.Scalar() + "'"
+                            : std::string("a ") + (node.IsMap() ? "map" : "list"));
+    issue(node.Mark(), msg.str());
+    return false;
+  }
+
+  bool boolean(const YAML::Node& node, const std::string& key, bool* out) {
+    if (node.IsScalar() && (node.Scalar() == "true" || node.Scalar() == "false")) {
+      *out = node.Scalar() == "true";
+      return true;
+    }
+    issue(node.Mark(),
+          "'" + key + "' must be true or false, got " +
+              (node.IsScalar() ? "'" + node.Scalar() + "'" : std::string("a map or list")));
     return false;
   }
 
@@ -147,6 +186,39 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
       }
     }
   }
+  if (const YAML::Node ls = root["loss_scale"]; ls) {
+    if (!ls.IsMap()) {
+      check.issue(ls.Mark(), "'loss_scale' must be a map");
+    } else {
+      check.check_keys(ls, kLossScaleKeys, " in 'loss_scale'");
+      parsed.has_loss_scale = true;
+      LossScaleSettings& l = parsed.loss_scale;
+      l.enabled = true;  // a loss_scale section turns scaling on unless it says enabled: false
+      if (const YAML::Node n = ls["enabled"]; n) check.boolean(n, "enabled", &l.enabled);
+      if (const YAML::Node n = ls["init_scale"]; n) {
+        check.number(n, "init_scale", 0, 1e38, true, false, &l.init_scale);
+      }
+      if (const YAML::Node n = ls["growth_factor"]; n) {
+        check.number(n, "growth_factor", 1, 1e6, true, false, &l.growth_factor);
+      }
+      if (const YAML::Node n = ls["backoff_factor"]; n) {
+        check.number(n, "backoff_factor", 0, 1, true, true, &l.backoff_factor);
+      }
+      long long v = 0;
+      if (const YAML::Node n = ls["growth_interval"]; n) {
+        if (check.whole_number(n, "growth_interval", 1, 1000000000, &v)) l.growth_interval = v;
+      }
+      if (const YAML::Node n = ls["hysteresis"]; n) {
+        if (check.whole_number(n, "hysteresis", 1, 1000000, &v)) l.hysteresis = v;
+      }
+      if (const YAML::Node n = ls["min_scale"]; n) {
+        if (check.number(n, "min_scale", 0, 1e38, false, false, &l.min_scale) &&
+            l.min_scale > l.init_scale) {
+          check.issue(n.Mark(), "'min_scale' " + n.Scalar() + " is above 'init_scale'");
+        }
+      }
+    }
+  }
   std::vector<PolicyIssue> issues = check.take();
   if (issues.empty() && config != nullptr) *config = parsed;
   return issues;
@@ -179,6 +251,15 @@ std::string explain_policy(const PolicyConfig& config) {
   out << "1. Clean step: the optimizer steps.\n";
   out << "2. Any NaN/Inf gradient or loss, on any rank: the batch is skipped (gradients zeroed, "
          "parameters and optimizer state untouched).\n";
+  if (config.has_loss_scale && config.loss_scale.enabled) {
+    const LossScaleSettings& l = config.loss_scale;
+    out << "Loss scaling (fp16): start at " << l.init_scale << "; on a NaN/Inf step multiply by "
+        << l.backoff_factor;
+    if (l.hysteresis > 1) out << " after " << l.hysteresis << " such steps";
+    out << "; after " << l.growth_interval << " clean steps multiply by " << l.growth_factor;
+    if (l.min_scale > 0) out << "; never below " << l.min_scale;
+    out << ".\n";
+  }
   if (config.max_consecutive_bad_steps > 0) {
     out << "3. " << config.max_consecutive_bad_steps
         << " bad steps in a row: training is aborted.\n";

@@ -219,6 +219,7 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
       .Set(1);
   s.lr_factor->Set(1.0);
   s.loss_scale->Set(1.0);
+  s.loss_scale_min->Set(config.loss_scale_min);
 
   try {
     s.server = std::make_unique<MetricsServer>(config.bind_address, config.port,

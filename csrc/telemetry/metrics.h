@@ -26,6 +26,8 @@ struct MetricsConfig {
   /// Constant labels on every series.
   std::string run = "stepguard";
   int rank = 0;
+  /// Floor of the loss scale (0 without loss scaling or floor), for the at-floor alert.
+  double loss_scale_min = 0.0;
   /// Labels of stepguard_build_info.
   std::map<std::string, std::string> build_labels;
 };

@@ -7,8 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
 #include "csrc/consensus/consensus.h"
@@ -18,6 +20,7 @@
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
 #include "csrc/policy/policy_file.h"
+#include "csrc/scaling/loss_scaler.h"
 #include "csrc/telemetry/event_log.h"
 #include "csrc/telemetry/metrics.h"
 #include "stepguard/version.h"
@@ -29,7 +32,11 @@ namespace {
 // FNV-1a over the decision state, masked to an integer fp64 holds exactly.
 std::uint64_t digest_of(const GuardState& state) {
   std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::int64_t v : {state.step, state.consecutive_bad_steps, state.bad_steps_total}) {
+  std::int64_t scale_bits = 0;
+  std::memcpy(&scale_bits, &state.loss_scale, sizeof scale_bits);
+  for (std::int64_t v : {state.step, state.consecutive_bad_steps, state.bad_steps_total, scale_bits,
+                         state.loss_scale_growth_tracker, state.loss_scale_hysteresis_left,
+                         state.loss_scale_steps_at_floor}) {
     for (int byte = 0; byte < 8; ++byte) {
       h ^= static_cast<std::uint64_t>(v >> (8 * byte)) & 0xffu;
       h *= 0x100000001b3ull;
@@ -107,7 +114,9 @@ policy::PolicyConfig policy_config_of(const GuardOptions& options) {
               "stepguard: max_consecutive_bad_steps must be >= 0, got ",
               options.max_consecutive_bad_steps());
   if (options.policy_file().empty()) {
-    return policy::PolicyConfig{options.max_consecutive_bad_steps()};
+    policy::PolicyConfig config;
+    config.max_consecutive_bad_steps = options.max_consecutive_bad_steps();
+    return config;
   }
   TORCH_CHECK(options.max_consecutive_bad_steps() == 0,
               "stepguard: max_consecutive_bad_steps is set both in GuardOptions and through the "
@@ -132,7 +141,19 @@ struct GuardedOptimizer::Impl {
       : optimizer(opt),
         options(std::move(opts)),
         consensus(make_consensus(options)),
-        engine(policy_config_of(options)) {
+        policy_config(policy_config_of(options)),
+        engine(policy_config) {
+    if (policy_config.has_loss_scale ? policy_config.loss_scale.enabled : options.loss_scaling()) {
+      const policy::LossScaleSettings& l = policy_config.loss_scale;  // defaults = GradScaler's
+      scaling::LossScalerConfig c;
+      c.init_scale = l.init_scale;
+      c.growth_factor = l.growth_factor;
+      c.backoff_factor = l.backoff_factor;
+      c.growth_interval = l.growth_interval;
+      c.hysteresis = l.hysteresis;
+      c.min_scale = l.min_scale;
+      scaler.emplace(c);
+    }
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
     TORCH_CHECK(options.metrics_port() >= -1 && options.metrics_port() <= 65535,
@@ -149,6 +170,7 @@ struct GuardedOptimizer::Impl {
       mc.port = options.metrics_port();
       mc.run = options.run_name();
       mc.rank = consensus->rank();
+      mc.loss_scale_min = scaler ? scaler->config().min_scale : 0.0;
       const int nccl = consensus::nccl_version();
       mc.build_labels = {{"version", version()},
                          {"libtorch", TORCH_VERSION},
@@ -212,13 +234,22 @@ struct GuardedOptimizer::Impl {
   }
 
   GuardState state() const {
-    return GuardState{step, engine.state().consecutive_bad_steps, engine.state().bad_steps_total};
+    GuardState g{step, engine.state().consecutive_bad_steps, engine.state().bad_steps_total};
+    if (scaler) {
+      g.loss_scale = scaler->state().scale;
+      g.loss_scale_growth_tracker = scaler->state().growth_tracker;
+      g.loss_scale_hysteresis_left = scaler->state().hysteresis_left;
+      g.loss_scale_steps_at_floor = scaler->state().steps_at_floor;
+    }
+    return g;
   }
 
   torch::optim::Optimizer& optimizer;
   GuardOptions options;
   std::unique_ptr<consensus::Consensus> consensus;
+  policy::PolicyConfig policy_config;
   policy::PolicyEngine engine;
+  std::optional<scaling::LossScaler> scaler;
   std::unique_ptr<telemetry::EventLog> event_log;
   std::unique_ptr<telemetry::Metrics> metrics;
   std::vector<torch::Tensor> params;
@@ -255,7 +286,13 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   for (const auto& p : s.params) grads.push_back(p.grad());
   using Clock = std::chrono::steady_clock;
   const auto t_inspect = Clock::now();
-  LocalStats local = inspect::inspect_gradients(grads);
+  inspect::InspectOptions inspect_options;
+  if (s.scaler) {
+    // The fused pass unscales in place: the optimizer then sees true gradients.
+    inspect_options.inv_scale = s.scaler->inv_scale();
+    inspect_options.unscale_in_place = true;
+  }
+  LocalStats local = inspect::inspect_gradients(grads, inspect_options);
   local.loss = loss.detach().to(at::kDouble).item<double>();
   local.loss_nonfinite = !std::isfinite(local.loss);
 
@@ -280,7 +317,15 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
 
   // 3 detect, 4 decide.
   const Signals signals = s.engine.detect(global);
-  const Decision decision = s.engine.decide(signals);
+  Decision decision = s.engine.decide(signals);
+  if (s.scaler) {
+    // GradScaler's rule: back off on any overflow, grow after a clean run.
+    const bool overflow = global.nonfinite_count() > 0 || global.loss_nonfinite_ranks > 0;
+    s.scaler->update(overflow);
+    if (overflow && decision.outcome != Outcome::kApplied) {
+      decision.actions.push_back(Action::kDropLossScale);
+    }
+  }
 
   // 5 act.
   switch (decision.outcome) {
@@ -311,6 +356,7 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   report.nonfinite_count = global.nonfinite_count();
   report.actions = decision.actions;
   report.batches_to_skip = decision.batches_to_skip;
+  report.loss_scale = s.scaler ? s.scaler->scale() : 1.0;
 
   std::vector<std::string> blamed;
   for (std::int64_t idx : local.nonfinite_tensors) {
@@ -343,6 +389,19 @@ void GuardedOptimizer::restore_state(const GuardState& state) {
               "stepguard: restore_state got a negative counter");
   impl_->step = state.step;
   impl_->engine.restore(policy::EngineState{state.consecutive_bad_steps, state.bad_steps_total});
+  if (impl_->scaler) {
+    TORCH_CHECK(state.loss_scale > 0 && std::isfinite(state.loss_scale),
+                "stepguard: restore_state got loss scale ", state.loss_scale);
+    impl_->scaler->restore(scaling::LossScalerState{
+        state.loss_scale, state.loss_scale_growth_tracker, state.loss_scale_hysteresis_left,
+        state.loss_scale_steps_at_floor});
+  }
+}
+torch::Tensor GuardedOptimizer::scale_loss(const torch::Tensor& loss) const {
+  return impl_->scaler ? loss * impl_->scaler->scale() : loss;
+}
+double GuardedOptimizer::loss_scale() const noexcept {
+  return impl_->scaler ? impl_->scaler->scale() : 1.0;
 }
 std::string GuardedOptimizer::metrics_endpoint() const {
   return impl_->metrics ? impl_->metrics->endpoint() : std::string();

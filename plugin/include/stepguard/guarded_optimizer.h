@@ -43,9 +43,17 @@ struct GuardState {
   std::int64_t step = 0;
   std::int64_t consecutive_bad_steps = 0;
   std::int64_t bad_steps_total = 0;
+  // The loss scaler's state (meaningful only with loss scaling on).
+  double loss_scale = 1.0;
+  std::int64_t loss_scale_growth_tracker = 0;
+  std::int64_t loss_scale_hysteresis_left = 0;
+  std::int64_t loss_scale_steps_at_floor = 0;
   bool operator==(const GuardState& o) const noexcept {
     return step == o.step && consecutive_bad_steps == o.consecutive_bad_steps &&
-           bad_steps_total == o.bad_steps_total;
+           bad_steps_total == o.bad_steps_total && loss_scale == o.loss_scale &&
+           loss_scale_growth_tracker == o.loss_scale_growth_tracker &&
+           loss_scale_hysteresis_left == o.loss_scale_hysteresis_left &&
+           loss_scale_steps_at_floor == o.loss_scale_steps_at_floor;
   }
 };
 
@@ -81,6 +89,13 @@ class GuardedOptimizer {
   std::string metrics_endpoint() const;
   /// The exposition text a scrape would see now; empty when metrics are off.
   std::string metrics_text() const;
+
+  /// With loss scaling on: `loss` times the current loss scale, to call backward() on (as
+  /// GradScaler's scale()); step() then unscales the gradients in its inspection pass. Without
+  /// loss scaling: `loss` itself.
+  torch::Tensor scale_loss(const torch::Tensor& loss) const;
+  /// The current loss scale (1 without loss scaling).
+  double loss_scale() const noexcept;
 
   /// Guarded steps taken so far (the step counter; reports number steps from 1).
   std::int64_t step_count() const noexcept;

@@ -22,6 +22,10 @@ struct GuardOptions {
   /// skipping. Bounds a loop of futility such as a parameter that became NaN. Set it here or in
   /// the policy file, not both.
   TORCH_ARG(std::int64_t, max_consecutive_bad_steps) = 0;
+  /// Dynamic loss scaling for fp16 with PyTorch GradScaler's defaults (init 2^16, x2 every 2000
+  /// clean steps, x0.5 on a NaN/Inf step). A policy file's `loss_scale` section, when present,
+  /// turns it on (or off) with its own numbers instead. Call backward() on guard.scale_loss(loss).
+  TORCH_ARG(bool, loss_scaling) = false;
   /// Zero the gradients of a skipped step, so a loop that forgets zero_grad() cannot carry a NaN
   /// into the next step.
   TORCH_ARG(bool, zero_grad_on_skip) = true;

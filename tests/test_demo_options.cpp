@@ -77,7 +77,10 @@ TEST(DemoOptions, BadFlagsNameTheFlag) {
   EXPECT_EQ(parse_error({"--ranks", "0"}), "--ranks '0': expected a whole number in [1, 64]");
   EXPECT_EQ(parse_error({"--collective-timeout", "0"}),
             "--collective-timeout '0': expected whole seconds in [1, 86400]");
-  EXPECT_EQ(parse_error({"--inject", "overflow@5"}).rfind("--inject overflow: needs fp16", 0), 0u);
+  EXPECT_EQ(
+      parse_error({"--inject", "overflow@5"}).rfind("--inject overflow: needs --precision fp16", 0),
+      0u);
+  EXPECT_EQ(parse_error({"--precision", "fp8"}), "--precision 'fp8': expected fp32 or fp16");
 }
 
 TEST(DemoOptions, HelpIsNotAnError) {

@@ -127,20 +127,23 @@ class Progress {
   }
   void update(const StepReport& r, double tokens_per_s, std::int64_t skipped) {
     const bool last = r.step == total_;
+    // The loss scale only matters (and is shown) under fp16 loss scaling.
+    char scale[48] = "";
+    if (r.loss_scale != 1.0) std::snprintf(scale, sizeof scale, "  scale %g", r.loss_scale);
     if (tty_) {
       const auto now = Clock::now();
       if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
       last_draw_ = now;
       std::fprintf(stderr,
                    "\r\033[K  step %6" PRId64 "/%" PRId64
-                   "  loss %7.4f  %8.0f tok/s  skipped %" PRId64,
-                   r.step, total_, r.loss, tokens_per_s, skipped);
+                   "  loss %7.4f  %8.0f tok/s  skipped %" PRId64 "%s",
+                   r.step, total_, r.loss, tokens_per_s, skipped, scale);
       if (last) std::fputc('\n', stderr);
       std::fflush(stderr);
     } else if (r.step % every_ == 0 || last || r.step == 1) {
       std::fprintf(stderr,
-                   "step %" PRId64 "/%" PRId64 " loss %.4f tok/s %.0f skipped %" PRId64 "\n",
-                   r.step, total_, r.loss, tokens_per_s, skipped);
+                   "step %" PRId64 "/%" PRId64 " loss %.4f tok/s %.0f skipped %" PRId64 "%s\n",
+                   r.step, total_, r.loss, tokens_per_s, skipped, scale);
     }
   }
   void note(const std::string& line) {
@@ -211,6 +214,8 @@ int run_demo(const DemoOptions& o) {
     guard_options.max_consecutive_bad_steps(
         o.max_consecutive_bad_steps >= 0 ? o.max_consecutive_bad_steps : kDefaultMaxBadSteps);
   }
+  // fp16 emulation: loss scaling on (a policy file's loss_scale section, if any, sets the numbers).
+  if (o.fp16) guard_options.loss_scaling(true);
   if (world.size > 1) {
     guard_options.process_group(world.group.group)
         .store(world.group.store)
@@ -278,7 +283,18 @@ int run_demo(const DemoOptions& o) {
         torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}), target.view({-1}));
     if (injected(o, FaultKind::kNanLoss, step, world.rank)) loss = loss * std::nan("");
     if (injected(o, FaultKind::kLossSpike, step, world.rank)) loss = loss * 1000.0;
-    loss.backward();
+    auto scaled = guard.scale_loss(loss);
+    // An fp16 overflow: the scaled gradients of this step exceed fp16's range (65504).
+    if (injected(o, FaultKind::kOverflow, step, world.rank)) scaled = scaled * 65536.0;
+    scaled.backward();
+    if (o.fp16) {
+      // Gradients stored in fp16 after the scaled backward, as in fp16 training: values beyond
+      // 65504 become Inf, tiny ones flush. The guard unscales them in its inspection pass.
+      torch::NoGradGuard no_grad;
+      for (auto& p : params) {
+        if (p.grad().defined()) p.mutable_grad().copy_(p.grad().to(torch::kHalf));
+      }
+    }
     try {
       average_gradients(params, world, o.collective_timeout_s);
     } catch (const std::exception& e) {
@@ -408,7 +424,8 @@ int run_demo(const DemoOptions& o) {
       {"params_finite", params_finite},
       {"param_hashes", param_hashes},
       {"outcomes_agree", outcomes_agree},
-      {"loss_scale", 1.0},
+      {"loss_scale", guard.loss_scale()},
+      {"precision", o.fp16 ? "fp16" : "fp32"},
       {"lr_factor", 1.0},
       {"ranks", world.size},
       {"seed", o.seed},
@@ -437,6 +454,10 @@ int run_demo(const DemoOptions& o) {
                 100.0 * (final_loss / initial_loss - 1.0));
   row("loss", line);
   row("params finite", params_finite ? "yes" : "NO");
+  if (o.fp16) {
+    std::snprintf(line, sizeof line, "%g (fp16 emulation)", guard.loss_scale());
+    row("loss scale", line);
+  }
   if (world.size == 1) {
     row("param hash", param_hashes[0].get<std::string>());
   } else {
@@ -447,7 +468,7 @@ int run_demo(const DemoOptions& o) {
   row("collectives", std::to_string(guard.collectives()) + " (one per step)");
   if (!incidents.empty()) {
     table << "  incidents\n";
-    std::snprintf(line, sizeof line, "    %-6s %-16s %-12s %-8s %-6s %s\n", "step", "signal",
+    std::snprintf(line, sizeof line, "    %-6s %-16s %-15s %-8s %-6s %s\n", "step", "signal",
                   "action", "cause", "ranks", "tensors");
     table << line;
     for (const auto& inc : incidents) {
@@ -461,7 +482,7 @@ int run_demo(const DemoOptions& o) {
       for (const auto& r : inc["ranks"]) {
         ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
       }
-      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-12s %-8s %-6s %s\n",
+      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-15s %-8s %-6s %s\n",
                     inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),
                     inc["action"].get<std::string>().c_str(),
                     inc["cause"].get<std::string>().c_str(), ranks.c_str(), tensors.c_str());

@@ -104,7 +104,7 @@ const char* demo_usage() noexcept {
   return "usage: stepguard demo [--steps N] [--seed S] [--inject KIND@STEP[:RANK]]...\n"
          "                      [--summary-json FILE] [--trace FILE] [--ranks R]\n"
          "                      [--collective-timeout SECONDS] [--metrics-port P] [--linger S]\n"
-         "                      [--run-name NAME]\n"
+         "                      [--run-name NAME] [--precision fp32|fp16]\n"
          "                      [--batch-size B] [--context T] [--lr LR] [--threads N]\n"
          "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
          "DIR]\n"
@@ -223,6 +223,10 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (!parse_int(value, 0, 86400, &n)) return bad("expected whole seconds in [0, 86400]");
       o.linger_s = n;
+    } else if (flag == "--precision") {
+      if (!take_value()) return std::nullopt;
+      if (value != "fp32" && value != "fp16") return bad("expected fp32 or fp16");
+      o.fp16 = value == "fp16";
     } else if (flag == "--run-name") {
       if (!take_value()) return std::nullopt;
       if (value.empty()) return bad("expected a name");
@@ -241,10 +245,8 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
     return std::nullopt;
   }
   for (const auto& inj : o.injections) {
-    if (inj.kind == FaultKind::kOverflow) {
-      *error =
-          "--inject overflow: needs fp16 emulation (--precision fp16), which this build does "
-          "not have yet";
+    if (inj.kind == FaultKind::kOverflow && !o.fp16) {
+      *error = "--inject overflow: needs --precision fp16 (an fp16 overflow needs fp16 gradients)";
       return std::nullopt;
     }
   }

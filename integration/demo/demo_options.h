@@ -57,10 +57,11 @@ struct DemoOptions {
   std::int64_t max_consecutive_bad_steps = -1;  ///< -1: not given on the command line
   std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto
   std::int64_t collective_timeout_s = 300;  ///< deadline of every collective between ranks
-  int metrics_port = -1;    ///< -1 none; 0 any free port; P: rank r serves on P + local rank
-  std::int64_t linger_s = 0;  ///< keep serving metrics this long after training ends
+  int metrics_port = -1;          ///< -1 none; 0 any free port; P: rank r serves on P + local rank
+  std::int64_t linger_s = 0;      ///< keep serving metrics this long after training ends
   std::string run_name = "demo";  ///< the `run` label on metrics
-  std::vector<std::string> raw_args;        ///< the arguments as given, for launching ranks
+  bool fp16 = false;  ///< --precision fp16: loss scaling, gradients stored in fp16 after backward
+  std::vector<std::string> raw_args;  ///< the arguments as given, for launching ranks
 };
 
 /// Parses the arguments after "demo". On error returns nullopt and sets `error` to one line that

@@ -6,8 +6,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <iterator>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -297,6 +298,49 @@ TEST(MultiRank, InjectionOnARankThatDoesNotExistIsABadArgument) {
   const ProcessResult r = run_stepguard("demo --steps 3 --inject nan_grad@2:3");
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err, "stepguard demo: --inject nan_grad@2:3: rank 3 does not exist (1 rank)\n");
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Fp16, AnOverflowDropsTheLossScaleWhichThenRecovers) {
+  const std::string policy = temp_path("ls.yaml");
+  std::ofstream(policy) << "version: 1\nloss_scale:\n  growth_interval: 20\n";
+  const std::string summary = temp_path("s.json");
+  const std::string trace = temp_path("t.jsonl");
+  const ProcessResult r =
+      run_stepguard("demo --steps 80 --precision fp16 --inject overflow@30 --policy '" + policy +
+                    "' --summary-json '" + summary + "' --trace '" + trace + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::map<int, nlohmann::json> by_step;
+  std::ifstream in(trace);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    by_step[j["step"].get<int>()] = j;
+  }
+  ASSERT_EQ(by_step.size(), 80u);
+  // GradScaler's rule with growth every 20 clean steps: x2 at step 20, the overflow at 30 skips
+  // and halves, 20 clean steps later (step 50) it has grown back, and again at 70.
+  EXPECT_EQ(by_step[19]["loss_scale"], 65536.0);
+  EXPECT_EQ(by_step[20]["loss_scale"], 131072.0);
+  EXPECT_EQ(by_step[30]["outcome"], "skipped");
+  EXPECT_EQ(by_step[30]["actions"], nlohmann::json::array({"skip_batch", "drop_loss_scale"}));
+  EXPECT_EQ(by_step[30]["loss_scale"], 65536.0);
+  EXPECT_EQ(by_step[50]["loss_scale"], 131072.0);
+  EXPECT_EQ(by_step[70]["loss_scale"], 262144.0);
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["skipped"], 1);
+  EXPECT_EQ(s["precision"], "fp16");
+  EXPECT_EQ(s["loss_scale"], 262144.0);
+  EXPECT_EQ(s["params_finite"], true);
+}
+
+TEST(Fp16, OverflowWithoutFp16IsABadArgument) {
+  const ProcessResult r = run_stepguard("demo --steps 3 --inject overflow@2");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("--inject overflow: needs --precision fp16"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -172,6 +172,24 @@ TEST(Inspect, UnscaleInPlaceTouchesFiniteElementsOnly) {
   EXPECT_TRUE(at::all(nc == 2.0f).item<bool>());
 }
 
+TEST(Inspect, SixteenBitUnscaleRoundsLikeATen) {
+  at::manual_seed(3);
+  for (auto dtype : {at::kHalf, at::kBFloat16}) {
+    auto g = (at::randn({10007}) * 1000).to(dtype);
+    g[17] = std::nanf("");
+    // The reference: ATen computes 16-bit products in fp32 and rounds to nearest even.
+    const auto expected = (g.to(at::kFloat) * static_cast<float>(1.0 / 3.0)).to(dtype);
+    InspectOptions opt;
+    opt.inv_scale = 1.0 / 3.0;
+    opt.unscale_in_place = true;
+    inspect_gradients({g}, opt);
+    EXPECT_TRUE(at::equal(g.narrow(0, 0, 17), expected.narrow(0, 0, 17))) << dtype;
+    EXPECT_TRUE(at::equal(g.narrow(0, 18, 10007 - 18), expected.narrow(0, 18, 10007 - 18)))
+        << dtype;
+    EXPECT_TRUE(std::isnan(g[17].item<float>()));
+  }
+}
+
 TEST(Inspect, RejectsUnsupportedDtypeNamingTheTensor) {
   auto good = f32({1.0f});
   auto bad = at::ones({3}, at::kInt);

@@ -25,20 +25,37 @@ struct InspectOptions {
   bool unscale_in_place = false;
 };
 
-/// Inspects `grads` (undefined tensors are allowed and count as empty). All defined gradients must
-/// be on one device and be float32, float16, bfloat16 or float64; otherwise throws c10::Error with
-/// a message naming the offending tensor index. Non-contiguous gradients are inspected through a
-/// contiguous copy (in-place unscale then writes back through copy_).
+/// Per-tensor results that stayed on the gradients' device (CUDA path): read, in one small
+/// device-to-host copy, only when an incident needs blame. Empty after a CPU inspection, whose
+/// LocalStats already hold them.
+struct DeferredBlame {
+  at::Tensor tensor_sum_squares;  ///< float64, one per gradient
+  at::Tensor tensor_nonfinite;    ///< int32, 1 where the gradient holds NaN/Inf
+  bool pending() const noexcept { return tensor_nonfinite.defined(); }
+  /// Copies the per-tensor results into `stats` (tensor_sum_squares, nonfinite_tensors).
+  void fetch(LocalStats* stats) const;
+};
+
+/// Inspects `grads` (undefined tensors are allowed and count as empty) and writes NaN count, Inf
+/// count, sum of squares (0 when it overflowed) and the overflow flag into `head[0..3]`, a
+/// float64 tensor on the gradients' device: the first slots of the consensus buffer
+/// (stepguard::stats_slot), so the per-step collective can take them as they are.
 ///
-/// Deterministic: the sums are reduced per fixed-size chunk and combined in tensor and chunk order,
-/// so the result is bitwise identical run to run.
+/// CPU gradients: `stats` receives everything as well. CUDA gradients: one kernel launch writes
+/// `head` and nothing is read back: `stats` receives the element counts only, the per-tensor
+/// results wait in `blame`.
+///
+/// All defined gradients must be on one device and be float32, float16, bfloat16 or float64;
+/// otherwise throws c10::Error naming the offending tensor, before anything changes.
+/// Non-contiguous gradients are inspected through a contiguous copy (in-place unscale then writes
+/// back through copy_). Deterministic: sums are reduced per fixed-size chunk and combined in tensor
+/// and chunk order, so the result is bitwise identical run to run and across thread counts.
+void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& options,
+                  const at::Tensor& head, LocalStats* stats, DeferredBlame* blame);
+
+/// inspect_into() with the results read back into one LocalStats (tests, tools).
 LocalStats inspect_gradients(const std::vector<at::Tensor>& grads,
                              const InspectOptions& options = {});
-
-/// One chunk of at most kChunkElements elements, starting at a multiple of lanes_per_row(dtype)
-/// within its tensor, in the shared reduction order (the CUDA kernel gives the same bits).
-ChunkStats inspect_chunk_cpu(GradDtype dtype, const void* first_element, std::int64_t n,
-                             double inv_scale);
 
 /// Maps an ATen dtype to the inspection's element type; throws for anything else.
 GradDtype grad_dtype_of(const at::Tensor& grad, std::size_t index);

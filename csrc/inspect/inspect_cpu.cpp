@@ -1,7 +1,9 @@
 #include "csrc/inspect/inspect.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <limits>
@@ -82,6 +84,30 @@ SG_CPU_CLONES void unscale_f64(void* p, std::int64_t n, double inv_scale) {
   for (std::int64_t i = 0; i < n; ++i) x[i] = std::isfinite(x[i]) ? x[i] * inv_scale : x[i];
 }
 
+// 16-bit types: computed in fp32 and rounded to nearest even, as ATen's mul_ does.
+template <typename T, GradDtype DT>
+void unscale_16(void* p, std::int64_t n, double inv_scale) {
+  auto* x = static_cast<T*>(p);
+  const auto* bits = static_cast<const std::uint16_t*>(p);
+  const float s = static_cast<float>(inv_scale);
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!is_nonfinite<DT>(bits[i])) x[i] = static_cast<T>(static_cast<float>(x[i]) * s);
+  }
+}
+
+void unscale_chunk(GradDtype dtype, void* p, std::int64_t n, double inv_scale) {
+  switch (dtype) {
+    case GradDtype::kFloat32:
+      return unscale_f32(p, n, inv_scale);
+    case GradDtype::kFloat64:
+      return unscale_f64(p, n, inv_scale);
+    case GradDtype::kFloat16:
+      return unscale_16<c10::Half, GradDtype::kFloat16>(p, n, inv_scale);
+    case GradDtype::kBFloat16:
+      return unscale_16<c10::BFloat16, GradDtype::kBFloat16>(p, n, inv_scale);
+  }
+}
+
 ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, double inv_scale) {
   switch (dtype) {
     case GradDtype::kFloat32:
@@ -96,18 +122,13 @@ ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, dou
   return {};
 }
 
-// The CUDA path: one fused launch, then one small device-to-host read of its results.
+// The CUDA path: one fused launch writing `head` in place; no host read.
 // One FusedInspector per device and thread keeps the chunk table across steps.
 void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& views,
                      const std::vector<GradDtype>& dtypes, const InspectOptions& options,
-                     LocalStats* stats) {
+                     const at::Tensor& head, LocalStats* stats, DeferredBlame* blame) {
   thread_local std::unordered_map<int, std::unique_ptr<cuda::FusedInspector>> inspectors;
-  const at::Device device = [&] {
-    for (const auto& v : views) {
-      if (v.defined()) return v.device();
-    }
-    return at::Device(at::kCUDA, 0);
-  }();
+  const at::Device device = head.device();
   auto& inspector = inspectors[device.index()];
   if (!inspector) inspector = std::make_unique<cuda::FusedInspector>(device.index());
 
@@ -119,42 +140,33 @@ void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at:
   }
   const auto on_device = at::TensorOptions().device(device);
   const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(views.size()));
-  at::Tensor global = at::empty({4}, on_device.dtype(at::kDouble));
-  at::Tensor sums = at::empty({n}, on_device.dtype(at::kDouble));
-  at::Tensor flags = at::empty({n}, on_device.dtype(at::kInt));
+  blame->tensor_sum_squares = at::empty({n}, on_device.dtype(at::kDouble));
+  blame->tensor_nonfinite = at::empty({n}, on_device.dtype(at::kInt));
   const bool unscale = options.unscale_in_place && options.inv_scale != 1.0;
   // The legacy default stream orders the launch after work on LibTorch's default stream.
   inspector->inspect(device_grads, options.inv_scale, unscale,
-                     {global.data_ptr<double>(), sums.data_ptr<double>(), flags.data_ptr<int>()},
+                     {head.data_ptr<double>(), blame->tensor_sum_squares.data_ptr<double>(),
+                      blame->tensor_nonfinite.data_ptr<int>()},
                      nullptr);
   if (unscale) {
     for (std::size_t i = 0; i < views.size(); ++i) {
       if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
     }
   }
-  const at::Tensor host = at::cat({global, sums, flags.to(at::kDouble)}).cpu();
-  const double* h = host.data_ptr<double>();
-  stats->nan_count = static_cast<std::int64_t>(h[0]);
-  stats->inf_count = static_cast<std::int64_t>(h[1]);
-  stats->sum_squares_overflow = h[3] != 0.0;
-  stats->sum_squares = stats->sum_squares_overflow ? std::numeric_limits<double>::infinity() : h[2];
-  for (std::size_t i = 0; i < views.size(); ++i) {
-    stats->tensor_sum_squares[i] = h[4 + i];
-    if (h[4 + n + i] != 0.0) stats->nonfinite_tensors.push_back(static_cast<std::int64_t>(i));
-  }
 }
 
 }  // namespace
 
-ChunkStats inspect_chunk_cpu(GradDtype dtype, const void* first_element, std::int64_t n,
-                             double inv_scale) {
-  return inspect_one_chunk(dtype, first_element, n, inv_scale);
-}
-
-LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const InspectOptions& options) {
+void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& options,
+                  const at::Tensor& head, LocalStats* out, DeferredBlame* blame) {
   TORCH_CHECK(std::isfinite(options.inv_scale) && options.inv_scale > 0.0,
               "stepguard: inv_scale must be finite and positive, got ", options.inv_scale);
-  LocalStats stats;
+  TORCH_CHECK(
+      head.defined() && head.dim() == 1 && head.numel() == 4 && head.scalar_type() == at::kDouble,
+      "stepguard: inspection results need a float64 tensor of 4 elements");
+  LocalStats& stats = *out;
+  stats = LocalStats();
+  *blame = DeferredBlame();
   stats.num_tensors = static_cast<std::int64_t>(grads.size());
   stats.tensor_sum_squares.assign(grads.size(), 0.0);
 
@@ -183,9 +195,13 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
     views[i] = g.is_contiguous() ? g : g.contiguous();
   }
 
+  if (first != nullptr) {
+    TORCH_CHECK(head.device() == first->device(), "stepguard: inspection results are on ",
+                head.device(), " but the gradients are on ", first->device());
+  }
   if (first != nullptr && first->is_cuda()) {
-    inspect_on_cuda(grads, views, dtypes, options, &stats);
-    return stats;
+    inspect_on_cuda(grads, views, dtypes, options, head, &stats, blame);
+    return;
   }
 
   std::vector<Chunk> chunks;
@@ -210,11 +226,8 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
                        void* first = base + ch.begin * element_bytes(dt);
                        const std::int64_t n = ch.end - ch.begin;
                        partial[c] = inspect_one_chunk(dt, first, n, options.inv_scale);
-                       if (unscale_here && dt == GradDtype::kFloat32) {
-                         unscale_f32(first, n, options.inv_scale);
-                       } else if (unscale_here && dt == GradDtype::kFloat64) {
-                         unscale_f64(first, n, options.inv_scale);
-                       }
+                       // In the same visit, while the chunk is in cache.
+                       if (unscale_here) unscale_chunk(dt, first, n, options.inv_scale);
                      }
                    });
 
@@ -235,15 +248,50 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
 
   if (unscale_here) {
     for (std::size_t i = 0; i < grads.size(); ++i) {
-      if (!views[i].defined()) continue;
-      const bool wide = dtypes[i] == GradDtype::kFloat32 || dtypes[i] == GradDtype::kFloat64;
-      if (!wide) {
-        views[i].mul_(options.inv_scale);
-      }
-      if (!views[i].is_same(grads[i])) {
-        grads[i].copy_(views[i]);
-      }
+      if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
     }
+  }
+  const double global[4] = {
+      static_cast<double>(stats.nan_count), static_cast<double>(stats.inf_count),
+      stats.sum_squares_overflow ? 0.0 : stats.sum_squares, stats.sum_squares_overflow ? 1.0 : 0.0};
+  head.copy_(at::tensor(at::ArrayRef<double>(global, 4), at::TensorOptions().dtype(at::kDouble)));
+}
+
+void DeferredBlame::fetch(LocalStats* stats) const {
+  if (!pending()) return;
+  const at::Tensor sums = tensor_sum_squares.cpu();
+  const at::Tensor flags = tensor_nonfinite.cpu();
+  const std::size_t n = static_cast<std::size_t>(stats->num_tensors);
+  stats->tensor_sum_squares.assign(sums.data_ptr<double>(), sums.data_ptr<double>() + n);
+  stats->nonfinite_tensors.clear();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (flags.data_ptr<int>()[i] != 0)
+      stats->nonfinite_tensors.push_back(static_cast<std::int64_t>(i));
+  }
+}
+
+LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const InspectOptions& options) {
+  at::Device device = at::kCPU;
+  for (const auto& g : grads) {
+    if (g.defined()) {
+      device = g.device();
+      break;
+    }
+  }
+  // Meta tensors have no data: let inspect_into refuse them with its own message.
+  if (!device.is_cpu() && !device.is_cuda()) device = at::kCPU;
+  const at::Tensor head = at::zeros({4}, at::TensorOptions().dtype(at::kDouble).device(device));
+  LocalStats stats;
+  DeferredBlame blame;
+  inspect_into(grads, options, head, &stats, &blame);
+  if (blame.pending()) {
+    const at::Tensor h = head.cpu();
+    const double* g = h.data_ptr<double>();
+    stats.nan_count = static_cast<std::int64_t>(g[0]);
+    stats.inf_count = static_cast<std::int64_t>(g[1]);
+    stats.sum_squares_overflow = g[3] != 0.0;
+    stats.sum_squares = stats.sum_squares_overflow ? std::numeric_limits<double>::infinity() : g[2];
+    blame.fetch(&stats);
   }
   return stats;
 }

@@ -47,15 +47,14 @@ class Metrics {
   /// collective took.
   void record_step(const StepReport& report, std::int64_t consecutive_bad_steps,
                    double inspect_seconds, double consensus_seconds);
-  /// The policy aborted training (also counted by record_step through the outcome).
-  void record_abort();
-
   /// "address:port" where /metrics is served.
   std::string endpoint() const;
   /// The current exposition text, as a scrape would see it.
   std::string serialize() const;
 
  private:
+  void record_abort();
+
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -33,17 +34,21 @@ constexpr const char* kNanGradParam = "blocks.1.qkv.weight";
 constexpr const char* kInfGradParam = "blocks.0.fc_in.weight";
 constexpr const char* kCorruptParam = "blocks.0.proj.weight";
 
+constexpr std::uint64_t kFnvOffset = 0xcbf29ce484222325ull;
+
+// Folds `n` bytes into the FNV-1a hash `h`.
+std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t n) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * 0x100000001b3ull;
+  return h;
+}
+
 // FNV-1a over the bytes of every parameter, in order: equal hashes mean bitwise-equal models.
 std::uint64_t hash_parameters(const std::vector<torch::Tensor>& params) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
+  std::uint64_t h = kFnvOffset;
   for (const auto& p : params) {
     const auto c = p.detach().contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-    const std::size_t n = c.numel() * c.element_size();
-    for (std::size_t i = 0; i < n; ++i) {
-      h ^= bytes[i];
-      h *= 0x100000001b3ull;
-    }
+    h = fnv1a(h, c.data_ptr(), c.numel() * c.element_size());
   }
   return h;
 }
@@ -246,7 +251,7 @@ int run_demo(const DemoOptions& o) {
   std::int64_t batch_index = 0;  // the data position: batches consumed (per rank)
   double tokens_per_s = 0.0;
   int exit_status = 0;
-  std::uint64_t outcome_digest = 0xcbf29ce484222325ull;  // FNV-1a over every step's outcome
+  std::uint64_t outcome_digest = kFnvOffset;  // FNV-1a over every step's outcome
   const auto& tokens = corpus.tokens();
 
   for (std::int64_t step = 1; step <= o.steps; ++step) {
@@ -337,9 +342,8 @@ int run_demo(const DemoOptions& o) {
       for (auto& g : adamw.param_groups()) g.options().set_lr(saved_lr);
     }
     batch_index += report.batches_to_skip;
-    for (const char* c = to_string(report.outcome); *c; ++c) {
-      outcome_digest = (outcome_digest ^ static_cast<unsigned char>(*c)) * 0x100000001b3ull;
-    }
+    const char* outcome = to_string(report.outcome);
+    outcome_digest = fnv1a(outcome_digest, outcome, std::strlen(outcome));
 
     if (report.applied()) {
       if (std::isnan(initial_loss)) initial_loss = report.loss;

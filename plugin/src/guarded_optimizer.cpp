@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -45,19 +46,20 @@ std::uint64_t digest_of(const GuardState& state) {
   return h & stats_slot::kDigestMask;
 }
 
-at::Tensor pack_local_stats(const LocalStats& local, std::uint64_t digest, int rank, int world_size,
-                            const at::Device& device) {
-  std::vector<double> slots(stats_slot::size(world_size), 0.0);
-  slots[stats_slot::kNanCount] = static_cast<double>(local.nan_count);
-  slots[stats_slot::kInfCount] = static_cast<double>(local.inf_count);
-  slots[stats_slot::kSumSquares] = local.sum_squares_overflow ? 0.0 : local.sum_squares;
-  slots[stats_slot::kSumSquaresOverflow] = local.sum_squares_overflow ? 1.0 : 0.0;
-  slots[stats_slot::kLossSum] = local.loss_nonfinite ? 0.0 : local.loss;
-  slots[stats_slot::kLossNonfinite] = local.loss_nonfinite ? 1.0 : 0.0;
-  slots[stats_slot::kRanksReporting] = 1.0;
-  slots[stats_slot::rank_fault(rank)] = local.faulty() ? 1.0 : 0.0;
-  slots[stats_slot::rank_digest(world_size, rank)] = static_cast<double>(digest);
-  return at::tensor(slots, at::TensorOptions().dtype(at::kDouble)).to(device);
+// Fills the slots after inspection's four: the loss, this rank's fault flag and state digest.
+// Tensor ops on the buffer's device, so nothing is read back to the host before the collective.
+void fill_step_buffer(at::Tensor& buffer, const at::Tensor& loss, std::uint64_t digest, int rank,
+                      int world_size) {
+  const at::Tensor l = loss.detach().reshape({}).to(buffer.options());
+  const at::Tensor finite = at::isfinite(l);
+  buffer.select(0, stats_slot::kLossSum).copy_(at::where(finite, l, at::zeros_like(l)));
+  buffer.select(0, stats_slot::kLossNonfinite).copy_(finite.logical_not());
+  buffer.select(0, stats_slot::kRanksReporting).fill_(1.0);
+  const at::Tensor bad = buffer.select(0, stats_slot::kNanCount) +
+                         buffer.select(0, stats_slot::kInfCount) +
+                         buffer.select(0, stats_slot::kLossNonfinite);
+  buffer.select(0, stats_slot::rank_fault(rank)).copy_(bad > 0);
+  buffer.select(0, stats_slot::rank_digest(world_size, rank)).fill_(static_cast<double>(digest));
 }
 
 GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::int64_t step) {
@@ -292,16 +294,18 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     inspect_options.inv_scale = s.scaler->inv_scale();
     inspect_options.unscale_in_place = true;
   }
-  LocalStats local = inspect::inspect_gradients(grads, inspect_options);
-  local.loss = loss.detach().to(at::kDouble).item<double>();
-  local.loss_nonfinite = !std::isfinite(local.loss);
-
+  // The step's one buffer, on the gradients' device: inspection writes its first four slots.
+  at::Tensor buffer = at::zeros({stats_slot::size(s.consensus->world_size())},
+                                at::TensorOptions().dtype(at::kDouble).device(loss.device()));
+  LocalStats local;
+  inspect::DeferredBlame deferred_blame;
+  inspect::inspect_into(grads, inspect_options, buffer.narrow(0, 0, 4), &local, &deferred_blame);
   const double inspect_seconds = std::chrono::duration<double>(Clock::now() - t_inspect).count();
   const std::uint64_t digest = digest_of(s.state());
   const std::int64_t step = ++s.step;
-  // 2 agree: the one collective of the step.
-  at::Tensor buffer = pack_local_stats(local, digest, s.consensus->rank(),
-                                       s.consensus->world_size(), loss.device());
+  fill_step_buffer(buffer, loss, digest, s.consensus->rank(), s.consensus->world_size());
+
+  // 2 agree: the one collective of the step, then its one read to the host.
   const auto t_consensus = Clock::now();
   try {
     s.consensus->all_reduce_sum(buffer, step);
@@ -358,6 +362,11 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   report.batches_to_skip = decision.batches_to_skip;
   report.loss_scale = s.scaler ? s.scaler->scale() : 1.0;
 
+  // Per-tensor results left on the device are read only when this rank has something to blame.
+  if (deferred_blame.pending() && std::find(global.faulty_ranks.begin(), global.faulty_ranks.end(),
+                                            s.consensus->rank()) != global.faulty_ranks.end()) {
+    deferred_blame.fetch(&local);
+  }
   std::vector<std::string> blamed;
   for (std::int64_t idx : local.nonfinite_tensors) {
     if (static_cast<std::int64_t>(blamed.size()) >= s.options.max_blamed_tensors()) break;

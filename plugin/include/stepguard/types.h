@@ -118,21 +118,19 @@ constexpr int size(int world_size) noexcept { return kFixed + 2 * world_size; }
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace stats_slot
 
-/// What one rank found in its own gradients and loss. Produced by inspection.
+/// What one rank found in its own gradients. Produced by inspection (the loss goes into the step
+/// buffer directly).
 struct LocalStats {
   std::int64_t nan_count = 0;
   std::int64_t inf_count = 0;
   double sum_squares = 0.0;  ///< over finite elements, of g * inv_scale, in fp64
   bool sum_squares_overflow = false;
-  double loss = 0.0;
-  bool loss_nonfinite = false;
   std::int64_t num_tensors = 0;   ///< gradients inspected (undefined grads count, hold nothing)
   std::int64_t num_elements = 0;  ///< elements inspected
   std::vector<std::int64_t> nonfinite_tensors;  ///< indices (in parameter order) holding NaN/Inf
   std::vector<double> tensor_sum_squares;       ///< per tensor, for blame and clipping
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
-  bool faulty() const noexcept { return nonfinite_count() > 0 || loss_nonfinite; }
 };
 
 /// What all ranks agreed on after the all-reduce. Identical on every rank.

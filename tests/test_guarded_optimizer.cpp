@@ -11,49 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tests/support/model_fixture.h"
+
 namespace stepguard {
 namespace {
-
-torch::nn::Sequential make_model(std::uint64_t seed) {
-  torch::manual_seed(seed);
-  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
-                               torch::nn::Linear(16, 4));
-}
-
-torch::Tensor loss_of(torch::nn::Sequential& model, std::int64_t batch) {
-  torch::manual_seed(1000 + batch);
-  auto x = torch::randn({5, 8});
-  auto y = torch::randn({5, 4});
-  return torch::mse_loss(model->forward(x), y);
-}
-
-bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.sizes() == b.sizes() && a.dtype() == b.dtype() &&
-         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(),
-                     a.numel() * a.element_size()) == 0;
-}
-
-std::vector<torch::Tensor> clone_all(const std::vector<torch::Tensor>& ts) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone());
-  return out;
-}
-
-// The AdamW moments of every parameter, cloned.
-std::vector<torch::Tensor> adamw_state(torch::optim::AdamW& opt) {
-  std::vector<torch::Tensor> out;
-  for (auto& group : opt.param_groups()) {
-    for (auto& p : group.params()) {
-      auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-      if (it == opt.state().end()) continue;
-      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      out.push_back(s.exp_avg().clone());
-      out.push_back(s.exp_avg_sq().clone());
-      out.push_back(torch::tensor(s.step()));
-    }
-  }
-  return out;
-}
 
 TEST(GuardedOptimizer, AppliedStepsEqualPlainOptimizerStepsBitwise) {
   auto guarded_model = make_model(1);
@@ -287,6 +248,8 @@ TEST(GuardedOptimizer, PolicyFileLossScaleSectionSetsTheNumbers) {
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
   GuardedOptimizer guard(sgd, GuardOptions().policy_file(path));
   EXPECT_EQ(guard.loss_scale(), 8.0);
+  const GuardState initial = guard.state();
+  EXPECT_EQ(initial.loss_scale, 8.0);
   for (int i = 0; i < 2; ++i) {
     sgd.zero_grad();
     auto loss = (p - 1.0).pow(2).sum();
@@ -295,10 +258,14 @@ TEST(GuardedOptimizer, PolicyFileLossScaleSectionSetsTheNumbers) {
   }
   EXPECT_EQ(guard.loss_scale(), 16.0);  // grown after 2 clean steps
   // A restored state brings the scale back with it.
-  GuardState s = guard.state();
-  s.loss_scale = 4.0;
-  guard.restore_state(s);
-  EXPECT_EQ(guard.loss_scale(), 4.0);
+  EXPECT_EQ(guard.state().loss_scale, 16.0);
+  guard.restore_state(initial);
+  EXPECT_EQ(guard.loss_scale(), 8.0);
+  EXPECT_EQ(guard.step_count(), 0);
+  GuardState broken = initial;
+  broken.words.pop_back();
+  EXPECT_THROW(guard.restore_state(broken), c10::Error);
+  EXPECT_EQ(guard.loss_scale(), 8.0);
   std::remove(path.c_str());
 }
 

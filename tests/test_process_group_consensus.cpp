@@ -150,7 +150,7 @@ TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
     }
     if (r == 1) {
       GuardState s = guard.state();
-      s.consecutive_bad_steps += 1;  // a bug or a bit flip on one rank
+      s.words[0] += 1;  // a bug or a bit flip on one rank (its bad-step streak)
       guard.restore_state(s);
     }
     auto loss = (p - 1.0).pow(2).sum();

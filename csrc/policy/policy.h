@@ -1,23 +1,26 @@
 /*
- * The policy: detectors that turn agreed statistics into signals, and the engine that turns
- * signals into a decision. This first version knows one ladder: skip the batch when anything is
- * non-finite, and abort when too many bad steps come in a row (a loop of futility). The YAML
- * schema, spike detectors and the full action set extend this file's types.
+ * The policy: detectors that turn agreed statistics into signals, rules that turn signals into
+ * actions, limits that stop a loop of futility, and the combination of all that into one
+ * Decision per step. configs/policies/README.md is the user's view of the same thing.
  *
- * Deterministic: decide() is a pure function of GlobalStats and the engine's state, so every rank
- * decides the same. Not thread-safe.
+ * Deterministic: evaluate() is a pure function of its input (the agreed GlobalStats and facts
+ * the guard owns, such as time at the loss-scale floor) and the engine's state, so every rank
+ * decides the same. The state is a plain value that encodes to 64-bit words, for snapshots and
+ * for the cross-rank digest. The loss scale and LR factor are not kept here: the engine says
+ * what to do to them; their owners (csrc/scaling) do it. Not thread-safe.
  */
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "csrc/policy/detectors.h"
 #include "stepguard/types.h"
 
 namespace stepguard {
 namespace policy {
 
-/// The knobs of the built-in ladder.
 /// Dynamic loss scaling for fp16, as the policy file's `loss_scale` section gives it. Defaults are
 /// PyTorch GradScaler's; min_scale 0 means no floor.
 struct LossScaleSettings {
@@ -30,40 +33,174 @@ struct LossScaleSettings {
   double min_scale = 0.0;
 };
 
-struct PolicyConfig {
-  /// Abort after this many consecutive bad steps (0 = never abort, skip forever).
+/// One spike detector on a scalar series (EMA z-score).
+struct SpikeSettings {
+  bool enabled = false;
+  EmaZScoreConfig ema;
+};
+
+/// Megatron's ratio check on the loss.
+struct RatioSettings {
+  bool enabled = false;
+  RatioRuleConfig ratio;
+};
+
+struct DetectorSettings {
+  SpikeSettings loss_spike;
+  SpikeSettings grad_norm_spike;
+  RatioSettings loss_ratio;
+};
+
+/// An action and its parameters, as a rule or a limit names it.
+struct ActionSpec {
+  Action type = Action::kSkipBatch;
+  double factor = 0.5;             ///< drop_loss_scale, lower_lr
+  double floor = 0.01;             ///< lower_lr: lowest LR factor
+  std::int64_t recover_after = 0;  ///< lower_lr: good steps before recovering
+  std::int64_t recover_over = 0;   ///< lower_lr: good steps the recovery takes (0 = stays low)
+  double z = 0.0;                  ///< clip: target = EMA mean + z * EMA std (0 = detector's z)
+  std::int64_t skip_batches = 0;   ///< rollback: batches to drop after the restore
+};
+
+/// Signals a rule listens to, as a bit set over Signal.
+using SignalSet = std::uint32_t;
+constexpr SignalSet bit(Signal s) noexcept { return SignalSet{1} << static_cast<unsigned>(s); }
+/// `nonfinite`: a NaN/Inf gradient or loss.
+constexpr SignalSet kNonfiniteSignals = bit(Signal::kNonfiniteGrad) | bit(Signal::kNonfiniteLoss);
+/// `spike`: any of the three value detectors.
+constexpr SignalSet kSpikeSignals =
+    bit(Signal::kLossSpike) | bit(Signal::kGradNormSpike) | bit(Signal::kLossRatio);
+
+/// One rule: when a signal in `on` is raised and every condition holds, take `action`.
+struct Rule {
+  std::string name;  ///< from the file, or "rule <n>" (1-based)
+  SignalSet on = 0;
+  std::int64_t consecutive = 1;   ///< fires when the signal's streak is a multiple of this
+  std::int64_t within_steps = 0;  ///< with within_count: a window of this many steps...
+  std::int64_t within_count = 0;  ///< ...holding at least this many raises (0 = no condition)
+  std::int64_t after_step = 0;    ///< fires only on steps > this
+  std::int64_t cooldown = 0;      ///< steps after firing during which the rule stays quiet
+  ActionSpec action;
+};
+
+/// A budget over a window: more than `count` events within `window` steps takes `action`.
+struct Budget {
+  bool enabled = false;
+  std::int64_t count = 0;
+  std::int64_t window = 0;
+  ActionSpec action{Action::kAbort};
+};
+
+struct Limits {
+  /// Abort after this many bad steps in a row (0 = never).
   std::int64_t max_consecutive_bad_steps = 0;
+  Budget max_skips;
+  Budget max_rollbacks;
+  /// The loss scale at its floor for `steps` consecutive steps takes `action`.
+  std::int64_t loss_scale_floor_steps = 0;  ///< 0 = off
+  ActionSpec loss_scale_floor_action{Action::kAbort};
+};
+
+/// Snapshot and checkpoint cadence, read here and used by the guard's checkpointing.
+struct CheckpointCadence {
+  std::int64_t snapshot_every = 0;  ///< RAM snapshot every N steps (0 = none)
+  std::int64_t snapshot_keep = 2;   ///< RAM snapshots kept
+  std::int64_t disk_every = 0;      ///< disk checkpoint every M steps (0 = none)
+  std::int64_t disk_keep = 3;       ///< disk checkpoints kept
+};
+
+struct PolicyConfig {
+  Limits limits;
+  DetectorSettings detectors;
+  std::vector<Rule> rules;
   /// Present when the file has a `loss_scale` section.
   bool has_loss_scale = false;
   LossScaleSettings loss_scale;
+  CheckpointCadence checkpoint;
+  /// True when the config came from a file with a `rules` section; otherwise the built-in ladder
+  /// (skip every non-finite step) applies.
+  bool has_rules = false;
+
+  /// Whether any rule or limit can take `action`.
+  bool uses(Action action) const noexcept;
+};
+
+/// Per-rule state: the signal's streak, the steps of its most recent raises and the last firing.
+struct RuleState {
+  std::int64_t streak = 0;
+  std::vector<std::int64_t> recent;  ///< newest last; at most within_count entries
+  std::int64_t last_fired = 0;       ///< step of the last firing, 0 = never
+  std::int64_t fired = 0;            ///< times fired
+  bool operator==(const RuleState& o) const noexcept {
+    return streak == o.streak && recent == o.recent && last_fired == o.last_fired &&
+           fired == o.fired;
+  }
 };
 
 /// The engine's whole state: what a snapshot stores and ranks compare.
 struct EngineState {
   std::int64_t consecutive_bad_steps = 0;
   std::int64_t bad_steps_total = 0;
+  EmaZScoreState loss_ema;
+  EmaZScoreState grad_norm_ema;
+  RatioRuleState loss_ratio;
+  std::vector<RuleState> rules;
+  std::vector<std::int64_t> recent_skips;      ///< steps of recent skips, newest last
+  std::vector<std::int64_t> recent_rollbacks;  ///< steps of recent rollbacks, newest last
+
   bool operator==(const EngineState& o) const noexcept {
-    return consecutive_bad_steps == o.consecutive_bad_steps && bad_steps_total == o.bad_steps_total;
+    return consecutive_bad_steps == o.consecutive_bad_steps &&
+           bad_steps_total == o.bad_steps_total && loss_ema == o.loss_ema &&
+           grad_norm_ema == o.grad_norm_ema && loss_ratio == o.loss_ratio && rules == o.rules &&
+           recent_skips == o.recent_skips && recent_rollbacks == o.recent_rollbacks;
   }
+  /// The state as 64-bit words (doubles by their bits), and back. decode() throws
+  /// std::invalid_argument on words that do not describe a state of `rule_count` rules.
+  std::vector<std::int64_t> encode() const;
+  static EngineState decode(const std::vector<std::int64_t>& words, std::size_t rule_count);
+};
+
+/// What the guard tells the engine about one step, besides the agreed statistics.
+struct StepInput {
+  std::int64_t step = 0;  ///< 1-based
+  GlobalStats stats;
+  std::int64_t loss_scale_steps_at_floor = 0;  ///< from the loss scaler, before this step
+};
+
+/// What the engine found and decided on one step.
+struct Verdict {
+  Signals signals;
+  Decision decision;
 };
 
 /// Raises signals from the agreed statistics and decides what the guard does.
 class PolicyEngine {
  public:
+  /// Throws std::invalid_argument when the config is inconsistent (a file that passed
+  /// `policy check` never is).
   explicit PolicyEngine(PolicyConfig config = {});
 
-  /// Updates the detectors with one step's global statistics and returns what they raised.
-  Signals detect(const GlobalStats& stats);
-  /// Decides one step from the signals of detect(). Pure in (signals, state).
-  Decision decide(const Signals& signals) const;
+  /// Detects, runs the rules and limits, and combines their actions. Updates the state.
+  Verdict evaluate(const StepInput& input);
 
   const PolicyConfig& config() const noexcept { return config_; }
   const EngineState& state() const noexcept { return state_; }
-  void restore(const EngineState& state) { state_ = state; }
+  void restore(const EngineState& state);
+  /// After a rollback: the detectors' averages come back from `state` (they describe the training
+  /// being restored); streaks, cooldowns and budgets stay (they describe the guard's history, and a
+  /// budget that forgot its rollbacks could never stop a loop of them).
+  void restore_detectors(const EngineState& state);
 
  private:
+  void detect(const StepInput& input, Signals* signals);
+  void run_rules(std::int64_t step, const Signals& signals, std::vector<const Rule*>* fired);
+  double clip_target(const ActionSpec& spec) const;
+
   PolicyConfig config_;
   EngineState state_;
+  EmaZScore loss_spike_;
+  EmaZScore grad_norm_spike_;
+  RatioRule loss_ratio_;
 };
 
 }  // namespace policy

@@ -38,7 +38,8 @@ void LossScaler::set_scale(double scale) {
 void LossScaler::update(bool nonfinite) {
   if (nonfinite) {
     state_.growth_tracker = 0;
-    state_.hysteresis_left -= 1;
+    // At 0 every further overflow backs off; the tracker stays there until the next growth.
+    state_.hysteresis_left = std::max<std::int64_t>(0, state_.hysteresis_left - 1);
     if (state_.hysteresis_left <= 0) set_scale(state_.scale * config_.backoff_factor);
   } else {
     state_.growth_tracker += 1;

@@ -22,10 +22,8 @@ EventLog::EventLog(const std::string& path, bool every_step)
   }
 }
 
-void EventLog::record(const StepReport& report, const GlobalStats& stats, const std::string& reason,
-                      const std::vector<std::string>& tensors) {
-  const bool plain_apply = report.outcome == Outcome::kApplied && !report.incident.has_value();
-  if (plain_apply && !every_step_) return;
+std::string trace_line(const StepReport& report, const GlobalStats& stats, const Signals& signals,
+                       const Decision& decision, const std::vector<std::string>& tensors) {
   nlohmann::json line;
   line["step"] = report.step;
   line["loss"] = number(report.loss);
@@ -41,10 +39,25 @@ void EventLog::record(const StepReport& report, const GlobalStats& stats, const 
   for (Action a : report.actions) actions.push_back(to_string(a));
   line["actions"] = std::move(actions);
   line["batches_to_skip"] = report.batches_to_skip;
-  if (!reason.empty()) line["reason"] = reason;
+  if (report.rolled_back_to > 0) line["rolled_back_to"] = report.rolled_back_to;
+  if (signals.any()) {
+    nlohmann::json raised = nlohmann::json::array();
+    for (Signal s : signals.raised) raised.push_back(to_string(s));
+    line["signals"] = std::move(raised);
+  }
+  if (!decision.rules.empty()) line["rules"] = decision.rules;
+  if (decision.has(Action::kClip)) line["clip_norm"] = number(decision.clip_norm);
+  if (!decision.reason.empty()) line["reason"] = decision.reason;
   if (!stats.faulty_ranks.empty()) line["faulty_ranks"] = stats.faulty_ranks;
   if (!tensors.empty()) line["tensors"] = tensors;
-  out_ << line.dump() << '\n';
+  return line.dump();
+}
+
+void EventLog::record(const StepReport& report, const GlobalStats& stats, const Signals& signals,
+                      const Decision& decision, const std::vector<std::string>& tensors) {
+  const bool plain_apply = report.outcome == Outcome::kApplied && !report.incident.has_value();
+  if (plain_apply && !every_step_) return;
+  out_ << trace_line(report, stats, signals, decision, tensors) << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error("stepguard: write to event log '" + path_ + "' failed");
 }

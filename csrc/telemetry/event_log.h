@@ -17,6 +17,11 @@
 namespace stepguard {
 namespace telemetry {
 
+/// One trace line (JSON, no newline) for a step: what the guard saw, decided and did. The same
+/// format `stepguard replay` prints, so a replay can be compared line by line with a trace.
+std::string trace_line(const StepReport& report, const GlobalStats& stats, const Signals& signals,
+                       const Decision& decision, const std::vector<std::string>& tensors);
+
 /// Appends step records to a JSONL file. Not thread-safe: one guard writes one log.
 class EventLog {
  public:
@@ -25,8 +30,8 @@ class EventLog {
 
   /// Writes one line for `report` unless it is a plain apply and every_step is off.
   /// `tensors` names the offending gradients on this rank (empty when none).
-  void record(const StepReport& report, const GlobalStats& stats, const std::string& reason,
-              const std::vector<std::string>& tensors);
+  void record(const StepReport& report, const GlobalStats& stats, const Signals& signals,
+              const Decision& decision, const std::vector<std::string>& tensors);
 
   const std::string& path() const noexcept { return path_; }
 

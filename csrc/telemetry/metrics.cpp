@@ -38,8 +38,6 @@ constexpr Outcome kOutcomes[] = {Outcome::kApplied, Outcome::kSkipped, Outcome::
 constexpr Action kActions[] = {Action::kApply,         Action::kSkipBatch, Action::kClip,
                                Action::kDropLossScale, Action::kLowerLr,   Action::kRollback,
                                Action::kAbort,         Action::kAlert};
-constexpr Signal kSignals[] = {Signal::kNonfiniteGrad, Signal::kNonfiniteLoss,
-                               Signal::kConsecutiveLimit, Signal::kRankDesync};
 
 // A minimal HTTP endpoint for /metrics on one thread. prometheus-cpp's own exposer (civetweb)
 // cannot start its threads inside a process that has loaded Debian's LibTorch ("Cannot create
@@ -173,7 +171,8 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   for (Action a : kActions) s.actions[a] = &actions.Add({{"action", to_string(a)}});
   auto& incidents =
       counter("stepguard_incidents_total", "Steps where a detector fired, by first signal.");
-  for (Signal g : kSignals) s.incidents[to_string(g)] = &incidents.Add({{"signal", to_string(g)}});
+  for (Signal g : kAllSignals)
+    s.incidents[to_string(g)] = &incidents.Add({{"signal", to_string(g)}});
   s.nonfinite_steps = &counter("stepguard_nonfinite_steps_total",
                                "Steps with a NaN/Inf gradient or loss on any rank.")
                            .Add({});

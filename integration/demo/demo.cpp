@@ -18,6 +18,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "default_policy.h"
 #include "integration/demo/corpus.h"
 #include "integration/demo/launcher.h"
 #include "integration/demo/model.h"
@@ -215,9 +216,11 @@ int run_demo(const DemoOptions& o) {
   GuardOptions guard_options = GuardOptions().trace_path(rank_path(o.trace, world));
   if (!o.policy.empty()) {
     guard_options.policy_file(o.policy);
+  } else if (o.max_consecutive_bad_steps >= 0) {
+    // The built-in ladder with the asked limit.
+    guard_options.max_consecutive_bad_steps(o.max_consecutive_bad_steps);
   } else {
-    guard_options.max_consecutive_bad_steps(
-        o.max_consecutive_bad_steps >= 0 ? o.max_consecutive_bad_steps : kDefaultMaxBadSteps);
+    guard_options.policy_yaml(kDefaultPolicyYaml);
   }
   // fp16 emulation: loss scaling on (a policy file's loss_scale section, if any, sets the numbers).
   if (o.fp16) guard_options.loss_scaling(true);
@@ -421,7 +424,7 @@ int run_demo(const DemoOptions& o) {
       {"steps", totals.steps},
       {"applied", totals.applied},
       {"skipped", totals.skipped},
-      {"rollbacks", 0},
+      {"rollbacks", totals.rolled_back},
       {"aborted", totals.aborted > 0},
       {"initial_loss", number_or_null(initial_loss)},
       {"final_loss", number_or_null(final_loss)},
@@ -430,7 +433,10 @@ int run_demo(const DemoOptions& o) {
       {"outcomes_agree", outcomes_agree},
       {"loss_scale", guard.loss_scale()},
       {"precision", o.fp16 ? "fp16" : "fp32"},
-      {"lr_factor", 1.0},
+      {"lr_factor", guard.lr_factor()},
+      {"policy", o.policy.empty()
+                     ? (o.max_consecutive_bad_steps >= 0 ? "built-in ladder" : kDefaultPolicyName)
+                     : o.policy},
       {"ranks", world.size},
       {"seed", o.seed},
       {"collectives", guard.collectives()},
@@ -453,6 +459,14 @@ int run_demo(const DemoOptions& o) {
   row("steps", std::to_string(totals.steps) + " of " + std::to_string(o.steps));
   row("applied", std::to_string(totals.applied));
   row("skipped", std::to_string(totals.skipped));
+  if (totals.rolled_back > 0 || totals.snapshots > 0) {
+    row("rollbacks", std::to_string(totals.rolled_back) + " (" + std::to_string(totals.snapshots) +
+                         " RAM snapshots taken)");
+  }
+  if (guard.lr_factor() != 1.0) {
+    std::snprintf(line, sizeof line, "%g", guard.lr_factor());
+    row("lr factor", line);
+  }
   row("aborted", totals.aborted > 0 ? "yes" : "no");
   std::snprintf(line, sizeof line, "%.4f -> %.4f (%+.1f%%)", initial_loss, final_loss,
                 100.0 * (final_loss / initial_loss - 1.0));

@@ -116,6 +116,8 @@ const char* demo_usage() noexcept {
          "With --ranks R > 1, R processes train data-parallel over Gloo on 127.0.0.1;\n"
          "KIND@STEP:RANK injects on one rank only. Under torchrun (RANK and WORLD_SIZE set)\n"
          "each process is one rank.\n"
+         "Without --policy the demo runs configs/policies/default.yaml (built in);\n"
+         "--max-bad-steps N runs the plain ladder instead: skip, abort after N in a row.\n"
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 

@@ -37,9 +37,6 @@ struct Injection {
 /// Parses "KIND@STEP[:RANK]". Returns the error text (naming the flag value) on failure.
 std::optional<Injection> parse_injection(const std::string& text, std::string* error);
 
-/// The demo's bad-step limit when neither --policy nor --max-bad-steps says otherwise.
-constexpr std::int64_t kDefaultMaxBadSteps = 50;
-
 /// Everything `stepguard demo` takes.
 struct DemoOptions {
   std::int64_t steps = 300;
@@ -53,8 +50,10 @@ struct DemoOptions {
   std::int64_t context = 64;
   double lr = 2e-3;
   int threads = 0;     ///< 0: every CPU for one rank, one per rank for several
-  std::string policy;  ///< policy file; empty uses --max-bad-steps (default kDefaultMaxBadSteps)
-  std::int64_t max_consecutive_bad_steps = -1;  ///< -1: not given on the command line
+  std::string policy;  ///< policy file; empty: the built-in default.yaml (or --max-bad-steps)
+  /// >= 0: the built-in ladder (skip, abort after this many bad steps in a row) instead of the
+  /// default policy; -1: not given on the command line.
+  std::int64_t max_consecutive_bad_steps = -1;
   std::int64_t log_every = 0;  ///< plain progress lines every N steps off a terminal; 0 = auto
   std::int64_t collective_timeout_s = 300;  ///< deadline of every collective between ranks
   int metrics_port = -1;          ///< -1 none; 0 any free port; P: rank r serves on P + local rank

@@ -6,6 +6,7 @@
 
 #include "csrc/policy/policy_file.h"
 #include "integration/demo/demo.h"
+#include "stepguard/replay.h"
 #include "stepguard/version.h"
 
 namespace {
@@ -17,6 +18,9 @@ constexpr const char* kUsage =
     "  demo                     train the demo model under stepguard with injected faults\n"
     "  policy check FILE...     validate policy files (exit 0 valid, 2 with FILE:LINE:COL lines)\n"
     "  policy explain FILE      print a policy's ladder in plain words\n"
+    "  replay --policy FILE --trace TRACE.jsonl [--loss-scaling]\n"
+    "                           rerun a policy offline over a recorded trace; prints the per-step\n"
+    "                           decisions as JSONL\n"
     "  version                  print the version and build facts\n"
     "\n"
     "Run 'stepguard demo --help' for the demo's flags.\n";
@@ -58,6 +62,43 @@ int run_policy_command(const std::vector<std::string>& args) {
   return 2;
 }
 
+int run_replay_command(const std::vector<std::string>& args) {
+  const std::string usage =
+      "usage: stepguard replay --policy FILE --trace TRACE.jsonl [--loss-scaling]\n";
+  stepguard::ReplayOptions options;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if ((a == "--policy" || a == "--trace") && i + 1 < args.size()) {
+      (a == "--policy" ? options.policy_file : options.trace_file) = args[++i];
+    } else if (a == "--loss-scaling") {
+      options.loss_scaling = true;
+    } else if (a == "--help" || a == "-h") {
+      std::cout << usage;
+      return 0;
+    } else {
+      std::cerr << "stepguard replay: unexpected argument '" << a << "'\n" << usage;
+      return 2;
+    }
+  }
+  if (options.policy_file.empty() || options.trace_file.empty()) {
+    std::cerr << "stepguard replay: --policy and --trace are required\n" << usage;
+    return 2;
+  }
+  stepguard::policy::PolicyConfig config;
+  if (!report_policy_issues(options.policy_file, &config)) return 2;
+  try {
+    const stepguard::ReplaySummary s = stepguard::replay_trace(options, std::cout);
+    std::cerr << "replayed " << s.steps << " steps: " << s.applied << " applied, " << s.skipped
+              << " skipped, " << s.rolled_back << " rolled back"
+              << (s.aborted ? ", aborted at step " + std::to_string(s.abort_step) : "")
+              << "; loss scale " << s.loss_scale << ", lr factor " << s.lr_factor << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "stepguard replay: " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}
+
 int run_demo_command(const std::vector<std::string>& args) {
   std::string error;
   bool help = false;
@@ -94,7 +135,8 @@ int main(int argc, char** argv) {
       std::cout << stepguard::build_info() << "\n";
       return 0;
     }
-    if (command == "replay" || command == "ckpt" || command == "incident") {
+    if (command == "replay") return run_replay_command(args);
+    if (command == "ckpt" || command == "incident") {
       std::cerr << "stepguard: '" << command
                 << "' is not available in this build yet; see the CHANGELOG\n";
       return 2;

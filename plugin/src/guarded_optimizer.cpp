@@ -14,6 +14,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "csrc/checkpoint/snapshot.h"
 #include "csrc/consensus/consensus.h"
 #include "csrc/consensus/nccl_probe.h"
 #include "csrc/consensus/process_group_consensus.h"
@@ -21,30 +22,14 @@
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
 #include "csrc/policy/policy_file.h"
-#include "csrc/scaling/loss_scaler.h"
 #include "csrc/telemetry/event_log.h"
 #include "csrc/telemetry/metrics.h"
+#include "plugin/src/step_controller.h"
 #include "stepguard/version.h"
 
 namespace stepguard {
 
 namespace {
-
-// FNV-1a over the decision state, masked to an integer fp64 holds exactly.
-std::uint64_t digest_of(const GuardState& state) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  std::int64_t scale_bits = 0;
-  std::memcpy(&scale_bits, &state.loss_scale, sizeof scale_bits);
-  for (std::int64_t v : {state.step, state.consecutive_bad_steps, state.bad_steps_total, scale_bits,
-                         state.loss_scale_growth_tracker, state.loss_scale_hysteresis_left,
-                         state.loss_scale_steps_at_floor}) {
-    for (int byte = 0; byte < 8; ++byte) {
-      h ^= static_cast<std::uint64_t>(v >> (8 * byte)) & 0xffu;
-      h *= 0x100000001b3ull;
-    }
-  }
-  return h & stats_slot::kDigestMask;
-}
 
 // Fills the slots after inspection's four: the loss, this rank's fault flag and state digest.
 // Tensor ops on the buffer's device, so nothing is read back to the host before the collective.
@@ -62,7 +47,8 @@ void fill_step_buffer(at::Tensor& buffer, const at::Tensor& loss, std::uint64_t 
   buffer.select(0, stats_slot::rank_digest(world_size, rank)).fill_(static_cast<double>(digest));
 }
 
-GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::int64_t step) {
+GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::int64_t step,
+                                bool sharded_gradients) {
   const at::Tensor host = buffer.to(at::kCPU);
   const double* s = host.data_ptr<double>();
   TORCH_CHECK(static_cast<int>(s[stats_slot::kRanksReporting]) == world_size, "stepguard: step ",
@@ -73,8 +59,10 @@ GlobalStats unpack_global_stats(const at::Tensor& buffer, int world_size, std::i
   g.nan_count = static_cast<std::int64_t>(s[stats_slot::kNanCount]);
   g.inf_count = static_cast<std::int64_t>(s[stats_slot::kInfCount]);
   g.sum_squares_overflow = s[stats_slot::kSumSquaresOverflow] > 0.0;
-  g.sum_squares =
-      g.sum_squares_overflow ? std::numeric_limits<double>::infinity() : s[stats_slot::kSumSquares];
+  // Replicated gradients (data parallel) count once: the mean over ranks of identical sums.
+  const double sum_squares =
+      sharded_gradients ? s[stats_slot::kSumSquares] : s[stats_slot::kSumSquares] / world_size;
+  g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity() : sum_squares;
   g.grad_norm = std::sqrt(g.sum_squares);
   g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[stats_slot::kLossNonfinite]);
   const std::int64_t finite_ranks = world_size - g.loss_nonfinite_ranks;
@@ -115,25 +103,44 @@ policy::PolicyConfig policy_config_of(const GuardOptions& options) {
   TORCH_CHECK(options.max_consecutive_bad_steps() >= 0,
               "stepguard: max_consecutive_bad_steps must be >= 0, got ",
               options.max_consecutive_bad_steps());
-  if (options.policy_file().empty()) {
+  TORCH_CHECK(options.policy_file().empty() || options.policy_yaml().empty(),
+              "stepguard: both policy_file ('", options.policy_file(),
+              "') and policy_yaml are set; set one");
+  if (options.policy_file().empty() && options.policy_yaml().empty()) {
     policy::PolicyConfig config;
-    config.max_consecutive_bad_steps = options.max_consecutive_bad_steps();
+    config.limits.max_consecutive_bad_steps = options.max_consecutive_bad_steps();
     return config;
   }
+  const std::string where = options.policy_file().empty()
+                                ? std::string("policy_yaml")
+                                : "the policy file '" + options.policy_file() + "'";
   TORCH_CHECK(options.max_consecutive_bad_steps() == 0,
-              "stepguard: max_consecutive_bad_steps is set both in GuardOptions and through the "
-              "policy file '",
-              options.policy_file(), "'; set it in one place");
-  return policy::load_policy_file(options.policy_file());
+              "stepguard: max_consecutive_bad_steps is set both in GuardOptions and through ",
+              where, "; set it in one place");
+  if (!options.policy_file().empty()) return policy::load_policy_file(options.policy_file());
+  policy::PolicyConfig config;
+  auto issues = policy::parse_policy(options.policy_yaml(), "policy_yaml", &config);
+  if (!issues.empty()) throw policy::PolicyFileError(std::move(issues));
+  return config;
+}
+
+StepController make_controller(const GuardOptions& options) {
+  try {
+    return StepController(policy_config_of(options), options.loss_scaling());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
 }
 
 // The strongest action of a decision names the incident.
 Action strongest(const std::vector<Action>& actions) {
-  Action best = Action::kApply;
-  for (Action a : actions) {
-    if (static_cast<int>(a) > static_cast<int>(best)) best = a;
+  constexpr Action kByStrength[] = {Action::kAbort,         Action::kRollback,  Action::kLowerLr,
+                                    Action::kDropLossScale, Action::kSkipBatch, Action::kClip,
+                                    Action::kAlert};
+  for (Action a : kByStrength) {
+    if (std::find(actions.begin(), actions.end(), a) != actions.end()) return a;
   }
-  return best;
+  return Action::kApply;
 }
 
 }  // namespace
@@ -143,18 +150,11 @@ struct GuardedOptimizer::Impl {
       : optimizer(opt),
         options(std::move(opts)),
         consensus(make_consensus(options)),
-        policy_config(policy_config_of(options)),
-        engine(policy_config) {
-    if (policy_config.has_loss_scale ? policy_config.loss_scale.enabled : options.loss_scaling()) {
-      const policy::LossScaleSettings& l = policy_config.loss_scale;  // defaults = GradScaler's
-      scaling::LossScalerConfig c;
-      c.init_scale = l.init_scale;
-      c.growth_factor = l.growth_factor;
-      c.backoff_factor = l.backoff_factor;
-      c.growth_interval = l.growth_interval;
-      c.hysteresis = l.hysteresis;
-      c.min_scale = l.min_scale;
-      scaler.emplace(c);
+        controller(make_controller(options)) {
+    const policy::CheckpointCadence& cadence = controller.config().checkpoint;
+    if (cadence.snapshot_every > 0) {
+      snapshots = std::make_unique<checkpoint::SnapshotRing>(
+          static_cast<std::size_t>(cadence.snapshot_keep));
     }
     TORCH_CHECK(options.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0");
     collect_parameters(torch::OrderedDict<std::string, torch::Tensor>());
@@ -172,7 +172,7 @@ struct GuardedOptimizer::Impl {
       mc.port = options.metrics_port();
       mc.run = options.run_name();
       mc.rank = consensus->rank();
-      mc.loss_scale_min = scaler ? scaler->config().min_scale : 0.0;
+      mc.loss_scale_min = controller.loss_scale_floor();
       const int nccl = consensus::nccl_version();
       mc.build_labels = {{"version", version()},
                          {"libtorch", TORCH_VERSION},
@@ -236,22 +236,59 @@ struct GuardedOptimizer::Impl {
   }
 
   GuardState state() const {
-    GuardState g{step, engine.state().consecutive_bad_steps, engine.state().bad_steps_total};
-    if (scaler) {
-      g.loss_scale = scaler->state().scale;
-      g.loss_scale_growth_tracker = scaler->state().growth_tracker;
-      g.loss_scale_hysteresis_left = scaler->state().hysteresis_left;
-      g.loss_scale_steps_at_floor = scaler->state().steps_at_floor;
-    }
+    GuardState g;
+    g.step = step;
+    g.words = controller.encode();
+    g.consecutive_bad_steps = controller.engine_state().consecutive_bad_steps;
+    g.bad_steps_total = controller.engine_state().bad_steps_total;
+    g.loss_scale = controller.loss_scale();
+    g.lr_factor = controller.lr_factor();
     return g;
+  }
+
+  // Scales every gradient by one factor so the global norm becomes `target` (ZClip-style: the
+  // target comes from the grad-norm EMA, agreed on every rank).
+  void clip_gradients(double grad_norm, double target) {
+    if (!(grad_norm > target) || !(target > 0)) return;
+    at::NoGradGuard no_grad;
+    const double coef = target / grad_norm;
+    for (auto& p : params) {
+      auto& g = p.mutable_grad();
+      if (g.defined()) g.mul_(coef);
+    }
+  }
+
+  // The optimizer step with the LR factor applied to every param group for its duration only, so
+  // the loop's own lr values and schedulers are untouched.
+  void optimizer_step(double lr_factor) {
+    if (lr_factor == 1.0) {
+      optimizer.step();
+      return;
+    }
+    std::vector<double> saved;
+    for (auto& group : optimizer.param_groups()) {
+      saved.push_back(group.options().get_lr());
+      group.options().set_lr(saved.back() * lr_factor);
+    }
+    try {
+      optimizer.step();
+    } catch (...) {
+      restore_lrs(saved);
+      throw;
+    }
+    restore_lrs(saved);
+  }
+
+  void restore_lrs(const std::vector<double>& saved) {
+    std::size_t i = 0;
+    for (auto& group : optimizer.param_groups()) group.options().set_lr(saved[i++]);
   }
 
   torch::optim::Optimizer& optimizer;
   GuardOptions options;
   std::unique_ptr<consensus::Consensus> consensus;
-  policy::PolicyConfig policy_config;
-  policy::PolicyEngine engine;
-  std::optional<scaling::LossScaler> scaler;
+  StepController controller;
+  std::unique_ptr<checkpoint::SnapshotRing> snapshots;
   std::unique_ptr<telemetry::EventLog> event_log;
   std::unique_ptr<telemetry::Metrics> metrics;
   std::vector<torch::Tensor> params;
@@ -289,9 +326,9 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   using Clock = std::chrono::steady_clock;
   const auto t_inspect = Clock::now();
   inspect::InspectOptions inspect_options;
-  if (s.scaler) {
+  if (s.controller.loss_scaling()) {
     // The fused pass unscales in place: the optimizer then sees true gradients.
-    inspect_options.inv_scale = s.scaler->inv_scale();
+    inspect_options.inv_scale = s.controller.inv_loss_scale();
     inspect_options.unscale_in_place = true;
   }
   // The step's one buffer, on the gradients' device: inspection writes its first four slots.
@@ -301,7 +338,7 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   inspect::DeferredBlame deferred_blame;
   inspect::inspect_into(grads, inspect_options, buffer.narrow(0, 0, 4), &local, &deferred_blame);
   const double inspect_seconds = std::chrono::duration<double>(Clock::now() - t_inspect).count();
-  const std::uint64_t digest = digest_of(s.state());
+  const std::uint64_t digest = s.controller.digest(s.step);
   const std::int64_t step = ++s.step;
   fill_step_buffer(buffer, loss, digest, s.consensus->rank(), s.consensus->world_size());
 
@@ -315,41 +352,72 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     s.abort_reason = e.what();
     throw;
   }
-  const GlobalStats global = unpack_global_stats(buffer, s.consensus->world_size(), step);
+  const GlobalStats global =
+      unpack_global_stats(buffer, s.consensus->world_size(), step, s.options.sharded_gradients());
   const double consensus_seconds =
       std::chrono::duration<double>(Clock::now() - t_consensus).count();
 
-  // 3 detect, 4 decide.
-  const Signals signals = s.engine.detect(global);
-  Decision decision = s.engine.decide(signals);
-  if (s.scaler) {
-    // GradScaler's rule: back off on any overflow, grow after a clean run.
-    const bool overflow = global.nonfinite_count() > 0 || global.loss_nonfinite_ranks > 0;
-    s.scaler->update(overflow);
-    if (overflow && decision.outcome != Outcome::kApplied) {
-      decision.actions.push_back(Action::kDropLossScale);
+  // 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
+  const StepDecision decided = s.controller.decide(step, global);
+  const Signals& signals = decided.signals;
+  Decision decision = decided.decision;
+  std::string reason = decision.reason;
+
+  // 5 act. The snapshot taken after the previous step is confirmed by a clean step, dropped
+  // otherwise (the update that produced it is the suspect).
+  if (s.snapshots) s.snapshots->on_step(step, !signals.any());
+  std::int64_t rolled_back_to = 0;
+  if (decision.outcome == Outcome::kRolledBack) {
+    const checkpoint::Snapshot* target = s.snapshots ? s.snapshots->newest_confirmed() : nullptr;
+    if (target != nullptr) {
+      rolled_back_to = target->step;
+      const std::vector<std::int64_t> words = target->guard;
+      s.snapshots->restore(*target, s.params, s.optimizer);  // drops newer snapshots
+      try {
+        s.controller.rollback_to(words, decision);
+      } catch (const std::invalid_argument& e) {
+        TORCH_CHECK(false, "stepguard: step ", step, ": rollback to step ", rolled_back_to, ": ",
+                    e.what());
+      }
+      reason += " (rolled back to step " + std::to_string(rolled_back_to) + ")";
+    } else {
+      // Nothing confirmed to go back to yet: the batch is skipped and the loop is still told how
+      // many batches to drop.
+      decision.outcome = Outcome::kSkipped;
+      decision.actions.erase(
+          std::remove(decision.actions.begin(), decision.actions.end(), Action::kRollback),
+          decision.actions.end());
+      decision.actions.insert(decision.actions.begin(), Action::kSkipBatch);
+      reason += " (no confirmed snapshot to roll back to yet: skipped instead)";
     }
   }
-
-  // 5 act.
   switch (decision.outcome) {
     case Outcome::kApplied:
-      s.optimizer.step();
+      if (decision.has(Action::kClip)) s.clip_gradients(global.grad_norm, decision.clip_norm);
+      s.optimizer_step(decided.lr_factor);
       ++s.totals.applied;
       break;
     case Outcome::kSkipped:
-    case Outcome::kRolledBack:
       if (s.options.zero_grad_on_skip()) s.zero_grads();
       ++s.totals.skipped;
+      break;
+    case Outcome::kRolledBack:
+      s.zero_grads();  // gradients of the abandoned state
+      ++s.totals.rolled_back;
       break;
     case Outcome::kAborted:
       if (s.options.zero_grad_on_skip()) s.zero_grads();
       s.aborted = true;
-      s.abort_reason = decision.reason;
+      s.abort_reason = reason;
       ++s.totals.aborted;
       break;
   }
   ++s.totals.steps;
+  const std::int64_t every = s.controller.config().checkpoint.snapshot_every;
+  if (s.snapshots && decision.outcome == Outcome::kApplied && step % every == 0) {
+    s.snapshots->take(step, s.params, s.optimizer, s.controller.encode());
+    ++s.totals.snapshots;
+  }
 
   // 6 record.
   StepReport report;
@@ -360,7 +428,14 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   report.nonfinite_count = global.nonfinite_count();
   report.actions = decision.actions;
   report.batches_to_skip = decision.batches_to_skip;
-  report.loss_scale = s.scaler ? s.scaler->scale() : 1.0;
+  report.loss_scale = decided.loss_scale;
+  report.lr_factor = decided.lr_factor;
+  report.rolled_back_to = rolled_back_to;
+  if (rolled_back_to > 0) {
+    // The knobs now hold the restored values (plus this step's own actions).
+    report.loss_scale = s.controller.loss_scale();
+    report.lr_factor = s.controller.lr_factor();
+  }
 
   // Per-tensor results left on the device are read only when this rank has something to blame.
   if (deferred_blame.pending() && std::find(global.faulty_ranks.begin(), global.faulty_ranks.end(),
@@ -379,11 +454,12 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     incident.action = to_string(strongest(decision.actions));
     incident.tensors = blamed;
     incident.ranks = global.faulty_ranks;
-    incident.reason = decision.reason;
+    incident.reason = reason;
     report.incident = std::move(incident);
     ++s.totals.incidents;
   }
-  if (s.event_log) s.event_log->record(report, global, decision.reason, blamed);
+  decision.reason = reason;
+  if (s.event_log) s.event_log->record(report, global, signals, decision, blamed);
   if (s.metrics) {
     s.metrics->record_step(report, signals.consecutive_bad_steps, inspect_seconds,
                            consensus_seconds);
@@ -394,24 +470,23 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
 std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->step; }
 GuardState GuardedOptimizer::state() const noexcept { return impl_->state(); }
 void GuardedOptimizer::restore_state(const GuardState& state) {
-  TORCH_CHECK(state.step >= 0 && state.consecutive_bad_steps >= 0 && state.bad_steps_total >= 0,
-              "stepguard: restore_state got a negative counter");
-  impl_->step = state.step;
-  impl_->engine.restore(policy::EngineState{state.consecutive_bad_steps, state.bad_steps_total});
-  if (impl_->scaler) {
-    TORCH_CHECK(state.loss_scale > 0 && std::isfinite(state.loss_scale),
-                "stepguard: restore_state got loss scale ", state.loss_scale);
-    impl_->scaler->restore(scaling::LossScalerState{
-        state.loss_scale, state.loss_scale_growth_tracker, state.loss_scale_hysteresis_left,
-        state.loss_scale_steps_at_floor});
+  TORCH_CHECK(state.step >= 0, "stepguard: restore_state got a negative step ", state.step);
+  if (state.words.empty()) {
+    impl_->controller.reset();
+  } else {
+    try {
+      impl_->controller.decode(state.words);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, "stepguard: restore_state: ", e.what());
+    }
   }
+  impl_->step = state.step;
 }
 torch::Tensor GuardedOptimizer::scale_loss(const torch::Tensor& loss) const {
-  return impl_->scaler ? loss * impl_->scaler->scale() : loss;
+  return impl_->controller.loss_scaling() ? loss * impl_->controller.loss_scale() : loss;
 }
-double GuardedOptimizer::loss_scale() const noexcept {
-  return impl_->scaler ? impl_->scaler->scale() : 1.0;
-}
+double GuardedOptimizer::loss_scale() const noexcept { return impl_->controller.loss_scale(); }
+double GuardedOptimizer::lr_factor() const noexcept { return impl_->controller.lr_factor(); }
 std::string GuardedOptimizer::metrics_endpoint() const {
   return impl_->metrics ? impl_->metrics->endpoint() : std::string();
 }
@@ -421,6 +496,12 @@ std::string GuardedOptimizer::metrics_text() const {
 int GuardedOptimizer::rank() const noexcept { return impl_->consensus->rank(); }
 int GuardedOptimizer::world_size() const noexcept { return impl_->consensus->world_size(); }
 GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->totals; }
+std::size_t GuardedOptimizer::snapshots_held() const noexcept {
+  return impl_->snapshots ? impl_->snapshots->size() : 0;
+}
+std::int64_t GuardedOptimizer::snapshot_bytes() const noexcept {
+  return impl_->snapshots ? impl_->snapshots->bytes() : 0;
+}
 bool GuardedOptimizer::aborted() const noexcept { return impl_->aborted; }
 std::int64_t GuardedOptimizer::collectives() const noexcept {
   return impl_->consensus->collectives();

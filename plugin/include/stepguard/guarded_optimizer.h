@@ -32,29 +32,27 @@ struct GuardTotals {
   std::int64_t steps = 0;
   std::int64_t applied = 0;
   std::int64_t skipped = 0;
+  std::int64_t rolled_back = 0;  ///< in-process rollbacks to a RAM snapshot
   std::int64_t aborted = 0;
   std::int64_t incidents = 0;
+  std::int64_t snapshots = 0;  ///< RAM snapshots taken
 };
 
-/// The guard's decision state: the step counter and the policy's streaks. Every rank holds the same
-/// one (the consensus buffer carries a digest of it, so a rank that diverged is found within one
-/// step); snapshots save it.
+/// The guard's decision state: the step counter and everything the policy decides from (streaks,
+/// detector averages, budgets, loss scale, LR factor). Every rank holds the same one (the consensus
+/// buffer carries a digest of it, so a rank that diverged is found within one step); snapshots
+/// save it.
 struct GuardState {
   std::int64_t step = 0;
+  /// The whole decision state as 64-bit words, opaque; what restore_state() restores. Empty
+  /// restores the state of a new guard.
+  std::vector<std::int64_t> words;
+  // Readable views of `words`, for logs and tests (restore_state() ignores them).
   std::int64_t consecutive_bad_steps = 0;
   std::int64_t bad_steps_total = 0;
-  // The loss scaler's state (meaningful only with loss scaling on).
-  double loss_scale = 1.0;
-  std::int64_t loss_scale_growth_tracker = 0;
-  std::int64_t loss_scale_hysteresis_left = 0;
-  std::int64_t loss_scale_steps_at_floor = 0;
-  bool operator==(const GuardState& o) const noexcept {
-    return step == o.step && consecutive_bad_steps == o.consecutive_bad_steps &&
-           bad_steps_total == o.bad_steps_total && loss_scale == o.loss_scale &&
-           loss_scale_growth_tracker == o.loss_scale_growth_tracker &&
-           loss_scale_hysteresis_left == o.loss_scale_hysteresis_left &&
-           loss_scale_steps_at_floor == o.loss_scale_steps_at_floor;
-  }
+  double loss_scale = 1.0;  ///< 1 without loss scaling
+  double lr_factor = 1.0;
+  bool operator==(const GuardState& o) const noexcept { return step == o.step && words == o.words; }
 };
 
 class GuardedOptimizer {
@@ -96,6 +94,14 @@ class GuardedOptimizer {
   torch::Tensor scale_loss(const torch::Tensor& loss) const;
   /// The current loss scale (1 without loss scaling).
   double loss_scale() const noexcept;
+  /// The factor the guard applies to every param group's learning rate during the optimizer step
+  /// (1 unless the policy lowered it). The optimizer's own lr values are left as the training loop
+  /// and its scheduler set them.
+  double lr_factor() const noexcept;
+
+  /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`).
+  std::size_t snapshots_held() const noexcept;
+  std::int64_t snapshot_bytes() const noexcept;
 
   /// Guarded steps taken so far (the step counter; reports number steps from 1).
   std::int64_t step_count() const noexcept;

@@ -18,6 +18,9 @@ struct GuardOptions {
   /// Path of a YAML policy file (see configs/policies/README.md); empty uses the options below.
   /// A bad file fails the guard's construction with every issue as `file:line:col: message`.
   TORCH_ARG(std::string, policy_file) = "";
+  /// The policy as YAML text instead of a file (e.g. from the job's own config system); errors
+  /// name it `policy_yaml`. Set this or policy_file, not both.
+  TORCH_ARG(std::string, policy_yaml) = "";
   /// Abort training after this many consecutive bad (non-finite) steps; 0 never aborts and keeps
   /// skipping. Bounds a loop of futility such as a parameter that became NaN. Set it here or in
   /// the policy file, not both.
@@ -49,6 +52,11 @@ struct GuardOptions {
   TORCH_ARG(std::string, metrics_bind_address) = "127.0.0.1";
   /// The `run` label on every metric: names the training job in alerts.
   TORCH_ARG(std::string, run_name) = "stepguard";
+  /// How the gradients are laid out across ranks. false (data parallel, the default): every rank
+  /// holds the same averaged gradient, so the global grad norm is one rank's (the mean over ranks
+  /// of the sums of squares). true (a sharded optimizer, ZeRO/FSDP): each rank holds a part, so
+  /// the global norm sums over ranks. Clipping and the grad-norm detector use this norm.
+  TORCH_ARG(bool, sharded_gradients) = false;
   /// Deadline of the per-step collective. A dead or stuck rank makes the others throw
   /// consensus errors naming the step after this long, instead of hanging.
   TORCH_ARG(std::int64_t, collective_timeout_ms) = 300000;

@@ -4,5 +4,6 @@
 #include "stepguard/distributed.h"
 #include "stepguard/guarded_optimizer.h"
 #include "stepguard/options.h"
+#include "stepguard/replay.h"
 #include "stepguard/types.h"
 #include "stepguard/version.h"

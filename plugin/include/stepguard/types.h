@@ -41,7 +41,19 @@ enum class Signal : std::uint8_t {
   kNonfiniteLoss,     ///< the loss is NaN or +/-Inf on some rank
   kConsecutiveLimit,  ///< too many bad steps in a row: the skip budget is spent
   kRankDesync,        ///< some rank's guard state differs from the others': replicas diverged
+  kLossSpike,         ///< the loss is more than z EMA standard deviations above its EMA mean
+  kGradNormSpike,     ///< the grad norm is more than z EMA standard deviations above its mean
+  kLossRatio,         ///< the loss exceeds k x the largest loss of the first N steps (Megatron)
+  kSkipBudget,        ///< limits.max_skips: too many skipped steps within a window
+  kRollbackBudget,    ///< limits.max_rollbacks: too many rollbacks within a window
+  kLossScaleFloor,    ///< limits.loss_scale_floor: the loss scale sat at its floor too long
 };
+
+/// Every signal, in declaration order (for label sets and name lookups).
+constexpr Signal kAllSignals[] = {
+    Signal::kNonfiniteGrad,  Signal::kNonfiniteLoss, Signal::kConsecutiveLimit, Signal::kRankDesync,
+    Signal::kLossSpike,      Signal::kGradNormSpike, Signal::kLossRatio,        Signal::kSkipBudget,
+    Signal::kRollbackBudget, Signal::kLossScaleFloor};
 
 /// Stable, lowercase names used in traces, JSON and metrics labels.
 constexpr const char* to_string(Outcome o) noexcept {
@@ -90,6 +102,18 @@ constexpr const char* to_string(Signal s) noexcept {
       return "consecutive_limit";
     case Signal::kRankDesync:
       return "rank_desync";
+    case Signal::kLossSpike:
+      return "loss_spike";
+    case Signal::kGradNormSpike:
+      return "grad_norm_spike";
+    case Signal::kLossRatio:
+      return "loss_ratio";
+    case Signal::kSkipBudget:
+      return "skip_budget";
+    case Signal::kRollbackBudget:
+      return "rollback_budget";
+    case Signal::kLossScaleFloor:
+      return "loss_scale_floor";
   }
   return "unknown";
 }
@@ -164,13 +188,33 @@ struct Signals {
   bool any() const noexcept { return !raised.empty(); }
 };
 
+/// The parameters of a lower_lr action: multiply the LR factor by `factor`, not below `floor`;
+/// recover linearly to 1 over `recover_over` good steps after `recover_after` good steps.
+struct LrChange {
+  double factor = 0.5;
+  double floor = 0.0;
+  std::int64_t recover_after = 0;
+  std::int64_t recover_over = 0;
+};
+
 /// What the policy engine decided. A pure function of GlobalStats and engine state, so every
-/// rank decides the same.
+/// rank decides the same. The parameters below are meaningful only with their action.
 struct Decision {
   Outcome outcome = Outcome::kApplied;
-  std::vector<Action> actions;
-  std::int64_t batches_to_skip = 0;
-  std::string reason;  ///< one line, for logs and reports
+  std::vector<Action> actions;       ///< in a fixed order; see configs/policies/README.md
+  std::int64_t batches_to_skip = 0;  ///< with kRollback: batches to drop after the restore
+  double loss_scale_factor = 1.0;    ///< with kDropLossScale from a rule: scale *= this
+  LrChange lower_lr;                 ///< with kLowerLr
+  double clip_norm = 0.0;            ///< with kClip: scale the gradients to this global norm
+  std::vector<std::string> rules;    ///< names of the rules and limits that fired
+  std::string reason;                ///< one line, for logs and reports
+
+  bool has(Action a) const noexcept {
+    for (Action x : actions) {
+      if (x == a) return true;
+    }
+    return false;
+  }
 };
 
 /// One incident: a step where a detector fired and the policy acted.
@@ -195,6 +239,10 @@ struct StepReport {
   std::int64_t nonfinite_count = 0;  ///< NaN/Inf gradient elements over all ranks
   std::vector<Action> actions;
   std::int64_t batches_to_skip = 0;  ///< batches the loop must drop before the next step
+  /// With outcome kRolledBack: the step whose snapshot was restored. The loop continues from its
+  /// current data position plus batches_to_skip (batches consumed since the snapshot are not
+  /// replayed).
+  std::int64_t rolled_back_to = 0;
   std::optional<Incident> incident;
 
   bool applied() const noexcept { return outcome == Outcome::kApplied; }

@@ -1,0 +1,154 @@
+#include "plugin/src/step_controller.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace stepguard {
+
+namespace {
+
+std::int64_t bits_of(double v) {
+  std::int64_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+double double_of(std::int64_t b) {
+  double v = 0;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
+    : config_(config), loss_scaling_requested_(loss_scaling), engine_(std::move(config)) {
+  const policy::PolicyConfig& c = engine_.config();
+  if (c.has_loss_scale ? c.loss_scale.enabled : loss_scaling) {
+    const policy::LossScaleSettings& l = c.loss_scale;  // defaults = GradScaler's
+    scaling::LossScalerConfig sc;
+    sc.init_scale = l.init_scale;
+    sc.growth_factor = l.growth_factor;
+    sc.backoff_factor = l.backoff_factor;
+    sc.growth_interval = l.growth_interval;
+    sc.hysteresis = l.hysteresis;
+    sc.min_scale = l.min_scale;
+    scaler_.emplace(sc);
+  }
+  if (!scaler_ && c.uses(Action::kDropLossScale)) {
+    throw std::invalid_argument(
+        "stepguard: the policy uses drop_loss_scale but loss scaling is off (add a 'loss_scale' "
+        "section or turn loss_scaling on)");
+  }
+}
+
+StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats) {
+  policy::StepInput input;
+  input.step = step;
+  input.stats = stats;
+  input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
+  policy::Verdict verdict = engine_.evaluate(input);
+  StepDecision out;
+  Decision& d = verdict.decision;
+
+  if (scaler_) {
+    // GradScaler's rule on every step, then the policy's extra drop.
+    const double before = scaler_->scale();
+    scaler_->update(stats.nonfinite_count() > 0 || stats.loss_nonfinite_ranks > 0);
+    if (d.has(Action::kDropLossScale)) scaler_->drop(d.loss_scale_factor);
+    if (scaler_->scale() < before && !d.has(Action::kDropLossScale) &&
+        d.outcome != Outcome::kAborted) {
+      // The backoff is an action too: it shows in the trace and the metrics.
+      d.actions.push_back(Action::kDropLossScale);
+      std::sort(d.actions.begin(), d.actions.end());
+    }
+  }
+  if (d.has(Action::kLowerLr)) {
+    lr_.lower(d.lower_lr.factor, d.lower_lr.floor, d.lower_lr.recover_after,
+              d.lower_lr.recover_over);
+  }
+  out.lr_factor = lr_.factor();
+  if (!d.has(Action::kLowerLr)) {
+    lr_.on_step(d.outcome == Outcome::kApplied && !verdict.signals.any());
+  }
+  out.loss_scale = loss_scale();
+  out.signals = std::move(verdict.signals);
+  out.decision = std::move(d);
+  return out;
+}
+
+std::vector<std::int64_t> StepController::encode() const {
+  std::vector<std::int64_t> words = engine_.state().encode();
+  const scaling::LossScalerState sc = scaler_ ? scaler_->state() : scaling::LossScalerState{};
+  for (std::int64_t v :
+       {bits_of(sc.scale), sc.growth_tracker, sc.hysteresis_left, sc.steps_at_floor}) {
+    words.push_back(v);
+  }
+  const scaling::LrControllerState& l = lr_.state();
+  for (std::int64_t v : {bits_of(l.factor), bits_of(l.recovery_start), l.good_steps,
+                         l.recover_after, l.recover_over, l.recovered_steps}) {
+    words.push_back(v);
+  }
+  return words;
+}
+
+void StepController::decode(const std::vector<std::int64_t>& words) {
+  constexpr std::size_t kTail = 4 + 6;  // scaler, LR controller
+  if (words.size() < kTail) throw std::invalid_argument("stepguard: guard state is truncated");
+  const std::size_t n = words.size() - kTail;
+  const policy::EngineState engine = policy::EngineState::decode(
+      std::vector<std::int64_t>(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(n)),
+      engine_.config().rules.size());
+  const std::int64_t* w = words.data() + n;
+  const scaling::LossScalerState sc{double_of(w[0]), w[1], w[2], w[3]};
+  const scaling::LrControllerState lr{double_of(w[4]), double_of(w[5]), w[6], w[7], w[8], w[9]};
+  if (scaler_ && (!(sc.scale > 0) || !std::isfinite(sc.scale) || sc.growth_tracker < 0 ||
+                  sc.hysteresis_left < 0 || sc.steps_at_floor < 0)) {
+    throw std::invalid_argument("stepguard: guard state holds an invalid loss scale (" +
+                                std::to_string(sc.scale) + ")");
+  }
+  if (!(lr.factor > 0 && lr.factor <= 1) || lr.good_steps < 0 || lr.recover_after < 0 ||
+      lr.recover_over < 0 || lr.recovered_steps < 0) {
+    throw std::invalid_argument("stepguard: guard state holds an invalid LR factor (" +
+                                std::to_string(lr.factor) + ")");
+  }
+  engine_.restore(engine);
+  if (scaler_) scaler_->restore(sc);
+  lr_.restore(lr);
+}
+
+void StepController::rollback_to(const std::vector<std::int64_t>& words, const Decision& decision) {
+  StepController snapshot(config_, loss_scaling_requested_);
+  snapshot.decode(words);
+  engine_.restore_detectors(snapshot.engine_.state());
+  if (scaler_) scaler_->restore(snapshot.scaler_->state());
+  lr_.restore(snapshot.lr_.state());
+  if (scaler_ && decision.has(Action::kDropLossScale)) {
+    // The restored scale is the one that led here: back off from it as this step did.
+    scaler_->drop(decision.loss_scale_factor < 1.0 ? decision.loss_scale_factor
+                                                   : scaler_->config().backoff_factor);
+  }
+  if (decision.has(Action::kLowerLr)) {
+    lr_.lower(decision.lower_lr.factor, decision.lower_lr.floor, decision.lower_lr.recover_after,
+              decision.lower_lr.recover_over);
+  }
+}
+
+void StepController::reset() { *this = StepController(config_, loss_scaling_requested_); }
+
+std::uint64_t StepController::digest(std::int64_t step) const {
+  std::vector<std::int64_t> words = encode();
+  words.push_back(step);
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::int64_t v : words) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= static_cast<std::uint64_t>(v >> (8 * byte)) & 0xffu;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return h & stats_slot::kDigestMask;
+}
+
+}  // namespace stepguard

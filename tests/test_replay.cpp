@@ -1,0 +1,102 @@
+// Replay: a hand-written trace through a hand-written policy gives the decisions derived by hand
+// in tests/data/replay/expected.jsonl (and tabled in configs/policies/README.md); a bad trace is a
+// clear error naming the file and line.
+#include <gtest/gtest.h>
+#include <stepguard/replay.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace stepguard {
+namespace {
+
+const std::string kData = std::string(STEPGUARD_SOURCE_DIR) + "/tests/data/replay/";
+
+std::vector<nlohmann::json> lines_of(const std::string& text) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+TEST(Replay, HandWrittenTraceGivesTheDocumentedDecisions) {
+  std::ostringstream out;
+  const ReplaySummary s = replay_trace({kData + "policy.yaml", kData + "trace.jsonl", false}, out);
+  std::ifstream expected_file(kData + "expected.jsonl");
+  std::stringstream expected_text;
+  expected_text << expected_file.rdbuf();
+  const auto expected = lines_of(expected_text.str());
+  const auto got = lines_of(out.str());
+  ASSERT_EQ(got.size(), expected.size()) << out.str();
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    for (const char* key : {"step", "outcome", "actions", "loss_scale", "lr_factor"}) {
+      EXPECT_EQ(got[i][key], expected[i][key]) << "line " << i + 1 << ", " << key;
+    }
+  }
+  EXPECT_EQ(got[8]["signals"], nlohmann::json::array({"loss_spike"}));
+  EXPECT_EQ(got[8]["rules"], nlohmann::json::array({"skip-spike"}));
+  EXPECT_EQ(got[5]["rules"], nlohmann::json::array({"skip-nan", "halve-lr"}));
+  EXPECT_EQ(s.steps, 14);
+  EXPECT_EQ(s.applied, 7);
+  EXPECT_EQ(s.skipped, 6);
+  EXPECT_TRUE(s.aborted);
+  EXPECT_EQ(s.abort_step, 14);
+  EXPECT_EQ(s.loss_scale, 64);
+}
+
+std::string replay_error(const std::string& trace_text) {
+  const std::string path = ::testing::TempDir() + "/sg_replay_trace.jsonl";
+  std::ofstream(path) << trace_text;
+  std::ostringstream out;
+  try {
+    replay_trace({kData + "policy.yaml", path, false}, out);
+  } catch (const std::runtime_error& e) {
+    std::remove(path.c_str());
+    std::string what = e.what();
+    return what.substr(what.find("sg_replay_trace.jsonl"));
+  }
+  std::remove(path.c_str());
+  return "no error";
+}
+
+TEST(Replay, BadTraceLinesNameFileAndLine) {
+  EXPECT_EQ(replay_error("{\"step\": 1, \"loss\": 1}\n{oops\n"),
+            "sg_replay_trace.jsonl:2: not a JSON object: [json.exception.parse_error.101] parse "
+            "error at line 1, column 2: syntax error while parsing object key - invalid literal; "
+            "last read: '{o'; expected string literal");
+  EXPECT_EQ(replay_error("{\"step\": 2, \"loss\": 1}\n{\"step\": 2, \"loss\": 1}\n"),
+            "sg_replay_trace.jsonl:2: 'step' must be a whole number above the previous line's "
+            "(2)");
+  EXPECT_EQ(replay_error("{\"step\": 1}\n"),
+            "sg_replay_trace.jsonl:1: needs 'loss' (a number, "
+            "or null)");
+  EXPECT_EQ(replay_error("{\"step\": 1, \"loss\": \"low\"}\n"),
+            "sg_replay_trace.jsonl:1: 'loss' must be a number or null, got \"low\"");
+  EXPECT_EQ(replay_error("{\"step\": 1, \"loss\": 1, \"nan\": -3}\n"),
+            "sg_replay_trace.jsonl:1: 'nan' must be a whole number >= 0, got -3");
+  EXPECT_EQ(replay_error("[1, 2]\n"), "sg_replay_trace.jsonl:1: not a JSON object");
+  EXPECT_EQ(replay_error("\n\n"), "no error");  // an empty trace replays nothing
+}
+
+TEST(Replay, MissingFilesAreClearErrors) {
+  std::ostringstream out;
+  try {
+    replay_trace({kData + "policy.yaml", "/nonexistent/trace.jsonl", false}, out);
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "/nonexistent/trace.jsonl: cannot read trace: No such file or directory");
+  }
+  EXPECT_THROW(replay_trace({"/nonexistent/policy.yaml", kData + "trace.jsonl", false}, out),
+               std::runtime_error);
+  EXPECT_TRUE(out.str().empty());
+}
+
+}  // namespace
+}  // namespace stepguard

@@ -143,6 +143,13 @@ const Snapshot* SnapshotRing::newest_confirmed() const {
   return nullptr;
 }
 
+const Snapshot* SnapshotRing::confirmed_at(std::int64_t step) const {
+  for (const auto& s : ring_) {
+    if (s.confirmed && s.step == step) return &s;
+  }
+  return nullptr;
+}
+
 void SnapshotRing::restore(const Snapshot& snapshot, const std::vector<at::Tensor>& params,
                            torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(snapshot.params.size() == params.size(), "stepguard: the snapshot of step ",

@@ -53,6 +53,10 @@ class SnapshotRing {
   void on_step(std::int64_t step, bool clean);
   /// The newest confirmed snapshot, or nullptr.
   const Snapshot* newest_confirmed() const;
+  /// The confirmed snapshot of `step`, or nullptr.
+  const Snapshot* confirmed_at(std::int64_t step) const;
+  /// Drops every snapshot (after a resume from disk).
+  void clear() noexcept { ring_.clear(); }
   /// Writes `snapshot` back into the parameters, the optimizer and the RNGs, and drops every
   /// snapshot newer than it. Throws c10::Error (changing nothing) when the parameters do not
   /// match the snapshot.

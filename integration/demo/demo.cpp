@@ -229,6 +229,10 @@ int run_demo(const DemoOptions& o) {
         .store(world.group.store)
         .collective_timeout_ms(o.collective_timeout_s * 1000);
   }
+  const std::string checkpoint_dir = !o.checkpoint_dir.empty() ? o.checkpoint_dir : o.resume;
+  if (!checkpoint_dir.empty()) {
+    guard_options.checkpoint_dir(checkpoint_dir).checkpoint_every(o.checkpoint_every);
+  }
   if (o.metrics_port >= 0) {
     guard_options.metrics_port(o.metrics_port == 0 ? 0 : o.metrics_port + world.local_rank)
         .run_name(o.run_name);
@@ -257,7 +261,17 @@ int run_demo(const DemoOptions& o) {
   std::uint64_t outcome_digest = kFnvOffset;  // FNV-1a over every step's outcome
   const auto& tokens = corpus.tokens();
 
-  for (std::int64_t step = 1; step <= o.steps; ++step) {
+  std::int64_t first_step = 1;
+  if (!o.resume.empty()) {
+    const std::int64_t from = guard.resume(o.resume);
+    if (from > 0) {
+      first_step = from + 1;
+      batch_index = guard.data_position();
+    } else if (lead) {
+      progress.note("no valid checkpoint in " + o.resume + ": starting from step 1");
+    }
+  }
+  for (std::int64_t step = first_step; step <= o.steps; ++step) {
     const auto t0 = Clock::now();
     // Each rank reads its own slice of every global batch.
     const auto offsets = corpus.batch_offsets(o.seed, batch_index * world.size + world.rank,
@@ -410,6 +424,9 @@ int run_demo(const DemoOptions& o) {
   const auto hashes = gather_u64(hash_parameters(params), world);
   const auto outcome_digests = gather_u64(outcome_digest, world);
   const auto finite_flags = gather_u64(params_finite ? 1 : 0, world);
+  // Every rank has finished its last step (the gathers above are collectives): a run that ended
+  // well makes its last checkpoint visible.
+  if (exit_status == 0) guard.commit_pending_checkpoint();
   if (!lead) return exit_status;
 
   nlohmann::json param_hashes = nlohmann::json::array();
@@ -441,6 +458,8 @@ int run_demo(const DemoOptions& o) {
       {"seed", o.seed},
       {"collectives", guard.collectives()},
       {"batches_consumed", batch_index},
+      {"checkpoints", guard.checkpoints_written()},
+      {"resumed_from", first_step - 1},
       {"incidents", incidents},
   };
   if (!o.summary_json.empty()) {

@@ -108,6 +108,7 @@ const char* demo_usage() noexcept {
          "                      [--batch-size B] [--context T] [--lr LR] [--threads N]\n"
          "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
          "DIR]\n"
+         "                      [--checkpoint-dir DIR] [--checkpoint-every N] [--resume DIR]\n"
          "\n"
          "Trains a small character-level transformer on /usr/share/common-licenses under\n"
          "stepguard, injecting the faults asked for, and prints a summary.\n"
@@ -118,6 +119,8 @@ const char* demo_usage() noexcept {
          "each process is one rank.\n"
          "Without --policy the demo runs configs/policies/default.yaml (built in);\n"
          "--max-bad-steps N runs the plain ladder instead: skip, abort after N in a row.\n"
+         "--checkpoint-dir DIR writes a checkpoint every N steps (default 50); --resume DIR\n"
+         "continues from the newest valid one there (and keeps writing there).\n"
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 
@@ -177,6 +180,18 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (value.empty()) return bad("expected a file path");
       o.summary_json = value;
+    } else if (flag == "--checkpoint-dir") {
+      if (!take_value()) return std::nullopt;
+      if (value.empty()) return bad("expected a directory");
+      o.checkpoint_dir = value;
+    } else if (flag == "--checkpoint-every") {
+      if (!take_value()) return std::nullopt;
+      if (!parse_int(value, 1, 100000000, &n)) return bad("expected a whole number >= 1");
+      o.checkpoint_every = n;
+    } else if (flag == "--resume") {
+      if (!take_value()) return std::nullopt;
+      if (value.empty()) return bad("expected a directory");
+      o.resume = value;
     } else if (flag == "--trace") {
       if (!take_value()) return std::nullopt;
       if (value.empty()) return bad("expected a file path");

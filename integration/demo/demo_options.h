@@ -45,6 +45,9 @@ struct DemoOptions {
   std::vector<Injection> injections;
   std::string summary_json;
   std::string trace;
+  std::string checkpoint_dir;          ///< disk checkpoints; empty: none (unless --resume)
+  std::int64_t checkpoint_every = 50;  ///< steps between disk checkpoints
+  std::string resume;                  ///< resume from the newest valid checkpoint here
   std::string corpus_dir = "/usr/share/common-licenses";
   std::int64_t batch_size = 32;
   std::int64_t context = 64;

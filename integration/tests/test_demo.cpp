@@ -444,6 +444,69 @@ TEST(MultiRank, BrokenWeightsOnOneRankRollAllRanksBackToTheSameStep) {
   }
 }
 
+// The acceptance run: a weight goes NaN at step 150; the guard rolls back in-process,
+// checkpoints keep being written, and every checkpoint verifies.
+TEST(Checkpoints, CorruptWeightsWithCheckpointsRollsBackAndVerifies) {
+  const std::string dir = temp_path("ck");
+  std::filesystem::remove_all(dir);
+  const std::string summary = temp_path("s.json");
+  ProcessResult r =
+      run_stepguard("demo --steps 400 --inject corrupt_weights@150 --checkpoint-dir '" + dir +
+                    "' --summary-json '" + summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_GE(s["rollbacks"], 1);
+  EXPECT_EQ(s["params_finite"], true);
+  EXPECT_LT(s["final_loss"].get<double>(), 0.8 * s["initial_loss"].get<double>());
+  EXPECT_GE(s["checkpoints"], 7);
+  r = run_stepguard("ckpt verify '" + dir + "'");
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("3 valid, 0 bad"), std::string::npos) << r.out;  // the newest 3 are kept
+  r = run_stepguard("ckpt ls '" + dir + "'");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("400"), std::string::npos) << r.out;
+
+  // A flipped byte in the newest checkpoint: verify names the file and fails.
+  const std::string victim = dir + "/step-000000400/rank-00000.ckpt";
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(4000);
+    char c = 0;
+    f.get(c);
+    f.seekp(4000);
+    f.put(static_cast<char>(c ^ 0x01));
+  }
+  r = run_stepguard("ckpt verify '" + dir + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(victim + ": checksum"), std::string::npos) << r.err;
+  r = run_stepguard("ckpt verify /nonexistent-ckpt-dir");
+  EXPECT_EQ(r.status, 2);
+}
+
+// Killed at step 130 (SIGKILL, no goodbye), resumed from the newest valid checkpoint: the run
+// ends with the same parameters, bitwise, as one that was never interrupted.
+TEST(Checkpoints, ResumeAfterAKillMatchesAnUninterruptedRun) {
+  const std::string a = temp_path("ckA"), b = temp_path("ckB");
+  std::filesystem::remove_all(a);
+  std::filesystem::remove_all(b);
+  const std::string sa = temp_path("a.json"), sb = temp_path("b.json");
+  ProcessResult r =
+      run_stepguard("demo --steps 200 --checkpoint-dir '" + a + "' --summary-json '" + sa + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = run_stepguard("demo --steps 200 --inject kill@130 --checkpoint-dir '" + b + "'");
+  ASSERT_EQ(r.status, 128 + 9) << r.err;
+  r = run_stepguard("demo --steps 200 --resume '" + b + "' --summary-json '" + sb + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("resumed from " + b + "/step-000000100 (step 100, data position 100)"),
+            std::string::npos)
+      << r.err;
+  const auto ja = read_json(sa), jb = read_json(sb);
+  EXPECT_EQ(jb["resumed_from"], 100);
+  EXPECT_EQ(jb["steps"], 200);
+  EXPECT_EQ(jb["param_hashes"], ja["param_hashes"]);
+  EXPECT_EQ(jb["batches_consumed"], ja["batches_consumed"]);
+}
+
 TEST(ReplayCli, HandWrittenTraceAndBadArguments) {
   const std::string data = std::string(STEPGUARD_SOURCE_DIR) + "/tests/data/replay/";
   ProcessResult r =

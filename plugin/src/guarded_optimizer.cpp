@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,8 @@
 #include <optional>
 #include <unordered_map>
 
+#include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/checkpoint/payload.h"
 #include "csrc/checkpoint/snapshot.h"
 #include "csrc/consensus/consensus.h"
 #include "csrc/consensus/nccl_probe.h"
@@ -152,6 +155,18 @@ struct GuardedOptimizer::Impl {
         consensus(make_consensus(options)),
         controller(make_controller(options)) {
     const policy::CheckpointCadence& cadence = controller.config().checkpoint;
+    TORCH_CHECK(options.checkpoint_every() >= 0, "stepguard: checkpoint_every must be >= 0, got ",
+                options.checkpoint_every());
+    disk_every = options.checkpoint_every() > 0 ? options.checkpoint_every() : cadence.disk_every;
+    disk_keep = static_cast<int>(cadence.disk_keep);
+    TORCH_CHECK(options.checkpoint_dir().empty() || disk_every > 0, "stepguard: checkpoint_dir '",
+                options.checkpoint_dir(),
+                "' is set but no cadence: set checkpoint_every or the policy's "
+                "checkpoint.disk_every");
+    TORCH_CHECK(
+        !options.checkpoint_dir().empty() || disk_every == 0 || options.checkpoint_every() == 0,
+        "stepguard: checkpoint_every is set but checkpoint_dir is empty");
+    if (options.checkpoint_dir().empty()) disk_every = 0;
     if (cadence.snapshot_every > 0) {
       snapshots = std::make_unique<checkpoint::SnapshotRing>(
           static_cast<std::size_t>(cadence.snapshot_keep));
@@ -246,6 +261,43 @@ struct GuardedOptimizer::Impl {
     return g;
   }
 
+  // Every rank's `value`, through one sum all-reduce (rare: rollback and resume only).
+  std::vector<std::int64_t> gather(std::int64_t value, std::int64_t tag) {
+    const int world = consensus->world_size();
+    if (world == 1) return {value};
+    const at::Device device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+    at::Tensor buffer = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(device));
+    buffer.select(0, consensus->rank()).fill_(static_cast<double>(value));
+    consensus->all_reduce_sum(buffer, tag);
+    const at::Tensor host = buffer.to(at::kCPU);
+    std::vector<std::int64_t> out;
+    for (int r = 0; r < world; ++r)
+      out.push_back(static_cast<std::int64_t>(host[r].item<double>()));
+    return out;
+  }
+  std::int64_t agree_min(std::int64_t value, std::int64_t tag) {
+    const auto all = gather(value, tag);
+    return *std::min_element(all.begin(), all.end());
+  }
+
+  std::vector<std::int64_t> totals_words() const {
+    return {totals.steps,   totals.applied,   totals.skipped,   totals.rolled_back,
+            totals.aborted, totals.incidents, totals.snapshots, checkpoints_written};
+  }
+
+  checkpoint::GuardRecord record(std::int64_t at_step) const {
+    checkpoint::GuardRecord r;
+    r.step = at_step;
+    r.data_position = data_position;
+    r.guard = controller.encode();
+    r.totals = totals_words();
+    for (const auto& [first, count] : skipped_ranges) {
+      r.skipped_ranges.push_back(first);
+      r.skipped_ranges.push_back(count);
+    }
+    return r;
+  }
+
   // Scales every gradient by one factor so the global norm becomes `target` (ZClip-style: the
   // target comes from the grad-norm EMA, agreed on every rank).
   void clip_gradients(double grad_norm, double target) {
@@ -289,6 +341,12 @@ struct GuardedOptimizer::Impl {
   std::unique_ptr<consensus::Consensus> consensus;
   StepController controller;
   std::unique_ptr<checkpoint::SnapshotRing> snapshots;
+  std::int64_t disk_every = 0;
+  int disk_keep = 3;
+  std::int64_t pending_disk_step = 0;  // written, waiting for the next step's confirmation
+  std::int64_t checkpoints_written = 0;
+  std::int64_t data_position = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges;
   std::unique_ptr<telemetry::EventLog> event_log;
   std::unique_ptr<telemetry::Metrics> metrics;
   std::vector<torch::Tensor> params;
@@ -340,6 +398,7 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   const double inspect_seconds = std::chrono::duration<double>(Clock::now() - t_inspect).count();
   const std::uint64_t digest = s.controller.digest(s.step);
   const std::int64_t step = ++s.step;
+  ++s.data_position;  // this step's batch
   fill_step_buffer(buffer, loss, digest, s.consensus->rank(), s.consensus->world_size());
 
   // 2 agree: the one collective of the step, then its one read to the host.
@@ -368,7 +427,18 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   if (s.snapshots) s.snapshots->on_step(step, !signals.any());
   std::int64_t rolled_back_to = 0;
   if (decision.outcome == Outcome::kRolledBack) {
-    const checkpoint::Snapshot* target = s.snapshots ? s.snapshots->newest_confirmed() : nullptr;
+    const checkpoint::Snapshot* mine = s.snapshots ? s.snapshots->newest_confirmed() : nullptr;
+    // Every rank must restore the same step: the newest one all of them hold.
+    const std::int64_t agreed = s.agree_min(mine ? mine->step : 0, step);
+    const checkpoint::Snapshot* target =
+        agreed > 0 && s.snapshots ? s.snapshots->confirmed_at(agreed) : nullptr;
+    if (agreed > 0 && target == nullptr) {
+      s.aborted = true;
+      s.abort_reason = "rank " + std::to_string(s.consensus->rank()) +
+                       " holds no snapshot of step " + std::to_string(agreed) +
+                       ", the newest every rank holds";
+      TORCH_CHECK(false, "stepguard: step ", step, ": cannot roll back: ", s.abort_reason);
+    }
     if (target != nullptr) {
       rolled_back_to = target->step;
       const std::vector<std::int64_t> words = target->guard;
@@ -413,10 +483,34 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
       break;
   }
   ++s.totals.steps;
+  if (decision.batches_to_skip > 0) {
+    s.skipped_ranges.push_back({s.data_position, decision.batches_to_skip});
+    s.data_position += decision.batches_to_skip;
+  }
+  // The disk checkpoint written after the previous step becomes visible only if this step is
+  // clean; rank 0 writes the manifest (every rank finished that step before this collective).
+  if (s.pending_disk_step > 0) {
+    const bool confirm = s.pending_disk_step == step - 1 && !signals.any();
+    if (s.consensus->rank() == 0) {
+      if (confirm) {
+        checkpoint::commit_checkpoint(s.options.checkpoint_dir(), s.pending_disk_step,
+                                      s.consensus->world_size(), s.disk_keep);
+      } else {
+        checkpoint::discard_checkpoint(s.options.checkpoint_dir(), s.pending_disk_step);
+      }
+    }
+    if (confirm) ++s.checkpoints_written;
+    s.pending_disk_step = 0;
+  }
   const std::int64_t every = s.controller.config().checkpoint.snapshot_every;
   if (s.snapshots && decision.outcome == Outcome::kApplied && step % every == 0) {
     s.snapshots->take(step, s.params, s.optimizer, s.controller.encode());
     ++s.totals.snapshots;
+  }
+  if (s.disk_every > 0 && decision.outcome == Outcome::kApplied && step % s.disk_every == 0) {
+    checkpoint::write_rank_file(s.options.checkpoint_dir(), step, s.consensus->rank(),
+                                checkpoint::encode_payload(s.record(step), s.params, s.optimizer));
+    s.pending_disk_step = step;
   }
 
   // 6 record.
@@ -496,6 +590,96 @@ std::string GuardedOptimizer::metrics_text() const {
 int GuardedOptimizer::rank() const noexcept { return impl_->consensus->rank(); }
 int GuardedOptimizer::world_size() const noexcept { return impl_->consensus->world_size(); }
 GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->totals; }
+std::int64_t GuardedOptimizer::resume(const std::string& dir) {
+  Impl& s = *impl_;
+  TORCH_CHECK(!s.aborted, "stepguard: resume() after an abort");
+  const int rank = s.consensus->rank();
+  const int world = s.consensus->world_size();
+  const auto entries = checkpoint::list_checkpoints(dir);
+  std::int64_t bound = std::numeric_limits<std::int64_t>::max();
+  for (std::size_t round = 0; round <= entries.size(); ++round) {
+    // This rank's newest valid checkpoint below the bound, then the newest all ranks hold.
+    std::int64_t mine = 0;
+    for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+      if (it->step >= bound) continue;
+      if (it->world_size != world) {
+        std::fprintf(stderr, "stepguard: skipping %s: written by %d ranks, this run has %d\n",
+                     it->dir.c_str(), it->world_size, world);
+        continue;
+      }
+      try {
+        checkpoint::read_rank_file(*it, rank);
+        mine = it->step;
+        break;
+      } catch (const checkpoint::CheckpointError& e) {
+        std::fprintf(stderr, "stepguard: skipping a bad checkpoint: %s\n", e.what());
+      }
+    }
+    const std::int64_t agreed = s.agree_min(mine, -1);
+    if (agreed == 0) return 0;
+    bool ok = false;
+    checkpoint::GuardRecord record;
+    std::string where;
+    for (const auto& e : entries) {
+      if (e.step != agreed) continue;
+      where = e.dir;
+      try {
+        record = checkpoint::decode_payload(checkpoint::read_rank_file(e, rank),
+                                            e.dir + "/rank " + std::to_string(rank), s.params,
+                                            s.optimizer);
+        s.controller.decode(record.guard);
+        ok = record.step == agreed && record.totals.size() == 8 &&
+             record.skipped_ranges.size() % 2 == 0;
+      } catch (const std::exception& e2) {
+        std::fprintf(stderr, "stepguard: cannot resume from %s: %s\n", e.dir.c_str(), e2.what());
+      }
+    }
+    const auto oks = s.gather(ok ? 1 : 0, -1);
+    if (std::all_of(oks.begin(), oks.end(), [](std::int64_t v) { return v == 1; })) {
+      s.step = record.step;
+      s.data_position = record.data_position;
+      const auto& t = record.totals;
+      s.totals = GuardTotals{t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
+      s.checkpoints_written = t[7];
+      s.skipped_ranges.clear();
+      for (std::size_t i = 0; i + 1 < record.skipped_ranges.size(); i += 2) {
+        s.skipped_ranges.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
+      }
+      if (s.snapshots) s.snapshots->clear();
+      s.pending_disk_step = 0;
+      if (rank == 0) {
+        std::fprintf(stderr,
+                     "stepguard: resumed from %s (step %" PRId64 ", data position %" PRId64 ")\n",
+                     where.c_str(), s.step, s.data_position);
+      }
+      return s.step;
+    }
+    bound = agreed;  // some rank could not load it: try an older one
+  }
+  return 0;
+}
+std::int64_t GuardedOptimizer::data_position() const noexcept { return impl_->data_position; }
+void GuardedOptimizer::set_data_position(std::int64_t position) {
+  TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
+  impl_->data_position = position;
+}
+const std::vector<std::pair<std::int64_t, std::int64_t>>& GuardedOptimizer::skipped_ranges()
+    const noexcept {
+  return impl_->skipped_ranges;
+}
+std::int64_t GuardedOptimizer::checkpoints_written() const noexcept {
+  return impl_->checkpoints_written;
+}
+void GuardedOptimizer::commit_pending_checkpoint() {
+  Impl& s = *impl_;
+  if (s.pending_disk_step == 0 || s.aborted) return;
+  if (s.consensus->rank() == 0) {
+    checkpoint::commit_checkpoint(s.options.checkpoint_dir(), s.pending_disk_step,
+                                  s.consensus->world_size(), s.disk_keep);
+  }
+  ++s.checkpoints_written;
+  s.pending_disk_step = 0;
+}
 std::size_t GuardedOptimizer::snapshots_held() const noexcept {
   return impl_->snapshots ? impl_->snapshots->size() : 0;
 }

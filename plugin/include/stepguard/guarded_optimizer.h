@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stepguard/options.h"
@@ -98,6 +99,26 @@ class GuardedOptimizer {
   /// (1 unless the policy lowered it). The optimizer's own lr values are left as the training loop
   /// and its scheduler set them.
   double lr_factor() const noexcept;
+
+  /// Restores the newest checkpoint under `dir` that is valid on every rank (checksums verified,
+  /// the ranks agree on the step through the consensus layer; a corrupt or incomplete one falls
+  /// back to the next older). Parameters, optimizer state, RNG, the decision state, the step
+  /// counter, the data position and totals come back. Returns the step resumed from, or 0 when
+  /// there is no valid checkpoint (nothing changes). Call it on every rank before the first step.
+  std::int64_t resume(const std::string& dir);
+  /// The data position: batches consumed, counted one per step() plus every batches_to_skip the
+  /// guard asked for. Checkpoints save it and resume() restores it: continue reading the data from
+  /// there. A loop that consumes several batches per step can keep its own count instead.
+  std::int64_t data_position() const noexcept;
+  void set_data_position(std::int64_t position);
+  /// Data ranges skipped after rollbacks, as (first batch, count), oldest first.
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& skipped_ranges() const noexcept;
+  /// Disk checkpoints made visible so far.
+  std::int64_t checkpoints_written() const noexcept;
+  /// Makes the checkpoint written after the last step visible without waiting for a next step
+  /// (normally the next clean step confirms it). Call it at the end of a run that ended well, on
+  /// every rank, after every rank has finished its last step (e.g. after a barrier).
+  void commit_pending_checkpoint();
 
   /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`).
   std::size_t snapshots_held() const noexcept;

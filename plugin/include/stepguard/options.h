@@ -32,6 +32,13 @@ struct GuardOptions {
   /// Zero the gradients of a skipped step, so a loop that forgets zero_grad() cannot carry a NaN
   /// into the next step.
   TORCH_ARG(bool, zero_grad_on_skip) = true;
+  /// Where disk checkpoints go (one directory per step, one file per rank, a manifest); empty
+  /// writes none. The cadence is checkpoint_every, or the policy's `checkpoint.disk_every`.
+  TORCH_ARG(std::string, checkpoint_dir) = "";
+  /// Write a disk checkpoint after every N-th applied step (0: the policy's
+  /// `checkpoint.disk_every`). A checkpoint becomes visible (its manifest is written) only when the
+  /// next step is clean, as RAM snapshots are confirmed.
+  TORCH_ARG(std::int64_t, checkpoint_every) = 0;
   /// Path of the JSONL event log (the trace); empty writes none.
   TORCH_ARG(std::string, trace_path) = "";
   /// Write a trace line for every step; when false only for steps that were not a plain apply.

@@ -3,6 +3,7 @@
 #include <stepguard/stepguard.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -88,6 +89,33 @@ TEST(Metrics, CountersAndGaugesFollowTheGuard) {
   EXPECT_EQ(value_of(scraped, "stepguard_aborts_total"), 1);
   testing_support::http_get("127.0.0.1", port, "/other", &status);
   EXPECT_EQ(status, 404);
+}
+
+TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
+  const std::string dir = ::testing::TempDir() + "/sg_metrics_ckpt";
+  std::filesystem::remove_all(dir);
+  auto p = torch::zeros({4}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd, GuardOptions()
+                                  .metrics_port(0)
+                                  .policy_yaml("version: 1\ncheckpoint: {snapshot_every: 1, "
+                                               "snapshot_keep: 2}\n")
+                                  .checkpoint_dir(dir)
+                                  .checkpoint_every(2));
+  EXPECT_EQ(value_of(guard.metrics_text(), "stepguard_checkpoints_total"), 0);
+  for (int i = 0; i < 5; ++i) {
+    sgd.zero_grad();
+    auto loss = (p - 1.0).pow(2).sum();
+    loss.backward();
+    guard.step(loss);
+  }
+  const std::string text = guard.metrics_text();
+  EXPECT_EQ(value_of(text, "stepguard_snapshots_total"), 5);
+  EXPECT_EQ(value_of(text, "stepguard_snapshot_bytes"), 2 * 4 * 4);  // two copies of 4 floats
+  EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 2);       // steps 2 and 4
+  EXPECT_EQ(value_of(text, "stepguard_last_checkpoint_step"), 4);
+  EXPECT_EQ(value_of(text, "stepguard_checkpoint_write_duration_seconds_count"), 2);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Metrics, NoLabelNamesAStepOrBatch) {

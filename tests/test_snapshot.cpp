@@ -94,6 +94,38 @@ TEST(Snapshot, ASnapshotSurvivesItsRestoreForTheNextOne) {
   }
 }
 
+TEST(Snapshot, AFullRingRefillsItsOldestBuffersInsteadOfAllocating) {
+  auto model = make_model(11);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  train_step(model, opt, 0);
+  checkpoint::SnapshotRing ring(1);
+  ring.take(1, model->parameters(), opt, {});
+  ring.on_step(2, true);
+  const void* first_param = ring.newest_confirmed()->params[0].data_ptr();
+  const auto* first_state =
+      static_cast<const torch::optim::AdamWParamState*>(ring.newest_confirmed()->states[0].get());
+  const void* first_moment = first_state->exp_avg().data_ptr();
+  train_step(model, opt, 1);
+  ring.take(2, model->parameters(), opt, {});
+  ring.on_step(3, true);
+  const checkpoint::Snapshot* s = ring.newest_confirmed();
+  ASSERT_EQ(s->step, 2);
+  EXPECT_EQ(s->params[0].data_ptr(), first_param);
+  EXPECT_EQ(
+      static_cast<const torch::optim::AdamWParamState*>(s->states[0].get())->exp_avg().data_ptr(),
+      first_moment);
+  // And it holds step 2's values: restoring after more training gives them back.
+  const auto at_2 = clone_all(model->parameters());
+  const auto adam_at_2 = adamw_state(opt);
+  train_step(model, opt, 2);
+  ring.restore(*s, model->parameters(), opt);
+  for (std::size_t i = 0; i < at_2.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(model->parameters()[i], at_2[i]));
+  }
+  const auto adam = adamw_state(opt);
+  for (std::size_t i = 0; i < adam.size(); ++i) EXPECT_TRUE(bitwise_equal(adam[i], adam_at_2[i]));
+}
+
 TEST(Snapshot, ConfirmedOnlyByACleanNextStep) {
   auto model = make_model(5);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
@@ -112,6 +144,49 @@ TEST(Snapshot, ConfirmedOnlyByACleanNextStep) {
   // Only the snapshot of the previous step is pending; older confirmations are final.
   ring.on_step(30, false);
   EXPECT_EQ(ring.newest_confirmed()->step, 10);
+}
+
+TEST(Snapshot, ACorruptedCopyIsDroppedAndTheNextOlderOneIsUsed) {
+  auto model = make_model(12);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  checkpoint::SnapshotRing ring(3);
+  for (std::int64_t step : {2, 4}) {
+    train_step(model, opt, step);
+    ring.take(step, model->parameters(), opt, {});
+    ring.on_step(step + 1, true);
+  }
+  // A bit flip in host memory of the newest copy.
+  auto* newest = const_cast<checkpoint::Snapshot*>(ring.newest_confirmed());
+  newest->params[1].view(-1)[3].add_(1.0f);
+  std::vector<std::string> dropped;
+  const checkpoint::Snapshot* valid = ring.newest_valid(&dropped);
+  ASSERT_NE(valid, nullptr);
+  EXPECT_EQ(valid->step, 2);
+  EXPECT_EQ(dropped, std::vector<std::string>({"the RAM snapshot of step 4 no longer matches its "
+                                               "checksum (host memory corrupted); dropped"}));
+  EXPECT_EQ(ring.size(), 1u);
+}
+
+TEST(GuardRollback, TrackedBuffersComeBackWithTheParameters) {
+  auto model = make_model(14);
+  auto counter = torch::zeros({2});
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(
+      opt, GuardOptions().policy_yaml("version: 1\ncheckpoint: {snapshot_every: 2}\nrules:\n"
+                                      "  - {on: nonfinite, action: rollback}\n"));
+  torch::OrderedDict<std::string, torch::Tensor> buffers;
+  buffers.insert("counter", counter);
+  guard.track_buffers(buffers);
+  for (std::int64_t step = 1; step <= 4; ++step) {
+    counter.add_(1.0);  // like running statistics updated in the forward pass
+    opt.zero_grad();
+    auto loss = loss_of(model, step);
+    if (step == 4) loss = loss * std::numeric_limits<double>::quiet_NaN();
+    loss.backward();
+    const StepReport r = guard.step(loss);
+    if (step == 4) EXPECT_EQ(r.rolled_back_to, 2);
+  }
+  EXPECT_TRUE(torch::equal(counter, torch::full({2}, 2.0f)));  // the value after step 2
 }
 
 TEST(Snapshot, RingKeepsTheNewestK) {

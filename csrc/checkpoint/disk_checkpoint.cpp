@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -44,12 +45,24 @@ void fsync_dir(const std::string& dir) {
 }
 
 bool read_whole(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream s;
-  s << in.rdbuf();
-  *out = s.str();
-  return !in.bad();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return false;
+  }
+  out->resize(static_cast<std::size_t>(st.st_size));
+  std::size_t done = 0;
+  while (done < out->size()) {
+    const ssize_t n = ::read(fd, out->data() + done, out->size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  out->resize(done);
+  return true;
 }
 
 // Parses "step-NNNNNNNNN"; -1 when the name is not a step directory.
@@ -142,29 +155,49 @@ void remove_checkpoint_dir(const std::string& dir) {
 }  // namespace
 
 std::string checksum_hex(const std::string& bytes) {
+  Pieces pieces;
+  pieces.add(bytes.data(), bytes.size());
+  return checksum_hex(pieces);
+}
+
+std::string checksum_hex(const Pieces& pieces) {
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(state);
+  for (const auto& [data, size] : pieces.parts) XXH3_64bits_update(state, data, size);
+  const std::uint64_t h = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
   char hex[17];
-  std::snprintf(hex, sizeof hex, "%016" PRIx64,
-                static_cast<std::uint64_t>(XXH3_64bits(bytes.data(), bytes.size())));
+  std::snprintf(hex, sizeof hex, "%016" PRIx64, h);
   return hex;
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
+  Pieces pieces;
+  pieces.add(bytes.data(), bytes.size());
+  write_file_atomically(path, pieces);
+}
+
+void write_file_atomically(const std::string& path, const Pieces& pieces) {
   const fs::path target(path);
   const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   errno = 0;
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail(tmp, "cannot create");
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail(tmp, "write failed");
+  for (const auto& [data, size] : pieces.parts) {
+    const char* bytes = static_cast<const char*>(data);
+    std::size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::write(fd, bytes + done, size - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        fail(tmp, "write failed");
+      }
+      done += static_cast<std::size_t>(n);
     }
-    done += static_cast<std::size_t>(n);
   }
   if (::fsync(fd) != 0) {
     ::close(fd);
@@ -187,6 +220,12 @@ std::string step_dir(const std::string& root, std::int64_t step) {
 
 void write_rank_file(const std::string& root, std::int64_t step, int rank,
                      const std::string& payload) {
+  Pieces pieces;
+  pieces.add(payload.data(), payload.size());
+  write_rank_file(root, step, rank, pieces);
+}
+
+void write_rank_file(const std::string& root, std::int64_t step, int rank, const Pieces& payload) {
   const std::string dir = step_dir(root, step);
   std::error_code ec;
   fs::create_directories(dir, ec);

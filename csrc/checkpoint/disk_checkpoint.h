@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace stepguard {
@@ -46,12 +47,25 @@ class CheckpointError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The bytes of one file as pieces written in order (no concatenated copy of a large payload).
+struct Pieces {
+  std::vector<std::pair<const void*, std::size_t>> parts;
+  void add(const void* data, std::size_t size) { parts.push_back({data, size}); }
+  std::size_t size() const noexcept {
+    std::size_t n = 0;
+    for (const auto& p : parts) n += p.second;
+    return n;
+  }
+};
+
 /// XXH3-64 of `bytes`, as 16 hex digits.
 std::string checksum_hex(const std::string& bytes);
+std::string checksum_hex(const Pieces& pieces);
 
 /// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync of the directory).
 /// Throws CheckpointError naming the path.
 void write_file_atomically(const std::string& path, const std::string& bytes);
+void write_file_atomically(const std::string& path, const Pieces& pieces);
 
 /// The checkpoint directory of `step` under `root`.
 std::string step_dir(const std::string& root, std::int64_t step);
@@ -59,6 +73,7 @@ std::string step_dir(const std::string& root, std::int64_t step);
 /// Writes rank `rank`'s payload for `step` (file and record). Creates directories as needed.
 void write_rank_file(const std::string& root, std::int64_t step, int rank,
                      const std::string& payload);
+void write_rank_file(const std::string& root, std::int64_t step, int rank, const Pieces& payload);
 /// Writes the manifest of `step` (rank 0, once every rank's file is written): the checkpoint
 /// becomes visible. Then deletes complete checkpoints older than the newest `keep`, and
 /// incomplete ones (no manifest) older than `step`.

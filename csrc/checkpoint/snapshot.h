@@ -38,6 +38,7 @@ struct Snapshot {
   std::vector<at::Tensor> cuda_rng;  ///< one per visible device, when CUDA is available
   std::vector<std::int64_t> guard;   ///< the guard's decision state (StepController words)
   std::int64_t bytes = 0;            ///< host bytes held by the tensors above
+  std::uint64_t checksum = 0;        ///< XXH3-64 over the host copies, checked before a restore
 };
 
 class SnapshotRing {
@@ -53,6 +54,9 @@ class SnapshotRing {
   void on_step(std::int64_t step, bool clean);
   /// The newest confirmed snapshot, or nullptr.
   const Snapshot* newest_confirmed() const;
+  /// The newest confirmed snapshot whose copies still match their checksum, or nullptr. Damaged
+  /// ones are dropped and reported in `dropped` (one line each).
+  const Snapshot* newest_valid(std::vector<std::string>* dropped);
   /// The confirmed snapshot of `step`, or nullptr.
   const Snapshot* confirmed_at(std::int64_t step) const;
   /// Drops every snapshot (after a resume from disk).

@@ -148,6 +148,12 @@ struct Metrics::State {
   prometheus::Gauge* last_applied_step = nullptr;
   prometheus::Gauge* last_applied_time = nullptr;
   prometheus::Gauge* consecutive_bad = nullptr;
+  prometheus::Counter* snapshots = nullptr;
+  prometheus::Gauge* snapshot_bytes = nullptr;
+  prometheus::Counter* checkpoints = nullptr;
+  prometheus::Gauge* last_checkpoint_step = nullptr;
+  prometheus::Gauge* last_checkpoint_time = nullptr;
+  prometheus::Histogram* checkpoint_write_seconds = nullptr;
   prometheus::Histogram* inspect_seconds = nullptr;
   prometheus::Histogram* consensus_seconds = nullptr;
 };
@@ -195,6 +201,15 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.last_applied_time =
       gauge("stepguard_last_applied_timestamp_seconds", "Unix time of the last applied step.");
   s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
+  s.snapshots = &counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});
+  s.snapshot_bytes = gauge("stepguard_snapshot_bytes", "Host bytes held by the RAM snapshot ring.");
+  s.checkpoints =
+      &counter("stepguard_checkpoints_total", "Disk checkpoints made visible (manifest written).")
+           .Add({});
+  s.last_checkpoint_step =
+      gauge("stepguard_last_checkpoint_step", "Step of the newest visible disk checkpoint.");
+  s.last_checkpoint_time = gauge("stepguard_last_checkpoint_timestamp_seconds",
+                                 "Unix time the newest disk checkpoint became visible.");
   const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
                                                            3e-2, 0.1,  0.3,  1,    3,    10};
   s.inspect_seconds = &prometheus::BuildHistogram()
@@ -203,6 +218,12 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
                            .Labels(constant)
                            .Register(reg)
                            .Add({}, buckets);
+  s.checkpoint_write_seconds = &prometheus::BuildHistogram()
+                                    .Name("stepguard_checkpoint_write_duration_seconds")
+                                    .Help("Time to write one rank's disk checkpoint file.")
+                                    .Labels(constant)
+                                    .Register(reg)
+                                    .Add({}, buckets);
   s.consensus_seconds = &prometheus::BuildHistogram()
                              .Name("stepguard_consensus_duration_seconds")
                              .Help("Time of the per-step collective across ranks.")
@@ -262,6 +283,18 @@ void Metrics::record_step(const StepReport& r, std::int64_t consecutive_bad_step
   s.consensus_seconds->Observe(consensus_seconds);
 }
 
+void Metrics::record_snapshot(std::int64_t bytes_held) {
+  state_->snapshots->Increment();
+  state_->snapshot_bytes->Set(static_cast<double>(bytes_held));
+}
+
+void Metrics::record_checkpoint(std::int64_t step, double write_seconds) {
+  state_->checkpoints->Increment();
+  state_->last_checkpoint_step->Set(static_cast<double>(step));
+  state_->last_checkpoint_time->Set(unix_seconds());
+  state_->checkpoint_write_seconds->Observe(write_seconds);
+}
+
 void Metrics::record_abort() {
   state_->aborts->Increment();
   state_->aborted->Set(1);
@@ -284,6 +317,8 @@ Metrics::Metrics(const MetricsConfig&) {
 Metrics::~Metrics() = default;
 void Metrics::record_step(const StepReport&, std::int64_t, double, double) {}
 void Metrics::record_abort() {}
+void Metrics::record_snapshot(std::int64_t) {}
+void Metrics::record_checkpoint(std::int64_t, double) {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }
 

@@ -47,6 +47,10 @@ class Metrics {
   /// collective took.
   void record_step(const StepReport& report, std::int64_t consecutive_bad_steps,
                    double inspect_seconds, double consensus_seconds);
+  /// A RAM snapshot was taken; `bytes_held` is what the ring holds now.
+  void record_snapshot(std::int64_t bytes_held);
+  /// A disk checkpoint of `step` became visible; `write_seconds` is what writing it took.
+  void record_checkpoint(std::int64_t step, double write_seconds);
   /// "address:port" where /metrics is served.
   std::string endpoint() const;
   /// The current exposition text, as a scrape would see it.

@@ -238,6 +238,7 @@ int run_demo(const DemoOptions& o) {
         .run_name(o.run_name);
   }
   stepguard::GuardedOptimizer guard(adamw, named, guard_options);
+  guard.track_buffers(model->named_buffers());
 
   if (lead) {
     std::int64_t num_params = 0;

@@ -344,9 +344,18 @@ struct GuardedOptimizer::Impl {
   std::int64_t disk_every = 0;
   int disk_keep = 3;
   std::int64_t pending_disk_step = 0;  // written, waiting for the next step's confirmation
+  double pending_disk_seconds = 0.0;
   std::int64_t checkpoints_written = 0;
   std::int64_t data_position = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges;
+  std::vector<torch::Tensor> buffers;  // module buffers snapshots and checkpoints also hold
+
+  // What snapshots and checkpoints hold: the parameters, then the tracked buffers.
+  std::vector<torch::Tensor> state_tensors() const {
+    std::vector<torch::Tensor> all = params;
+    all.insert(all.end(), buffers.begin(), buffers.end());
+    return all;
+  }
   std::unique_ptr<telemetry::EventLog> event_log;
   std::unique_ptr<telemetry::Metrics> metrics;
   std::vector<torch::Tensor> params;
@@ -427,11 +436,23 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   if (s.snapshots) s.snapshots->on_step(step, !signals.any());
   std::int64_t rolled_back_to = 0;
   if (decision.outcome == Outcome::kRolledBack) {
-    const checkpoint::Snapshot* mine = s.snapshots ? s.snapshots->newest_confirmed() : nullptr;
+    std::vector<std::string> dropped;
+    const bool had_any = s.snapshots && s.snapshots->newest_confirmed() != nullptr;
+    const checkpoint::Snapshot* mine = s.snapshots ? s.snapshots->newest_valid(&dropped) : nullptr;
+    for (const auto& line : dropped) {
+      std::fprintf(stderr, "stepguard: step %" PRId64 ": %s\n", step, line.c_str());
+    }
+    if (had_any && mine == nullptr) {
+      s.aborted = true;
+      s.abort_reason = "every RAM snapshot failed its checksum; nothing is left to roll back to";
+    }
     // Every rank must restore the same step: the newest one all of them hold.
     const std::int64_t agreed = s.agree_min(mine ? mine->step : 0, step);
     const checkpoint::Snapshot* target =
         agreed > 0 && s.snapshots ? s.snapshots->confirmed_at(agreed) : nullptr;
+    if (s.aborted) {
+      TORCH_CHECK(false, "stepguard: step ", step, ": cannot roll back: ", s.abort_reason);
+    }
     if (agreed > 0 && target == nullptr) {
       s.aborted = true;
       s.abort_reason = "rank " + std::to_string(s.consensus->rank()) +
@@ -442,7 +463,7 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     if (target != nullptr) {
       rolled_back_to = target->step;
       const std::vector<std::int64_t> words = target->guard;
-      s.snapshots->restore(*target, s.params, s.optimizer);  // drops newer snapshots
+      s.snapshots->restore(*target, s.state_tensors(), s.optimizer);  // drops newer snapshots
       try {
         s.controller.rollback_to(words, decision);
       } catch (const std::invalid_argument& e) {
@@ -499,17 +520,25 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
         checkpoint::discard_checkpoint(s.options.checkpoint_dir(), s.pending_disk_step);
       }
     }
-    if (confirm) ++s.checkpoints_written;
+    if (confirm) {
+      ++s.checkpoints_written;
+      if (s.metrics) s.metrics->record_checkpoint(s.pending_disk_step, s.pending_disk_seconds);
+    }
     s.pending_disk_step = 0;
   }
   const std::int64_t every = s.controller.config().checkpoint.snapshot_every;
   if (s.snapshots && decision.outcome == Outcome::kApplied && step % every == 0) {
-    s.snapshots->take(step, s.params, s.optimizer, s.controller.encode());
+    s.snapshots->take(step, s.state_tensors(), s.optimizer, s.controller.encode());
     ++s.totals.snapshots;
+    if (s.metrics) s.metrics->record_snapshot(s.snapshots->bytes());
   }
   if (s.disk_every > 0 && decision.outcome == Outcome::kApplied && step % s.disk_every == 0) {
+    const auto t_write = Clock::now();
+    const checkpoint::EncodedPayload payload =
+        checkpoint::encode_payload(s.record(step), s.state_tensors(), s.optimizer);
     checkpoint::write_rank_file(s.options.checkpoint_dir(), step, s.consensus->rank(),
-                                checkpoint::encode_payload(s.record(step), s.params, s.optimizer));
+                                payload.pieces());
+    s.pending_disk_seconds = std::chrono::duration<double>(Clock::now() - t_write).count();
     s.pending_disk_step = step;
   }
 
@@ -625,8 +654,8 @@ std::int64_t GuardedOptimizer::resume(const std::string& dir) {
       where = e.dir;
       try {
         record = checkpoint::decode_payload(checkpoint::read_rank_file(e, rank),
-                                            e.dir + "/rank " + std::to_string(rank), s.params,
-                                            s.optimizer);
+                                            e.dir + "/rank " + std::to_string(rank),
+                                            s.state_tensors(), s.optimizer);
         s.controller.decode(record.guard);
         ok = record.step == agreed && record.totals.size() == 8 &&
              record.skipped_ranges.size() % 2 == 0;
@@ -658,6 +687,13 @@ std::int64_t GuardedOptimizer::resume(const std::string& dir) {
   }
   return 0;
 }
+void GuardedOptimizer::track_buffers(
+    const torch::OrderedDict<std::string, torch::Tensor>& named_buffers) {
+  impl_->buffers.clear();
+  for (const auto& item : named_buffers) {
+    if (item.value().defined()) impl_->buffers.push_back(item.value());
+  }
+}
 std::int64_t GuardedOptimizer::data_position() const noexcept { return impl_->data_position; }
 void GuardedOptimizer::set_data_position(std::int64_t position) {
   TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
@@ -678,6 +714,7 @@ void GuardedOptimizer::commit_pending_checkpoint() {
                                   s.consensus->world_size(), s.disk_keep);
   }
   ++s.checkpoints_written;
+  if (s.metrics) s.metrics->record_checkpoint(s.pending_disk_step, s.pending_disk_seconds);
   s.pending_disk_step = 0;
 }
 std::size_t GuardedOptimizer::snapshots_held() const noexcept {

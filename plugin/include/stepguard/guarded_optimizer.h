@@ -100,6 +100,10 @@ class GuardedOptimizer {
   /// and its scheduler set them.
   double lr_factor() const noexcept;
 
+  /// Module buffers (e.g. module->named_buffers(): batch-norm running statistics) that RAM
+  /// snapshots and disk checkpoints hold and restore along with the parameters. Call it before
+  /// the first step; checkpoints record the buffers tracked when they were written.
+  void track_buffers(const torch::OrderedDict<std::string, torch::Tensor>& named_buffers);
   /// Restores the newest checkpoint under `dir` that is valid on every rank (checksums verified,
   /// the ranks agree on the step through the consensus layer; a corrupt or incomplete one falls
   /// back to the next older). Parameters, optimizer state, RNG, the decision state, the step

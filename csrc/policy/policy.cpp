@@ -1,5 +1,7 @@
 #include "csrc/policy/policy.h"
 
+#include "csrc/common/bits.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -11,18 +13,6 @@ namespace stepguard {
 namespace policy {
 
 namespace {
-
-std::int64_t bits_of(double v) {
-  std::int64_t b = 0;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-}
-
-double double_of(std::int64_t b) {
-  double v = 0;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-}
 
 // Keeps the newest `keep` entries of a step list (newest last).
 void trim(std::vector<std::int64_t>* steps, std::size_t keep) {
@@ -102,6 +92,19 @@ class ActionSet {
   Decision decision_;
   bool lr_set_ = false;
 };
+
+// Records an event at `step` against a budget; true when more than `count` events fell within
+// `window` steps (the record then starts over, so the budget fires once per overrun).
+bool budget_spent(const Budget& budget, std::int64_t step, std::vector<std::int64_t>* events) {
+  events->push_back(step);
+  trim(events, static_cast<std::size_t>(budget.count + 1));
+  if (static_cast<std::int64_t>(events->size()) > budget.count &&
+      events->front() > step - budget.window) {
+    events->clear();
+    return true;
+  }
+  return false;
+}
 
 std::string signal_list(const Signals& signals) {
   std::string out;
@@ -349,18 +352,13 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
 
   // Limits see the outcome the rules chose.
   const Limits& limits = config_.limits;
-  if (limits.max_skips.enabled && actions.outcome_so_far() == Outcome::kSkipped) {
-    state_.recent_skips.push_back(input.step);
-    trim(&state_.recent_skips, static_cast<std::size_t>(limits.max_skips.count + 1));
-    if (static_cast<std::int64_t>(state_.recent_skips.size()) > limits.max_skips.count &&
-        state_.recent_skips.front() > input.step - limits.max_skips.window) {
-      signals.raised.push_back(Signal::kSkipBudget);
-      actions.add(limits.max_skips.action, 0.0);
-      names.push_back("limits.max_skips");
-      detail << " (more than " << limits.max_skips.count << " skips within "
-             << limits.max_skips.window << " steps)";
-      state_.recent_skips.clear();
-    }
+  if (limits.max_skips.enabled && actions.outcome_so_far() == Outcome::kSkipped &&
+      budget_spent(limits.max_skips, input.step, &state_.recent_skips)) {
+    signals.raised.push_back(Signal::kSkipBudget);
+    actions.add(limits.max_skips.action, 0.0);
+    names.push_back("limits.max_skips");
+    detail << " (more than " << limits.max_skips.count << " skips within "
+           << limits.max_skips.window << " steps)";
   }
   if (limits.loss_scale_floor_steps > 0 && input.loss_scale_steps_at_floor > 0 &&
       input.loss_scale_steps_at_floor % limits.loss_scale_floor_steps == 0) {
@@ -369,18 +367,13 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
     names.push_back("limits.loss_scale_floor");
     detail << " (loss scale at its floor for " << input.loss_scale_steps_at_floor << " steps)";
   }
-  if (limits.max_rollbacks.enabled && actions.outcome_so_far() == Outcome::kRolledBack) {
-    state_.recent_rollbacks.push_back(input.step);
-    trim(&state_.recent_rollbacks, static_cast<std::size_t>(limits.max_rollbacks.count + 1));
-    if (static_cast<std::int64_t>(state_.recent_rollbacks.size()) > limits.max_rollbacks.count &&
-        state_.recent_rollbacks.front() > input.step - limits.max_rollbacks.window) {
-      signals.raised.push_back(Signal::kRollbackBudget);
-      actions.add(limits.max_rollbacks.action, 0.0);
-      names.push_back("limits.max_rollbacks");
-      detail << " (more than " << limits.max_rollbacks.count << " rollbacks within "
-             << limits.max_rollbacks.window << " steps)";
-      state_.recent_rollbacks.clear();
-    }
+  if (limits.max_rollbacks.enabled && actions.outcome_so_far() == Outcome::kRolledBack &&
+      budget_spent(limits.max_rollbacks, input.step, &state_.recent_rollbacks)) {
+    signals.raised.push_back(Signal::kRollbackBudget);
+    actions.add(limits.max_rollbacks.action, 0.0);
+    names.push_back("limits.max_rollbacks");
+    detail << " (more than " << limits.max_rollbacks.count << " rollbacks within "
+           << limits.max_rollbacks.window << " steps)";
   }
 
   v.decision = actions.finish();

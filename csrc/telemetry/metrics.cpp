@@ -148,6 +148,7 @@ struct Metrics::State {
   prometheus::Gauge* last_applied_step = nullptr;
   prometheus::Gauge* last_applied_time = nullptr;
   prometheus::Gauge* consecutive_bad = nullptr;
+  std::map<std::string, prometheus::Counter*> causes;
   prometheus::Counter* snapshots = nullptr;
   prometheus::Gauge* snapshot_bytes = nullptr;
   prometheus::Counter* checkpoints = nullptr;
@@ -201,6 +202,12 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.last_applied_time =
       gauge("stepguard_last_applied_timestamp_seconds", "Unix time of the last applied step.");
   s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
+  auto& causes =
+      counter("stepguard_incident_causes_total", "Incidents by the root cause forensics assigned.");
+  for (const char* c : {"data", "forward", "backward", "precision_overflow", "divergence",
+                        "hardware_suspect", "unknown"}) {
+    s.causes[c] = &causes.Add({{"cause", c}});
+  }
   s.snapshots = &counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});
   s.snapshot_bytes = gauge("stepguard_snapshot_bytes", "Host bytes held by the RAM snapshot ring.");
   s.checkpoints =
@@ -283,6 +290,11 @@ void Metrics::record_step(const StepReport& r, std::int64_t consecutive_bad_step
   s.consensus_seconds->Observe(consensus_seconds);
 }
 
+void Metrics::record_cause(const std::string& cause) {
+  auto it = state_->causes.find(cause);
+  (it != state_->causes.end() ? it : state_->causes.find("unknown"))->second->Increment();
+}
+
 void Metrics::record_snapshot(std::int64_t bytes_held) {
   state_->snapshots->Increment();
   state_->snapshot_bytes->Set(static_cast<double>(bytes_held));
@@ -318,6 +330,7 @@ Metrics::~Metrics() = default;
 void Metrics::record_step(const StepReport&, std::int64_t, double, double) {}
 void Metrics::record_abort() {}
 void Metrics::record_snapshot(std::int64_t) {}
+void Metrics::record_cause(const std::string&) {}
 void Metrics::record_checkpoint(std::int64_t, double) {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }

@@ -213,7 +213,8 @@ int run_demo(const DemoOptions& o) {
   const auto params = model->parameters();
   torch::optim::AdamW adamw(params,
                             torch::optim::AdamWOptions(o.lr).betas({0.9, 0.99}).weight_decay(0.01));
-  GuardOptions guard_options = GuardOptions().trace_path(rank_path(o.trace, world));
+  GuardOptions guard_options =
+      GuardOptions().trace_path(rank_path(o.trace, world)).incident_dir(o.incident_dir);
   if (!o.policy.empty()) {
     guard_options.policy_file(o.policy);
   } else if (o.max_consecutive_bad_steps >= 0) {
@@ -299,25 +300,50 @@ int run_demo(const DemoOptions& o) {
       for (auto& g : adamw.param_groups()) g.options().set_lr(saved_lr * 1000.0);
     }
 
-    adamw.zero_grad();
     const std::int64_t poison_row = injected(o, FaultKind::kNanInput, step, world.rank) ? 0 : -1;
-    auto logits = model->forward(input, poison_row);
-    auto loss =
-        torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}), target.view({-1}));
-    if (injected(o, FaultKind::kNanLoss, step, world.rank)) loss = loss * std::nan("");
-    if (injected(o, FaultKind::kLossSpike, step, world.rank)) loss = loss * 1000.0;
-    auto scaled = guard.scale_loss(loss);
-    // An fp16 overflow: the scaled gradients of this step exceed fp16's range (65504).
-    if (injected(o, FaultKind::kOverflow, step, world.rank)) scaled = scaled * 65536.0;
-    scaled.backward();
-    if (o.fp16) {
-      // Gradients stored in fp16 after the scaled backward, as in fp16 training: values beyond
-      // 65504 become Inf, tiny ones flush. The guard unscales them in its inspection pass.
-      torch::NoGradGuard no_grad;
-      for (auto& p : params) {
-        if (p.grad().defined()) p.mutable_grad().copy_(p.grad().to(torch::kHalf));
+    // Forward and backward as this step does them; the guard's forensics replay calls it again
+    // (in fp32: no loss scaling and no fp16 storage of the gradients).
+    auto forward_backward = [&](ReplayMode mode, bool check_inputs) {
+      const bool fp32 = mode == ReplayMode::kFp32;
+      auto x = model->embed(input, poison_row);
+      if (check_inputs) guard.check_inputs({x});
+      auto logits = model->forward_embedded(x);
+      auto loss =
+          torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab_size}), target.view({-1}));
+      if (injected(o, FaultKind::kNanLoss, step, world.rank)) loss = loss * std::nan("");
+      if (injected(o, FaultKind::kLossSpike, step, world.rank)) loss = loss * 1000.0;
+      auto scaled = fp32 ? loss : guard.scale_loss(loss);
+      // An fp16 overflow: the scaled gradients of this step exceed fp16's range (65504).
+      if (injected(o, FaultKind::kOverflow, step, world.rank)) scaled = scaled * 65536.0;
+      scaled.backward();
+      if (o.fp16 && !fp32) {
+        // Gradients stored in fp16 after the scaled backward, as in fp16 training: values beyond
+        // 65504 become Inf, tiny ones flush. The guard unscales them in its inspection pass.
+        torch::NoGradGuard no_grad;
+        for (auto& p : params) {
+          if (p.grad().defined()) p.mutable_grad().copy_(p.grad().to(torch::kHalf));
+        }
       }
-    }
+      return loss;
+    };
+    // Gradient faults land after the average: rank-local, as in a sharded optimizer or a bad GPU.
+    auto inject_gradient_faults = [&] {
+      if (injected(o, FaultKind::kNanGrad, step, world.rank)) {
+        grad_of(named, kNanGradParam).view(-1)[7].fill_(std::nan(""));
+      }
+      if (injected(o, FaultKind::kInfGrad, step, world.rank)) {
+        grad_of(named, kInfGradParam).view(-1)[3].fill_(std::numeric_limits<float>::infinity());
+      }
+    };
+    guard.set_replay([&](ReplayMode mode) {
+      adamw.zero_grad();
+      auto loss = forward_backward(mode, false);
+      inject_gradient_faults();  // deterministic faults come back; a transient one does not
+      return loss;
+    });
+
+    adamw.zero_grad();
+    auto loss = forward_backward(ReplayMode::kAsIs, true);
     try {
       average_gradients(params, world, o.collective_timeout_s);
     } catch (const std::exception& e) {
@@ -330,12 +356,10 @@ int run_demo(const DemoOptions& o) {
       std::fflush(nullptr);
       std::_Exit(1);
     }
-    // Gradient faults land after the average: rank-local, as in a sharded optimizer or a bad GPU.
-    if (injected(o, FaultKind::kNanGrad, step, world.rank)) {
-      grad_of(named, kNanGradParam).view(-1)[7].fill_(std::nan(""));
-    }
-    if (injected(o, FaultKind::kInfGrad, step, world.rank)) {
-      grad_of(named, kInfGradParam).view(-1)[3].fill_(std::numeric_limits<float>::infinity());
+    inject_gradient_faults();
+    if (injected(o, FaultKind::kTransientNan, step, world.rank)) {
+      // A silent corruption in this execution only: replaying the batch comes out clean.
+      grad_of(named, kNanGradParam).view(-1)[11].fill_(std::nan(""));
     }
 
     if (injected(o, FaultKind::kKill, step, world.rank)) {
@@ -369,9 +393,11 @@ int run_demo(const DemoOptions& o) {
     }
     if (report.incident) {
       const auto& inc = *report.incident;
-      nlohmann::json j = {{"step", inc.step},    {"signal", inc.signal},   {"action", inc.action},
-                          {"cause", inc.cause},  {"tensors", inc.tensors}, {"ranks", inc.ranks},
-                          {"reason", inc.reason}};
+      nlohmann::json j = {
+          {"step", inc.step},     {"signal", inc.signal},     {"action", inc.action},
+          {"cause", inc.cause},   {"tensors", inc.tensors},   {"ranks", inc.ranks},
+          {"reason", inc.reason}, {"evidence", inc.evidence}, {"fixes", inc.fixes}};
+      if (!inc.report.empty()) j["report"] = inc.report;
       incidents.push_back(j);
       std::string blamed;
       for (std::size_t i = 0; i < inc.tensors.size() && i < 3; ++i) {
@@ -382,7 +408,8 @@ int run_demo(const DemoOptions& o) {
       for (int r : inc.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
       if (lead) {
         progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " +
-                      inc.action + (blamed.empty() ? "" : " (" + blamed + ")") +
+                      inc.action + ", cause " + inc.cause +
+                      (blamed.empty() ? "" : " (" + blamed + ")") +
                       (world.size > 1 ? " on rank " + ranks : ""));
       }
     }
@@ -400,6 +427,8 @@ int run_demo(const DemoOptions& o) {
       break;
     }
   }
+
+  guard.set_replay({});  // it refers to the loop's locals
 
   // Summary. Hashes and outcome digests come from every rank: equal values mean the replicas
   // stayed bitwise identical and decided identically on every step.
@@ -506,7 +535,7 @@ int run_demo(const DemoOptions& o) {
   row("collectives", std::to_string(guard.collectives()) + " (one per step)");
   if (!incidents.empty()) {
     table << "  incidents\n";
-    std::snprintf(line, sizeof line, "    %-6s %-16s %-15s %-8s %-6s %s\n", "step", "signal",
+    std::snprintf(line, sizeof line, "    %-6s %-16s %-15s %-18s %-6s %s\n", "step", "signal",
                   "action", "cause", "ranks", "tensors");
     table << line;
     for (const auto& inc : incidents) {
@@ -520,7 +549,7 @@ int run_demo(const DemoOptions& o) {
       for (const auto& r : inc["ranks"]) {
         ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
       }
-      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-15s %-8s %-6s %s\n",
+      std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-15s %-18s %-6s %s\n",
                     inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),
                     inc["action"].get<std::string>().c_str(),
                     inc["cause"].get<std::string>().c_str(), ranks.c_str(), tensors.c_str());

@@ -24,6 +24,7 @@ constexpr KindName kKinds[] = {
     {FaultKind::kLossSpike, "loss_spike"},
     {FaultKind::kCorruptWeights, "corrupt_weights"},
     {FaultKind::kKill, "kill"},
+    {FaultKind::kTransientNan, "transient_nan"},
 };
 
 bool parse_int(const std::string& s, std::int64_t lo, std::int64_t hi, std::int64_t* out) {
@@ -109,11 +110,12 @@ const char* demo_usage() noexcept {
          "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
          "DIR]\n"
          "                      [--checkpoint-dir DIR] [--checkpoint-every N] [--resume DIR]\n"
+         "                      [--incident-dir DIR]\n"
          "\n"
          "Trains a small character-level transformer on /usr/share/common-licenses under\n"
          "stepguard, injecting the faults asked for, and prints a summary.\n"
          "KIND: nan_grad inf_grad nan_loss nan_input overflow lr_spike loss_spike\n"
-         "      corrupt_weights kill\n"
+         "      corrupt_weights kill transient_nan\n"
          "With --ranks R > 1, R processes train data-parallel over Gloo on 127.0.0.1;\n"
          "KIND@STEP:RANK injects on one rank only. Under torchrun (RANK and WORLD_SIZE set)\n"
          "each process is one rank.\n"
@@ -188,6 +190,10 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (!parse_int(value, 1, 100000000, &n)) return bad("expected a whole number >= 1");
       o.checkpoint_every = n;
+    } else if (flag == "--incident-dir") {
+      if (!take_value()) return std::nullopt;
+      if (value.empty()) return bad("expected a directory");
+      o.incident_dir = value;
     } else if (flag == "--resume") {
       if (!take_value()) return std::nullopt;
       if (value.empty()) return bad("expected a directory");

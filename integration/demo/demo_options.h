@@ -23,6 +23,7 @@ enum class FaultKind {
   kLossSpike,       ///< the loss (and so every gradient) is multiplied by 1000 for one step
   kCorruptWeights,  ///< one parameter element becomes NaN before the forward pass
   kKill,            ///< the process dies abruptly (SIGKILL) at that step
+  kTransientNan,    ///< a NaN gradient in the step's first execution only (a replay is clean)
 };
 
 const char* to_string(FaultKind kind) noexcept;
@@ -48,6 +49,7 @@ struct DemoOptions {
   std::string checkpoint_dir;          ///< disk checkpoints; empty: none (unless --resume)
   std::int64_t checkpoint_every = 50;  ///< steps between disk checkpoints
   std::string resume;                  ///< resume from the newest valid checkpoint here
+  std::string incident_dir;            ///< incident reports; empty: none
   std::string corpus_dir = "/usr/share/common-licenses";
   std::int64_t batch_size = 32;
   std::int64_t context = 64;

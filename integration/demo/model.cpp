@@ -56,7 +56,7 @@ CharTransformerImpl::CharTransformerImpl(const ModelConfig& c) : config_(c) {
   }
 }
 
-torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens, std::int64_t poison_row) {
+torch::Tensor CharTransformerImpl::embed(const torch::Tensor& tokens, std::int64_t poison_row) {
   const auto T = tokens.size(1);
   auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong));
   auto x = token_embedding_->forward(tokens) + position_embedding_->forward(positions);
@@ -64,8 +64,17 @@ torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens, std::int
     auto nan_row = torch::full_like(x.select(0, poison_row), std::nanf(""));
     x = torch::cat({x.slice(0, 0, poison_row), nan_row.unsqueeze(0), x.slice(0, poison_row + 1)});
   }
+  return x;
+}
+
+torch::Tensor CharTransformerImpl::forward_embedded(const torch::Tensor& embedded) {
+  torch::Tensor x = embedded;
   for (const auto& block : *blocks_) x = block->as<Block>()->forward(x);
   return head_->forward(ln_final_->forward(x));
+}
+
+torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens, std::int64_t poison_row) {
+  return forward_embedded(embed(tokens, poison_row));
 }
 
 }  // namespace demo

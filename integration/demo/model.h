@@ -37,6 +37,10 @@ class CharTransformerImpl : public torch::nn::Module {
   /// Logits [B, T, vocab] for token ids [B, T]. When `poison_row` >= 0, that row's input
   /// embeddings are replaced by NaN (the demo's nan_input fault: bad data entering the model).
   torch::Tensor forward(const torch::Tensor& tokens, std::int64_t poison_row = -1);
+  /// The two halves of forward(): the input embeddings [B, T, C] (what the data feeds the
+  /// network, checked by guard.check_inputs), and the logits from them.
+  torch::Tensor embed(const torch::Tensor& tokens, std::int64_t poison_row = -1);
+  torch::Tensor forward_embedded(const torch::Tensor& x);
 
  private:
   ModelConfig config_;

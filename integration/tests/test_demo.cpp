@@ -385,6 +385,7 @@ TEST(DefaultPolicy, LrSpikeIsCaughtRolledBackAndReplayAgrees) {
       caught = true;
       EXPECT_EQ(inc["signal"], "loss_spike");
       EXPECT_EQ(inc["action"], "rollback");
+      EXPECT_EQ(inc["cause"], "divergence");
     }
   }
   EXPECT_TRUE(caught) << s["incidents"].dump();
@@ -505,6 +506,57 @@ TEST(Checkpoints, ResumeAfterAKillMatchesAnUninterruptedRun) {
   EXPECT_EQ(jb["steps"], 200);
   EXPECT_EQ(jb["param_hashes"], ja["param_hashes"]);
   EXPECT_EQ(jb["batches_consumed"], ja["batches_consumed"]);
+}
+
+// Every injected fault class gets the cause the debugging order gives it, with a report on disk.
+TEST(Forensics, EachInjectedFaultIsClassifiedAndReported) {
+  const std::string dir = temp_path("incidents");
+  std::filesystem::remove_all(dir);
+  const std::string summary = temp_path("s.json");
+  ProcessResult r = run_stepguard(
+      "demo --steps 60 --inject nan_input@10 --inject nan_grad@20 --inject transient_nan@30 "
+      "--inject nan_loss@40 --inject corrupt_weights@55 --incident-dir '" +
+      dir + "' --summary-json '" + summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  std::map<int, nlohmann::json> by_step;
+  for (const auto& inc : s["incidents"]) by_step[inc["step"].get<int>()] = inc;
+  ASSERT_TRUE(by_step.count(10) && by_step.count(20) && by_step.count(30) && by_step.count(40) &&
+              by_step.count(55))
+      << s["incidents"].dump();
+  EXPECT_EQ(by_step[10]["cause"], "data");
+  EXPECT_EQ(by_step[20]["cause"], "backward");
+  EXPECT_EQ(by_step[20]["tensors"][0], "blocks.1.qkv.weight");
+  EXPECT_EQ(by_step[30]["cause"], "hardware_suspect");
+  EXPECT_EQ(by_step[40]["cause"], "forward");
+  EXPECT_EQ(by_step[55]["cause"], "forward");
+  EXPECT_NE(by_step[55]["evidence"][0].get<std::string>().find("parameters hold NaN/Inf"),
+            std::string::npos);
+  // The report files: JSON, Markdown, and the batch saved for replay.
+  const std::string base = dir + "/incident-step-000000010";
+  EXPECT_TRUE(std::filesystem::exists(base + ".json"));
+  EXPECT_TRUE(std::filesystem::exists(base + ".md"));
+  EXPECT_TRUE(std::filesystem::exists(base + ".batch.pt"));
+  EXPECT_EQ(by_step[10]["report"], base + ".json");
+  r = run_stepguard("incident show '" + base + ".json'");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("# Incident at step 10: data"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("## Try first"), std::string::npos) << r.out;
+  r = run_stepguard("incident show '" + summary + "'");
+  EXPECT_EQ(r.status, 2);  // a summary is not an incident report
+  EXPECT_NE(r.err.find("not an incident report"), std::string::npos) << r.err;
+}
+
+TEST(Forensics, Fp16OverflowIsPrecisionOverflow) {
+  const std::string summary = temp_path("s.json");
+  ProcessResult r = run_stepguard(
+      "demo --steps 40 --precision fp16 --inject overflow@30 "
+      "--summary-json '" +
+      summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  ASSERT_EQ(s["incidents"].size(), 1u) << s["incidents"].dump();
+  EXPECT_EQ(s["incidents"][0]["cause"], "precision_overflow") << s["incidents"].dump();
 }
 
 TEST(ReplayCli, HandWrittenTraceAndBadArguments) {

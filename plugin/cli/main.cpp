@@ -1,13 +1,18 @@
 // The `stepguard` command.
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/forensics/report.h"
 #include "csrc/policy/policy_file.h"
 #include "integration/demo/demo.h"
 #include "stepguard/replay.h"
@@ -28,6 +33,7 @@ constexpr const char* kUsage =
     "  ckpt ls DIR              list the checkpoints under DIR with their state\n"
     "  ckpt verify DIR          check every checkpoint's files (exit 0 all valid, 1 naming each\n"
     "                           bad file)\n"
+    "  incident show FILE       print an incident report (the .json a guard wrote)\n"
     "  version                  print the version and build facts\n"
     "\n"
     "Run 'stepguard demo --help' for the demo's flags.\n";
@@ -153,6 +159,34 @@ int run_ckpt_command(const std::vector<std::string>& args) {
   return bad > 0 ? 1 : 0;
 }
 
+int run_incident_command(const std::vector<std::string>& args) {
+  if (args.size() != 2 || args[0] != "show") {
+    std::cerr << "usage: stepguard incident show FILE\n";
+    return 2;
+  }
+  std::ifstream in(args[1]);
+  if (!in) {
+    std::cerr << "stepguard incident: " << args[1] << ": cannot read: " << std::strerror(errno)
+              << "\n";
+    return 2;
+  }
+  nlohmann::json report;
+  try {
+    report = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    std::cerr << "stepguard incident: " << args[1] << ": not an incident report (" << e.what()
+              << ")\n";
+    return 2;
+  }
+  if (!report.is_object() || !report.contains("step") || !report.contains("cause")) {
+    std::cerr << "stepguard incident: " << args[1]
+              << ": not an incident report (no 'step' and 'cause')\n";
+    return 2;
+  }
+  std::cout << stepguard::forensics::render_markdown(report);
+  return 0;
+}
+
 int run_demo_command(const std::vector<std::string>& args) {
   std::string error;
   bool help = false;
@@ -191,11 +225,7 @@ int main(int argc, char** argv) {
     }
     if (command == "replay") return run_replay_command(args);
     if (command == "ckpt") return run_ckpt_command(args);
-    if (command == "incident") {
-      std::cerr << "stepguard: '" << command
-                << "' is not available in this build yet; see the CHANGELOG\n";
-      return 2;
-    }
+    if (command == "incident") return run_incident_command(args);
     std::cerr << "stepguard: unknown command '" << command << "'\n" << kUsage;
     return 2;
   } catch (const std::invalid_argument& e) {

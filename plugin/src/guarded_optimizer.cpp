@@ -2,6 +2,8 @@
 #include "stepguard/guarded_optimizer.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/serialize.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -10,8 +12,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <unordered_map>
 
@@ -21,6 +27,8 @@
 #include "csrc/consensus/consensus.h"
 #include "csrc/consensus/nccl_probe.h"
 #include "csrc/consensus/process_group_consensus.h"
+#include "csrc/forensics/classifier.h"
+#include "csrc/forensics/report.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
 #include "csrc/inspect/inspect.h"
 #include "csrc/policy/policy.h"
@@ -298,6 +306,133 @@ struct GuardedOptimizer::Impl {
     return r;
   }
 
+  // Replays the offending batch once in `mode`; whether it came out non-finite. Anomaly mode's
+  // error names the op that made the first NaN in backward.
+  forensics::ReplayResult replay_once(ReplayMode mode, forensics::Evidence* ev) {
+    for (auto& p : params) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    bool bad = false;
+    try {
+      torch::Tensor loss;
+      if (mode == ReplayMode::kAnomaly) {
+        torch::autograd::DetectAnomalyGuard anomaly;
+        loss = replay(mode);
+      } else {
+        loss = replay(mode);
+      }
+      bad = !loss.defined() || !at::isfinite(loss.detach()).all().item<bool>();
+    } catch (const std::exception& e) {
+      // Anomaly mode reports the first backward function that returned NaN by throwing.
+      const std::string what = e.what();
+      const std::string first_line = what.substr(0, what.find('\n'));
+      const auto at = what.find("Function '");
+      if (mode != ReplayMode::kAnomaly || at == std::string::npos) {
+        ev->anomaly_message = "the replay closure failed: " + first_line;
+        return forensics::ReplayResult::kNotRun;
+      }
+      const auto end = what.find('\'', at + 10);
+      ev->anomaly_op = what.substr(at + 10, end == std::string::npos ? end : end - at - 10);
+      ev->anomaly_message = first_line;
+      return forensics::ReplayResult::kReproduced;
+    }
+    for (const auto& p : params) {
+      const auto& g = p.grad();
+      if (g.defined() && !at::isfinite(g).all().item<bool>()) bad = true;
+    }
+    return bad ? forensics::ReplayResult::kReproduced : forensics::ReplayResult::kVanished;
+  }
+
+  // What this rank can tell about an incident, replays included.
+  forensics::Evidence gather_evidence(const GlobalStats& g, const Signals& signals,
+                                      const std::vector<std::string>& blamed) {
+    forensics::Evidence ev;
+    ev.loss_nonfinite = g.loss_nonfinite_ranks > 0;
+    ev.grads_nonfinite = g.nonfinite_count() > 0;
+    ev.nan_count = g.nan_count;
+    ev.inf_count = g.inf_count;
+    ev.loss_spike = signals.has(Signal::kLossSpike) || signals.has(Signal::kLossRatio);
+    ev.grad_norm_spike = signals.has(Signal::kGradNormSpike);
+    ev.bad_inputs = bad_inputs;
+    ev.blamed_grads = blamed;
+    ev.loss_scaling = controller.loss_scaling();
+    ev.loss_scale = step_loss_scale;
+    ev.grad_norm = g.grad_norm;
+    ev.loss = g.loss;
+    for (const auto& h : history) {
+      ev.recent_grad_norms.push_back(h.grad_norm);
+      ev.recent_losses.push_back(h.loss);
+    }
+    {
+      at::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (!at::isfinite(params[i]).all().item<bool>()) ev.nonfinite_params.push_back(names[i]);
+      }
+    }
+    for (const auto& p : *probes) {
+      if (ev.first_bad_forward.empty() && !p.forward_finite) ev.first_bad_forward = p.name;
+    }
+    int first_backward = -1;
+    for (const auto& p : *probes) {
+      if (!p.grad_finite && p.backward_order >= 0 &&
+          (first_backward < 0 || p.backward_order < first_backward)) {
+        first_backward = p.backward_order;
+        ev.first_bad_backward = p.name;
+      }
+    }
+    if (replay && (ev.loss_nonfinite || ev.grads_nonfinite)) {
+      replaying = true;
+      // Replays must not move the training's random stream.
+      auto gen = at::detail::getDefaultCPUGenerator();
+      at::Tensor rng;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        rng = gen.get_state();
+      }
+      replay_scale = step_loss_scale;  // "as is": the scale of the step, not the backed-off one
+      ev.rerun = replay_once(ReplayMode::kAsIs, &ev);
+      if (ev.rerun == forensics::ReplayResult::kReproduced && controller.loss_scaling()) {
+        ev.fp32 = replay_once(ReplayMode::kFp32, &ev);
+      }
+      if (ev.rerun == forensics::ReplayResult::kReproduced) {
+        (void)replay_once(ReplayMode::kAnomaly, &ev);
+      }
+      replay_scale.reset();
+      replaying = false;
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    return ev;
+  }
+
+  // Writes the JSON and Markdown report (and the checked batch); returns the JSON's path.
+  std::string write_incident_report(std::int64_t at_step, nlohmann::json& r) {
+    namespace fs = std::filesystem;
+    const std::string& dir = options.incident_dir();
+    char name[64];
+    std::snprintf(name, sizeof name, "incident-step-%09" PRId64, at_step);
+    const std::string prefix =
+        dir + "/" +
+        (consensus->world_size() > 1 ? "rank-" + std::to_string(consensus->rank()) + "-"
+                                     : std::string()) +
+        name;
+    try {
+      fs::create_directories(dir);
+      if (!checked_inputs.empty()) {
+        torch::save(checked_inputs, prefix + ".batch.pt");
+        r["batch"] = prefix + ".batch.pt";
+      }
+      checkpoint::write_file_atomically(prefix + ".json", r.dump(2) + "\n");
+      checkpoint::write_file_atomically(prefix + ".md", forensics::render_markdown(r));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr,
+                   "stepguard: step %" PRId64 ": cannot write the incident report to %s: %s\n",
+                   at_step, dir.c_str(), e.what());
+      return {};
+    }
+    return prefix + ".json";
+  }
+
   // Scales every gradient by one factor so the global norm becomes `target` (ZClip-style: the
   // target comes from the grad-norm EMA, agreed on every rank).
   void clip_gradients(double grad_norm, double target) {
@@ -349,6 +484,28 @@ struct GuardedOptimizer::Impl {
   std::int64_t data_position = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges;
   std::vector<torch::Tensor> buffers;  // module buffers snapshots and checkpoints also hold
+  // Forensics.
+  std::function<torch::Tensor(ReplayMode)> replay;
+  std::vector<std::string> bad_inputs;        // from this step's check_inputs()
+  std::vector<torch::Tensor> checked_inputs;  // saved with an incident report
+  struct HistoryRow {
+    std::int64_t step;
+    double loss, grad_norm, loss_scale, lr_factor;
+    std::string outcome;
+  };
+  std::deque<HistoryRow> history;  // the last kHistory steps, oldest first
+  double step_loss_scale = 1.0;    // the scale this step's backward used
+  struct ProbeRecord {
+    std::string name;
+    bool forward_finite = true;
+    int backward_order = -1;  // when its gradient arrived, among the probes; -1 = not yet
+    bool grad_finite = true;
+  };
+  std::shared_ptr<std::vector<ProbeRecord>> probes = std::make_shared<std::vector<ProbeRecord>>();
+  std::shared_ptr<int> probe_grads_seen = std::make_shared<int>(0);
+  bool replaying = false;
+  std::optional<double> replay_scale;  // while replaying: scale_loss() uses the step's scale
+  static constexpr std::size_t kHistory = 16;
 
   // What snapshots and checkpoints hold: the parameters, then the tracked buffers.
   std::vector<torch::Tensor> state_tensors() const {
@@ -426,10 +583,30 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
       std::chrono::duration<double>(Clock::now() - t_consensus).count();
 
   // 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
+  s.step_loss_scale = s.controller.loss_scale();
   const StepDecision decided = s.controller.decide(step, global);
   const Signals& signals = decided.signals;
   Decision decision = decided.decision;
   std::string reason = decision.reason;
+
+  // Per-tensor results left on the device are read only when this rank has something to blame.
+  if (deferred_blame.pending() && std::find(global.faulty_ranks.begin(), global.faulty_ranks.end(),
+                                            s.consensus->rank()) != global.faulty_ranks.end()) {
+    deferred_blame.fetch(&local);
+  }
+  // Blame in backward order: the last layers' gradients are computed first.
+  std::vector<std::string> blamed;
+  for (auto it = local.nonfinite_tensors.rbegin(); it != local.nonfinite_tensors.rend(); ++it) {
+    if (static_cast<std::int64_t>(blamed.size()) >= s.options.max_blamed_tensors()) break;
+    blamed.push_back(s.names[static_cast<std::size_t>(*it)]);
+  }
+  // Forensics before acting: the replays need the pre-step state.
+  forensics::Evidence evidence;
+  forensics::Diagnosis diagnosis;
+  if (signals.any()) {
+    evidence = s.gather_evidence(global, signals, blamed);
+    diagnosis = forensics::classify(evidence);
+  }
 
   // 5 act. The snapshot taken after the previous step is confirmed by a clean step, dropped
   // otherwise (the update that produced it is the suspect).
@@ -560,16 +737,6 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     report.lr_factor = s.controller.lr_factor();
   }
 
-  // Per-tensor results left on the device are read only when this rank has something to blame.
-  if (deferred_blame.pending() && std::find(global.faulty_ranks.begin(), global.faulty_ranks.end(),
-                                            s.consensus->rank()) != global.faulty_ranks.end()) {
-    deferred_blame.fetch(&local);
-  }
-  std::vector<std::string> blamed;
-  for (std::int64_t idx : local.nonfinite_tensors) {
-    if (static_cast<std::int64_t>(blamed.size()) >= s.options.max_blamed_tensors()) break;
-    blamed.push_back(s.names[static_cast<std::size_t>(idx)]);
-  }
   if (signals.any()) {
     Incident incident;
     incident.step = step;
@@ -578,6 +745,57 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     incident.tensors = blamed;
     incident.ranks = global.faulty_ranks;
     incident.reason = reason;
+    incident.cause = diagnosis.cause;
+    incident.evidence = diagnosis.evidence;
+    incident.fixes = diagnosis.fixes;
+    if (!s.options.incident_dir().empty()) {
+      auto replay_word = [](forensics::ReplayResult r) {
+        return r == forensics::ReplayResult::kNotRun       ? "not run"
+               : r == forensics::ReplayResult::kReproduced ? "non-finite again"
+                                                           : "finite";
+      };
+      nlohmann::json r = {{"step", step},
+                          {"signal", incident.signal},
+                          {"action", incident.action},
+                          {"cause", incident.cause},
+                          {"evidence", incident.evidence},
+                          {"fixes", incident.fixes},
+                          {"tensors", incident.tensors},
+                          {"ranks", incident.ranks},
+                          {"rank", s.consensus->rank()},
+                          {"reason", incident.reason}};
+      nlohmann::json actions = nlohmann::json::array();
+      for (Action a : decision.actions) actions.push_back(to_string(a));
+      r["actions"] = actions;
+      r["replay"] = {{"rerun", replay_word(evidence.rerun)},
+                     {"fp32", replay_word(evidence.fp32)},
+                     {"anomaly_op", evidence.anomaly_op}};
+      if (!evidence.anomaly_message.empty()) r["replay"]["message"] = evidence.anomaly_message;
+      if (!evidence.nonfinite_params.empty()) r["nonfinite_params"] = evidence.nonfinite_params;
+      if (!evidence.first_bad_forward.empty() || !evidence.first_bad_backward.empty()) {
+        r["probes"] = {{"first_bad_forward", evidence.first_bad_forward},
+                       {"first_bad_backward", evidence.first_bad_backward}};
+      }
+      nlohmann::json history = nlohmann::json::array();
+      auto num = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); };
+      for (const auto& h : s.history) {
+        history.push_back({{"step", h.step},
+                           {"loss", num(h.loss)},
+                           {"grad_norm", num(h.grad_norm)},
+                           {"loss_scale", num(h.loss_scale)},
+                           {"lr_factor", num(h.lr_factor)},
+                           {"outcome", h.outcome}});
+      }
+      history.push_back({{"step", step},
+                         {"loss", num(global.loss)},
+                         {"grad_norm", num(global.grad_norm)},
+                         {"loss_scale", num(report.loss_scale)},
+                         {"lr_factor", num(report.lr_factor)},
+                         {"outcome", to_string(report.outcome)}});
+      r["history"] = history;
+      incident.report = s.write_incident_report(step, r);
+    }
+    if (s.metrics) s.metrics->record_cause(incident.cause);
     report.incident = std::move(incident);
     ++s.totals.incidents;
   }
@@ -587,6 +805,13 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
     s.metrics->record_step(report, signals.consecutive_bad_steps, inspect_seconds,
                            consensus_seconds);
   }
+  s.history.push_back({step, global.loss, global.grad_norm, report.loss_scale, report.lr_factor,
+                       to_string(report.outcome)});
+  while (s.history.size() > Impl::kHistory) s.history.pop_front();
+  s.bad_inputs.clear();
+  s.checked_inputs.clear();
+  s.probes->clear();
+  *s.probe_grads_seen = 0;
   return report;
 }
 
@@ -606,7 +831,8 @@ void GuardedOptimizer::restore_state(const GuardState& state) {
   impl_->step = state.step;
 }
 torch::Tensor GuardedOptimizer::scale_loss(const torch::Tensor& loss) const {
-  return impl_->controller.loss_scaling() ? loss * impl_->controller.loss_scale() : loss;
+  if (!impl_->controller.loss_scaling()) return loss;
+  return loss * impl_->replay_scale.value_or(impl_->controller.loss_scale());
 }
 double GuardedOptimizer::loss_scale() const noexcept { return impl_->controller.loss_scale(); }
 double GuardedOptimizer::lr_factor() const noexcept { return impl_->controller.lr_factor(); }
@@ -686,6 +912,62 @@ std::int64_t GuardedOptimizer::resume(const std::string& dir) {
     bound = agreed;  // some rank could not load it: try an older one
   }
   return 0;
+}
+bool GuardedOptimizer::check_inputs(const std::vector<torch::Tensor>& inputs,
+                                    const torch::Tensor& mask) {
+  Impl& s = *impl_;
+  s.checked_inputs.clear();
+  s.bad_inputs.clear();
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    if (!t.defined()) continue;
+    s.checked_inputs.push_back(t.detach().to(at::kCPU));
+    if (!at::isFloatingType(t.scalar_type())) continue;
+    const std::int64_t bad = (~at::isfinite(t.detach())).sum().item<std::int64_t>();
+    if (bad > 0) {
+      s.bad_inputs.push_back("input " + std::to_string(i) + " holds " + std::to_string(bad) +
+                             " NaN/Inf value" + (bad > 1 ? "s" : ""));
+    }
+  }
+  if (mask.defined()) {
+    TORCH_CHECK(mask.dim() == 2,
+                "stepguard: check_inputs: the mask must be [batch, sequence], got ", mask.sizes());
+    const at::Tensor real = mask.to(at::kBool);
+    const std::int64_t empty = (~real.any(1)).sum().item<std::int64_t>();
+    if (empty > 0) {
+      s.bad_inputs.push_back(std::to_string(empty) + " of " + std::to_string(mask.size(0)) +
+                             " sequences are empty or all padding (every position masked)");
+    }
+    if (mask.size(1) == 0) s.bad_inputs.push_back("the sequences have length 0");
+  }
+  return s.bad_inputs.empty();
+}
+torch::Tensor GuardedOptimizer::probe(const std::string& name, const torch::Tensor& output) {
+  Impl& s = *impl_;
+  if (s.replaying || !output.defined()) return output;  // replays do not add records
+  Impl::ProbeRecord record;
+  record.name = name;
+  if (at::isFloatingType(output.scalar_type())) {
+    record.forward_finite = at::isfinite(output.detach()).all().item<bool>();
+  }
+  const std::size_t index = s.probes->size();
+  s.probes->push_back(record);
+  if (output.requires_grad()) {
+    // Shared state: a hook may outlive this step's records (they are cleared after step()).
+    auto probes = s.probes;
+    auto seen = s.probe_grads_seen;
+    const_cast<torch::Tensor&>(output).register_hook([probes, seen, index](torch::Tensor grad) {
+      if (index < probes->size() && (*probes)[index].backward_order < 0 && grad.defined()) {
+        (*probes)[index].backward_order = (*seen)++;
+        (*probes)[index].grad_finite = at::isfinite(grad).all().item<bool>();
+      }
+      return grad;
+    });
+  }
+  return output;
+}
+void GuardedOptimizer::set_replay(std::function<torch::Tensor(ReplayMode)> recompute) {
+  impl_->replay = std::move(recompute);
 }
 void GuardedOptimizer::track_buffers(
     const torch::OrderedDict<std::string, torch::Tensor>& named_buffers) {

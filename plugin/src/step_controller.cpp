@@ -1,27 +1,13 @@
 #include "plugin/src/step_controller.h"
 
+#include "csrc/common/bits.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 namespace stepguard {
-
-namespace {
-
-std::int64_t bits_of(double v) {
-  std::int64_t b = 0;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-}
-
-double double_of(std::int64_t b) {
-  double v = 0;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-}
-
-}  // namespace
 
 StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
     : config_(config), loss_scaling_requested_(loss_scaling), engine_(std::move(config)) {

@@ -18,6 +18,7 @@
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -54,6 +55,13 @@ struct GuardState {
   double loss_scale = 1.0;  ///< 1 without loss scaling
   double lr_factor = 1.0;
   bool operator==(const GuardState& o) const noexcept { return step == o.step && words == o.words; }
+};
+
+/// How a replay closure should recompute the offending batch (see set_replay()).
+enum class ReplayMode : std::uint8_t {
+  kAsIs,     ///< exactly as the training step did (same precision, same loss scale)
+  kFp32,     ///< in fp32: no loss scaling, no reduced-precision storage of gradients
+  kAnomaly,  ///< as is; the guard runs it under autograd anomaly mode
 };
 
 class GuardedOptimizer {
@@ -100,6 +108,27 @@ class GuardedOptimizer {
   /// and its scheduler set them.
   double lr_factor() const noexcept;
 
+  /// Checks the batch about to be trained on, cheaply enough for every step: NaN/Inf in floating
+  /// inputs, and with a mask (true = a real token, shape [batch, sequence]) empty or all-masked
+  /// rows. The result is evidence for this step's incident, if there is one (a bad batch is a
+  /// `data` cause), and the inputs are saved with the incident report. Returns true when the
+  /// batch looks fine. Local to this rank; no collective.
+  bool check_inputs(const std::vector<torch::Tensor>& inputs, const torch::Tensor& mask = {});
+  /// Opt-in replay for forensics: a closure that recomputes this step's loss from the same batch
+  /// and runs backward as the training loop does (scaled by scale_loss() in kAsIs, unscaled and
+  /// in fp32 in kFp32), returning the loss. On a NaN/Inf step the guard replays the batch from the
+  /// pre-step state: as is (a finite result means a hardware suspect), in fp32 when loss scaling
+  /// is on (finite means precision overflow), and under anomaly mode (naming the op that made
+  /// the first NaN in backward). Rank-local: the closure must not call collectives. Parameters,
+  /// optimizer state and the CPU RNG are left as they were; gradients are overwritten.
+  void set_replay(std::function<torch::Tensor(ReplayMode)> recompute);
+  /// Opt-in probe for forensics, for debugging runs: wrap a module's output inside forward,
+  ///   x = guard.probe("blocks.0", block->forward(x));
+  /// It records whether the output is finite (in call order) and, through a tensor hook, whether
+  /// its gradient is (in backward order). On an incident the evidence names the first probe
+  /// where values went bad, forward and backward. Returns `output` itself. Costs a device-to-host
+  /// read per probe and step.
+  torch::Tensor probe(const std::string& name, const torch::Tensor& output);
   /// Module buffers (e.g. module->named_buffers(): batch-norm running statistics) that RAM
   /// snapshots and disk checkpoints hold and restore along with the parameters. Call it before
   /// the first step; checkpoints record the buffers tracked when they were written.

@@ -39,6 +39,10 @@ struct GuardOptions {
   /// `checkpoint.disk_every`). A checkpoint becomes visible (its manifest is written) only when the
   /// next step is clean, as RAM snapshots are confirmed.
   TORCH_ARG(std::int64_t, checkpoint_every) = 0;
+  /// Where incident reports go (incident-step-NNNNNNNNN.json and .md per incident, plus the
+  /// batch given to check_inputs as .batch.pt); empty writes none. Each rank writes its own
+  /// (rank-<r>- prefix when there are several).
+  TORCH_ARG(std::string, incident_dir) = "";
   /// Path of the JSONL event log (the trace); empty writes none.
   TORCH_ARG(std::string, trace_path) = "";
   /// Write a trace line for every step; when false only for steps that were not a plain apply.

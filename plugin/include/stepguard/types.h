@@ -220,12 +220,17 @@ struct Decision {
 /// One incident: a step where a detector fired and the policy acted.
 struct Incident {
   std::int64_t step = 0;
-  std::string signal;                ///< the first signal raised, e.g. "nonfinite_grad"
-  std::string action;                ///< the strongest action taken, e.g. "skip_batch"
-  std::string cause = "unknown";     ///< root-cause class; "unknown" until forensics can tell
-  std::vector<std::string> tensors;  ///< first offending parameters, in parameter order
-  std::vector<int> ranks;            ///< ranks that saw the fault
-  std::string reason;
+  std::string signal;  ///< the first signal raised, e.g. "nonfinite_grad"
+  std::string action;  ///< the strongest action taken, e.g. "skip_batch"
+  /// Root-cause class: data, forward, backward, precision_overflow, divergence,
+  /// hardware_suspect or unknown (this rank's view; see forensics in the README).
+  std::string cause = "unknown";
+  std::vector<std::string> tensors;   ///< offending gradients on this rank, in backward order
+  std::vector<int> ranks;             ///< ranks that saw the fault
+  std::string reason;                 ///< the policy's: signals and the rules that fired
+  std::vector<std::string> evidence;  ///< why the cause, one line each
+  std::vector<std::string> fixes;     ///< what to try first
+  std::string report;                 ///< path of the JSON incident report, when written
 };
 
 /// What guard.step(loss) returns to the training loop.

@@ -1,0 +1,72 @@
+/*
+ * Root-cause classification of an incident, in the order practitioners debug a NaN: was it real
+ * (does it reproduce?), then the data, the weights and the forward pass, precision, the learning
+ * rate, and finally the backward pass. Input is the evidence the guard gathered; output is a cause
+ * from a fixed set, the evidence that decided it, and the fixes to try first.
+ *
+ * Torch-free and pure: the same evidence gives the same diagnosis. Thread-compatible.
+ */
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace stepguard {
+namespace forensics {
+
+/// The causes, as the `cause` field and the metric label spell them.
+constexpr const char* kCauses[] = {
+    "data",       "forward",          "backward", "precision_overflow",
+    "divergence", "hardware_suspect", "unknown"};
+
+/// What a replay of the offending batch showed.
+enum class ReplayResult : std::uint8_t {
+  kNotRun,      ///< no replay closure, or not applicable
+  kReproduced,  ///< the replay was non-finite again
+  kVanished,    ///< the replay was finite
+};
+
+struct Evidence {
+  // The step itself (agreed across ranks).
+  bool loss_nonfinite = false;
+  bool grads_nonfinite = false;
+  std::int64_t nan_count = 0;
+  std::int64_t inf_count = 0;
+  bool loss_spike = false;       ///< the loss-spike or loss-ratio detector fired
+  bool grad_norm_spike = false;  ///< the grad-norm detector fired
+  // Data (from check_inputs on this rank).
+  std::vector<std::string> bad_inputs;  ///< e.g. "input 0: 64 NaN/Inf values"
+  // Weights (this rank, before the step).
+  std::vector<std::string> nonfinite_params;
+  // Gradients holding NaN/Inf on this rank, in backward order (last layer first).
+  std::vector<std::string> blamed_grads;
+  // Precision.
+  bool loss_scaling = false;
+  double loss_scale = 1.0;
+  // History of agreed values before this step, oldest first.
+  std::vector<double> recent_grad_norms;
+  std::vector<double> recent_losses;
+  double grad_norm = 0.0;  ///< this step's (finite elements)
+  double loss = 0.0;
+  // Replays (optional, given a closure that recomputes the loss).
+  ReplayResult rerun = ReplayResult::kNotRun;  ///< the batch again, as is
+  ReplayResult fp32 = ReplayResult::kNotRun;   ///< the batch again in fp32
+  std::string anomaly_op;  ///< the op anomaly mode named for the first NaN in backward
+  std::string anomaly_message;
+  // Probes (optional): the first probed output that was non-finite in forward (call order), and
+  // the first probed output whose gradient was non-finite (backward order).
+  std::string first_bad_forward;
+  std::string first_bad_backward;
+};
+
+struct Diagnosis {
+  std::string cause = "unknown";
+  std::vector<std::string> evidence;  ///< why, one line each, in the order checked
+  std::vector<std::string> fixes;     ///< what to try first
+};
+
+Diagnosis classify(const Evidence& e);
+
+}  // namespace forensics
+}  // namespace stepguard

@@ -1,0 +1,143 @@
+// Root-cause classification: one hand-built piece of evidence per rule, in the debugging order
+// (reproduces? data, weights, precision, learning rate, forward, backward).
+#include <gtest/gtest.h>
+
+#include "csrc/forensics/classifier.h"
+#include "csrc/forensics/report.h"
+
+namespace stepguard {
+namespace forensics {
+namespace {
+
+Evidence nan_grads() {
+  Evidence e;
+  e.grads_nonfinite = true;
+  e.nan_count = 3;
+  e.blamed_grads = {"head.weight", "blocks.1.qkv.weight"};
+  e.recent_grad_norms = {1.0, 1.1, 0.9};
+  e.recent_losses = {2.0, 2.1, 1.9};
+  e.grad_norm = 1.0;
+  e.loss = 2.0;
+  return e;
+}
+
+TEST(Classifier, ABatchThatIsFineOnReplayIsAHardwareSuspect) {
+  Evidence e = nan_grads();
+  e.rerun = ReplayResult::kVanished;
+  e.bad_inputs = {"input 0 holds 3 NaN/Inf values"};  // the rerun decides first
+  const Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "hardware_suspect");
+  EXPECT_EQ(d.evidence[0].rfind("the same batch from the same state gave a finite result", 0), 0u);
+  EXPECT_FALSE(d.fixes.empty());
+}
+
+TEST(Classifier, BadInputsAreData) {
+  Evidence e = nan_grads();
+  e.loss_nonfinite = true;
+  e.rerun = ReplayResult::kReproduced;
+  e.bad_inputs = {"input 0 holds 64 NaN/Inf values", "2 of 32 sequences are empty"};
+  e.nonfinite_params = {"head.weight"};  // data comes before weights
+  const Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "data");
+  EXPECT_EQ(d.evidence, std::vector<std::string>({"the batch itself is bad: input 0 holds 64 "
+                                                  "NaN/Inf values, 2 of 32 sequences are empty"}));
+}
+
+TEST(Classifier, BrokenWeightsAreForward) {
+  Evidence e = nan_grads();
+  e.loss_nonfinite = true;
+  e.nonfinite_params = {"blocks.0.qkv.weight"};
+  const Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "forward");
+  EXPECT_EQ(d.evidence[0], "parameters hold NaN/Inf before the step: blocks.0.qkv.weight");
+}
+
+TEST(Classifier, FiniteInFp32UnderLossScalingIsPrecisionOverflow) {
+  Evidence e = nan_grads();
+  e.loss_scaling = true;
+  e.loss_scale = 65536;
+  e.rerun = ReplayResult::kReproduced;
+  e.fp32 = ReplayResult::kVanished;
+  const Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "precision_overflow");
+  EXPECT_EQ(d.evidence[0],
+            "the batch is finite when replayed in fp32; with fp16 and loss scale 65536 it "
+            "overflowed");
+  // Still non-finite in fp32: not a precision problem.
+  e.fp32 = ReplayResult::kReproduced;
+  EXPECT_EQ(classify(e).cause, "backward");
+}
+
+TEST(Classifier, InfOnlyWithAFiniteLossUnderScalingIsPrecisionOverflowWithoutReplay) {
+  Evidence e = nan_grads();
+  e.nan_count = 0;
+  e.inf_count = 12;
+  e.loss_scaling = true;
+  e.loss_scale = 1024;
+  EXPECT_EQ(classify(e).cause, "precision_overflow");
+  e.loss_scaling = false;
+  EXPECT_EQ(classify(e).cause, "backward");
+}
+
+TEST(Classifier, LossOrGradNormBlowUpIsDivergence) {
+  Evidence e;
+  e.loss_spike = true;
+  e.loss = 57.0;
+  e.recent_losses = {2.5, 2.4, 2.6};
+  e.recent_grad_norms = {0.8, 0.9, 0.7};
+  e.grad_norm = 35.0;
+  Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "divergence");
+  EXPECT_EQ(d.evidence[0], "the loss jumped to 57 (typical 2.5)");
+  // A grad norm 100x its median, with no detector configured, is divergence too.
+  Evidence g;
+  g.recent_grad_norms = {1.0, 1.0, 2.0};
+  g.grad_norm = 150.0;
+  d = classify(g);
+  EXPECT_EQ(d.cause, "divergence");
+  EXPECT_EQ(d.evidence[0], "the grad norm rose to 150 (typical 1)");
+}
+
+TEST(Classifier, ANonFiniteLossFromFiniteDataAndWeightsIsForward) {
+  Evidence e;
+  e.loss_nonfinite = true;
+  e.grads_nonfinite = true;
+  e.nan_count = 100;
+  e.anomaly_op = "LogBackward0";
+  const Diagnosis d = classify(e);
+  EXPECT_EQ(d.cause, "forward");
+  EXPECT_EQ(d.evidence[1], "anomaly mode names LogBackward0");
+}
+
+TEST(Classifier, NonFiniteGradientsFromAFiniteLossAreBackwardWithTheFirstTensor) {
+  const Diagnosis d = classify(nan_grads());
+  EXPECT_EQ(d.cause, "backward");
+  EXPECT_EQ(d.evidence[0],
+            "the loss is finite but gradients hold NaN/Inf, first (in backward "
+            "order) head.weight, blocks.1.qkv.weight");
+}
+
+TEST(Classifier, NothingToGoOnIsUnknown) { EXPECT_EQ(classify(Evidence{}).cause, "unknown"); }
+
+TEST(IncidentReport, MarkdownCarriesCauseEvidenceFixesAndHistory) {
+  const nlohmann::json r = {
+      {"step", 42},
+      {"signal", "nonfinite_grad"},
+      {"action", "skip_batch"},
+      {"cause", "backward"},
+      {"evidence", {"gradients hold NaN"}},
+      {"fixes", {"add eps"}},
+      {"tensors", {"head.weight"}},
+      {"history", {{{"step", 41}, {"loss", 2.5}, {"grad_norm", nullptr}, {"outcome", "applied"}}}}};
+  const std::string md = render_markdown(r);
+  EXPECT_NE(md.find("# Incident at step 42: backward"), std::string::npos) << md;
+  EXPECT_NE(md.find("- gradients hold NaN"), std::string::npos) << md;
+  EXPECT_NE(md.find("1. add eps"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 41 | 2.5 | NaN/Inf |"), std::string::npos) << md;
+  EXPECT_NE(md.find("`head.weight`"), std::string::npos) << md;
+  EXPECT_FALSE(render_markdown(nlohmann::json::object()).empty());  // tolerant of missing fields
+}
+
+}  // namespace
+}  // namespace forensics
+}  // namespace stepguard

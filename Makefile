@@ -21,7 +21,7 @@ build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 1200 -j2
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 1200
 
 demo: build
 	$(BUILD_DIR)/bin/stepguard demo $(DEMO_ARGS)

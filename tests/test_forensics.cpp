@@ -95,6 +95,12 @@ TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   EXPECT_EQ(r.incident->cause, "hardware_suspect");
   EXPECT_TRUE(torch::equal(w, torch::ones({4})));  // replays never step the optimizer
 
+  // A clean step ends the streak (replays run at the first bad step of a streak).
+  sgd.zero_grad();
+  auto clean = w.sum() * 0.0;
+  clean.backward();
+  EXPECT_TRUE(guard.step(clean).applied());
+
   // A reproducible NaN from an op: log(0) * 0 in the forward makes a NaN loss.
   guard.set_replay([&](ReplayMode) {
     auto l = (torch::log(w - 1.0) * 0.0).sum();

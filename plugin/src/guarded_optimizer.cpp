@@ -380,7 +380,8 @@ struct GuardedOptimizer::Impl {
         ev.first_bad_backward = p.name;
       }
     }
-    if (replay && (ev.loss_nonfinite || ev.grads_nonfinite)) {
+    // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
+    if (replay && (ev.loss_nonfinite || ev.grads_nonfinite) && signals.consecutive_bad_steps <= 1) {
       replaying = true;
       // Replays must not move the training's random stream.
       auto gen = at::detail::getDefaultCPUGenerator();

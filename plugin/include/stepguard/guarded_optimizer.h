@@ -119,7 +119,8 @@ class GuardedOptimizer {
   /// in fp32 in kFp32), returning the loss. On a NaN/Inf step the guard replays the batch from the
   /// pre-step state: as is (a finite result means a hardware suspect), in fp32 when loss scaling
   /// is on (finite means precision overflow), and under anomaly mode (naming the op that made
-  /// the first NaN in backward). Rank-local: the closure must not call collectives. Parameters,
+  /// the first NaN in backward), at the first step of a streak of bad steps. Rank-local: the
+  /// closure must not call collectives. Parameters,
   /// optimizer state and the CPU RNG are left as they were; gradients are overwritten.
   void set_replay(std::function<torch::Tensor(ReplayMode)> recompute);
   /// Opt-in probe for forensics, for debugging runs: wrap a module's output inside forward,

@@ -119,5 +119,30 @@ TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   EXPECT_TRUE(named) << r.incident->evidence.front();
 }
 
+// Dropout-like randomness: replays draw exactly what the original forward drew, and the training's
+// random stream goes on as if no replay had run.
+TEST(Forensics, ReplaysSeeTheOriginalRandomnessAndLeaveTheStreamAlone) {
+  auto w = torch::ones({4}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd);
+  std::vector<torch::Tensor> draws;
+  auto compute = [&] {
+    auto mask = torch::rand({4});
+    draws.push_back(mask.clone());
+    auto loss = (w * mask).sum() * std::numeric_limits<double>::quiet_NaN();
+    loss.backward();
+    return loss;
+  };
+  guard.set_replay([&](ReplayMode) { return compute(); });
+  guard.check_inputs({torch::zeros({1})});
+  const auto loss = compute();
+  const at::Tensor after_forward = at::detail::getDefaultCPUGenerator().get_state();
+  const StepReport r = guard.step(loss);
+  ASSERT_TRUE(r.incident.has_value());
+  ASSERT_GE(draws.size(), 3u);  // the original, as is, anomaly mode
+  for (std::size_t i = 1; i < draws.size(); ++i) EXPECT_TRUE(torch::equal(draws[i], draws[0]));
+  EXPECT_TRUE(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), after_forward));
+}
+
 }  // namespace
 }  // namespace stepguard

@@ -1,6 +1,7 @@
 // GuardedOptimizer: wires the engine modules together for one guarded step. Nothing else.
 #include "stepguard/guarded_optimizer.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/serialize.h>
@@ -309,6 +310,7 @@ struct GuardedOptimizer::Impl {
   // Replays the offending batch once in `mode`; whether it came out non-finite. Anomaly mode's
   // error names the op that made the first NaN in backward.
   forensics::ReplayResult replay_once(ReplayMode mode, forensics::Evidence* ev) {
+    if (!forward_rng.empty()) set_rng_state(forward_rng);  // the original forward's randomness
     for (auto& p : params) {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
@@ -383,13 +385,8 @@ struct GuardedOptimizer::Impl {
     // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
     if (replay && (ev.loss_nonfinite || ev.grads_nonfinite) && signals.consecutive_bad_steps <= 1) {
       replaying = true;
-      // Replays must not move the training's random stream.
-      auto gen = at::detail::getDefaultCPUGenerator();
-      at::Tensor rng;
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        rng = gen.get_state();
-      }
+      // Replays must not move the training's random streams.
+      const std::vector<at::Tensor> training_rng = rng_state();
       replay_scale = step_loss_scale;  // "as is": the scale of the step, not the backed-off one
       ev.rerun = replay_once(ReplayMode::kAsIs, &ev);
       if (ev.rerun == forensics::ReplayResult::kReproduced && controller.loss_scaling()) {
@@ -400,8 +397,7 @@ struct GuardedOptimizer::Impl {
       }
       replay_scale.reset();
       replaying = false;
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng);
+      set_rng_state(training_rng);
     }
     return ev;
   }
@@ -505,6 +501,34 @@ struct GuardedOptimizer::Impl {
   std::shared_ptr<std::vector<ProbeRecord>> probes = std::make_shared<std::vector<ProbeRecord>>();
   std::shared_ptr<int> probe_grads_seen = std::make_shared<int>(0);
   bool replaying = false;
+  // The random streams as they were before this step's forward pass (captured after the previous
+  // step and again by check_inputs()), so a replay draws the same dropout masks as the original.
+  std::vector<at::Tensor> forward_rng;
+
+  static std::vector<at::Generator> generators() {
+    std::vector<at::Generator> gens = {at::detail::getDefaultCPUGenerator()};
+    if (at::detail::getCUDAHooks().hasCUDA()) {
+      for (int d = 0; d < at::detail::getCUDAHooks().getNumGPUs(); ++d) {
+        gens.push_back(at::globalContext().defaultGenerator(at::Device(at::kCUDA, d)));
+      }
+    }
+    return gens;
+  }
+  static std::vector<at::Tensor> rng_state() {
+    std::vector<at::Tensor> states;
+    for (auto& gen : generators()) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      states.push_back(gen.get_state());
+    }
+    return states;
+  }
+  static void set_rng_state(const std::vector<at::Tensor>& states) {
+    auto gens = generators();
+    for (std::size_t i = 0; i < gens.size() && i < states.size(); ++i) {
+      std::lock_guard<std::mutex> lock(gens[i].mutex());
+      gens[i].set_state(states[i]);
+    }
+  }
   std::optional<double> replay_scale;  // while replaying: scale_loss() uses the step's scale
   static constexpr std::size_t kHistory = 16;
 
@@ -813,6 +837,7 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   s.checked_inputs.clear();
   s.probes->clear();
   *s.probe_grads_seen = 0;
+  if (s.replay) s.forward_rng = Impl::rng_state();  // for the next step's replays
   return report;
 }
 
@@ -917,6 +942,7 @@ std::int64_t GuardedOptimizer::resume(const std::string& dir) {
 bool GuardedOptimizer::check_inputs(const std::vector<torch::Tensor>& inputs,
                                     const torch::Tensor& mask) {
   Impl& s = *impl_;
+  if (s.replay) s.forward_rng = Impl::rng_state();  // closest to the forward pass
   s.checked_inputs.clear();
   s.bad_inputs.clear();
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -968,7 +994,9 @@ torch::Tensor GuardedOptimizer::probe(const std::string& name, const torch::Tens
   return output;
 }
 void GuardedOptimizer::set_replay(std::function<torch::Tensor(ReplayMode)> recompute) {
+  const bool first = !impl_->replay;
   impl_->replay = std::move(recompute);
+  if (first && impl_->replay && impl_->step == 0) impl_->forward_rng = Impl::rng_state();
 }
 void GuardedOptimizer::track_buffers(
     const torch::OrderedDict<std::string, torch::Tensor>& named_buffers) {

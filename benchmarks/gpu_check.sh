@@ -7,13 +7,13 @@
 #   benchmarks/gpu_check.sh OUTDIR         # on the GPU machine, from the repo root
 #
 # The GPU machine has CMake, ninja, nvcc and a CUDA LibTorch in its Python, but no yaml-cpp,
-# GoogleTest, Google Benchmark or nlohmann-json and no package registry: the .debs travel with the
+# GoogleTest, Google Benchmark, nlohmann-json or xxhash and no package registry: the .debs travel with the
 # tree and are unpacked (dpkg -x) into .gpudeps/root. NCCL comes from the nvidia-nccl wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEBS=(libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian libyaml-cpp-dev
-      libyaml-cpp0.7 nlohmann-json3-dev)
+      libyaml-cpp0.7 nlohmann-json3-dev libxxhash-dev libxxhash0)
 
 if [[ "${1:-}" == "--fetch-deps" ]]; then
   mkdir -p .gpudeps

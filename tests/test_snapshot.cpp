@@ -265,7 +265,6 @@ TEST(Snapshot, OptimizersWithoutATypedCopyGoThroughTheirArchive) {
   train_step(model, opt, 0);
   checkpoint::SnapshotRing ring(1);
   ring.take(1, model->parameters(), opt, {});
-  EXPECT_FALSE(ring.newest_confirmed() == nullptr && ring.size() == 0);
   ring.on_step(2, true);
   EXPECT_FALSE(ring.newest_confirmed()->optimizer_archive.empty());
   EXPECT_TRUE(ring.newest_confirmed()->states.empty());

@@ -1,18 +1,16 @@
 #include "csrc/checkpoint/snapshot.h"
 
+#include "csrc/checkpoint/optimizer_state.h"
+
 #include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
 #include <xxhash.h>
 
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -36,68 +34,24 @@ at::Tensor device_copy(const at::Tensor& t, const at::Device& device) {
   return t.to(device, /*non_blocking=*/false, /*copy=*/true);
 }
 
-// Assigns `src`'s fields to `dst` of the same state type: scalars by value, tensors through
-// `put(dst_tensor, src_tensor)`, which returns what `dst` should hold (the same buffer refilled, or
-// a new one). Returns false when the two are not of one known type.
+// A new state of `src`'s type whose tensors are `put(offered, src_tensor)`: `dst`, when it is a
+// state of the same type, offers its buffers for refilling (no allocation), else `offered` is
+// undefined. nullptr for a type without a field-by-field copy.
 template <typename Put>
-bool assign_state(torch::optim::OptimizerParamState& dst,
-                  const torch::optim::OptimizerParamState& src, Put put) {
-  using namespace torch::optim;
-  if (auto* a = dynamic_cast<const AdamWParamState*>(&src)) {
-    auto* d = dynamic_cast<AdamWParamState*>(&dst);
-    if (d == nullptr) return false;
-    d->step(a->step());
-    d->exp_avg(put(d->exp_avg(), a->exp_avg())).exp_avg_sq(put(d->exp_avg_sq(), a->exp_avg_sq()));
-    d->max_exp_avg_sq(put(d->max_exp_avg_sq(), a->max_exp_avg_sq()));
-    return true;
+std::unique_ptr<torch::optim::OptimizerParamState> rebuild_state(
+    const torch::optim::OptimizerParamState* dst, const torch::optim::OptimizerParamState& src,
+    Put put) {
+  std::string type, dst_type;
+  std::int64_t step = 0, dst_step = 0;
+  StateFields from, into;
+  if (!read_fields(src, &type, &step, &from)) return nullptr;
+  const bool offered = dst != nullptr && read_fields(*dst, &dst_type, &dst_step, &into) &&
+                       dst_type == type && into.size() == from.size();
+  std::map<std::string, at::Tensor> out;
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    out[from[i].first] = put(offered ? into[i].second : at::Tensor(), from[i].second);
   }
-  if (auto* a = dynamic_cast<const AdamParamState*>(&src)) {
-    auto* d = dynamic_cast<AdamParamState*>(&dst);
-    if (d == nullptr) return false;
-    d->step(a->step());
-    d->exp_avg(put(d->exp_avg(), a->exp_avg())).exp_avg_sq(put(d->exp_avg_sq(), a->exp_avg_sq()));
-    d->max_exp_avg_sq(put(d->max_exp_avg_sq(), a->max_exp_avg_sq()));
-    return true;
-  }
-  if (auto* g = dynamic_cast<const SGDParamState*>(&src)) {
-    auto* d = dynamic_cast<SGDParamState*>(&dst);
-    if (d == nullptr) return false;
-    d->momentum_buffer(put(d->momentum_buffer(), g->momentum_buffer()));
-    return true;
-  }
-  if (auto* g = dynamic_cast<const AdagradParamState*>(&src)) {
-    auto* d = dynamic_cast<AdagradParamState*>(&dst);
-    if (d == nullptr) return false;
-    d->step(g->step());
-    d->sum(put(d->sum(), g->sum()));
-    return true;
-  }
-  if (auto* r = dynamic_cast<const RMSpropParamState*>(&src)) {
-    auto* d = dynamic_cast<RMSpropParamState*>(&dst);
-    if (d == nullptr) return false;
-    d->step(r->step());
-    d->square_avg(put(d->square_avg(), r->square_avg()));
-    d->momentum_buffer(put(d->momentum_buffer(), r->momentum_buffer()));
-    d->grad_avg(put(d->grad_avg(), r->grad_avg()));
-    return true;
-  }
-  return false;
-}
-
-// A fresh state of `src`'s type with tensors from `put(undefined, src_tensor)`; nullptr for a
-// state type without a typed copy.
-template <typename Put>
-std::unique_ptr<torch::optim::OptimizerParamState> copy_state(
-    const torch::optim::OptimizerParamState& src, Put put) {
-  using namespace torch::optim;
-  std::unique_ptr<OptimizerParamState> fresh;
-  if (dynamic_cast<const AdamWParamState*>(&src)) fresh = std::make_unique<AdamWParamState>();
-  if (dynamic_cast<const AdamParamState*>(&src)) fresh = std::make_unique<AdamParamState>();
-  if (dynamic_cast<const SGDParamState*>(&src)) fresh = std::make_unique<SGDParamState>();
-  if (dynamic_cast<const AdagradParamState*>(&src)) fresh = std::make_unique<AdagradParamState>();
-  if (dynamic_cast<const RMSpropParamState*>(&src)) fresh = std::make_unique<RMSpropParamState>();
-  if (!fresh || !assign_state(*fresh, src, put)) return nullptr;
-  return fresh;
+  return make_state(type, step, out);
 }
 
 // Refills `dst` with `src` when they match (no allocation: a snapshot or a restore of the same
@@ -124,8 +78,13 @@ std::uint64_t checksum_of(const Snapshot& s) {
     return t;
   };
   for (const auto& p : s.params) add(p);
-  for (const auto& st : s.states)
-    copy_state(*st, [&add](const at::Tensor&, const at::Tensor& t) { return add(t); });
+  for (const auto& st : s.states) {
+    std::string type;
+    std::int64_t step = 0;
+    StateFields fields;
+    read_fields(*st, &type, &step, &fields);
+    for (const auto& f : fields) add(f.second);
+  }
   XXH3_64bits_update(h, s.optimizer_archive.data(), s.optimizer_archive.size());
   const std::uint64_t out = XXH3_64bits_digest(h);
   XXH3_freeState(h);
@@ -159,7 +118,6 @@ void SnapshotRing::take(std::int64_t step, const std::vector<at::Tensor>& params
   s.guard = std::move(guard_state);
   s.params.reserve(params.size());
   std::int64_t* bytes = &s.bytes;
-  auto host = [bytes](const at::Tensor& t) { return host_copy(t, bytes); };
   auto into_host = [bytes](const at::Tensor& dst, const at::Tensor& src) {
     if (!src.defined()) return src;
     at::Tensor out = refill(dst, src.detach(), [](const at::Tensor& t) {
@@ -170,22 +128,15 @@ void SnapshotRing::take(std::int64_t step, const std::vector<at::Tensor>& params
     return out;
   };
   for (std::size_t i = 0; i < params.size(); ++i) {
-    s.params.push_back(i < old.params.size() && old.params[i].device().is_cpu()
-                           ? into_host(old.params[i], params[i])
-                           : host(params[i]));
+    s.params.push_back(into_host(i < old.params.size() ? old.params[i] : at::Tensor(), params[i]));
   }
   std::unordered_map<std::string, std::size_t> old_index;
   for (std::size_t i = 0; i < old.state_keys.size(); ++i) old_index[old.state_keys[i]] = i;
   bool typed = true;
   for (const auto& [key, state] : optimizer.state()) {
-    std::unique_ptr<torch::optim::OptimizerParamState> copy;
-    if (auto it = old_index.find(key); it != old_index.end() && old.states[it->second] &&
-                                       assign_state(*old.states[it->second], *state, into_host)) {
-      copy = std::move(old.states[it->second]);
-    } else {
-      copy = copy_state(*state,
-                        [&host](const at::Tensor&, const at::Tensor& src) { return host(src); });
-    }
+    auto it = old_index.find(key);
+    std::unique_ptr<torch::optim::OptimizerParamState> copy = rebuild_state(
+        it != old_index.end() ? old.states[it->second].get() : nullptr, *state, into_host);
     if (!copy) {
       typed = false;
       break;
@@ -291,10 +242,8 @@ void SnapshotRing::restore(const Snapshot& snapshot, const std::vector<at::Tenso
                       [&device](const at::Tensor& t) { return device_copy(t, device); });
       };
       auto live = state.find(key);
-      if (live == state.end() || !live->second ||
-          !assign_state(*live->second, *snapshot.states[i], put)) {
-        state[key] = copy_state(*snapshot.states[i], put);
-      }
+      state[key] = rebuild_state(live != state.end() ? live->second.get() : nullptr,
+                                 *snapshot.states[i], put);
     }
     for (auto it = state.begin(); it != state.end();) {
       it = keep.count(it->first) ? std::next(it) : state.erase(it);

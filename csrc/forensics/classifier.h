@@ -12,13 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "stepguard/types.h"
+
 namespace stepguard {
 namespace forensics {
-
-/// The causes, as the `cause` field and the metric label spell them.
-constexpr const char* kCauses[] = {
-    "data",       "forward",          "backward", "precision_overflow",
-    "divergence", "hardware_suspect", "unknown"};
 
 /// What a replay of the offending batch showed.
 enum class ReplayResult : std::uint8_t {
@@ -61,7 +58,7 @@ struct Evidence {
 };
 
 struct Diagnosis {
-  std::string cause = "unknown";
+  std::string cause = "unknown";      ///< one of kIncidentCauses
   std::vector<std::string> evidence;  ///< why, one line each, in the order checked
   std::vector<std::string> fixes;     ///< what to try first
 };

@@ -204,8 +204,7 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
   auto& causes =
       counter("stepguard_incident_causes_total", "Incidents by the root cause forensics assigned.");
-  for (const char* c : {"data", "forward", "backward", "precision_overflow", "divergence",
-                        "hardware_suspect", "unknown"}) {
+  for (const char* c : kIncidentCauses) {
     s.causes[c] = &causes.Add({{"cause", c}});
   }
   s.snapshots = &counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});

@@ -47,7 +47,7 @@ class Metrics {
   /// collective took.
   void record_step(const StepReport& report, std::int64_t consecutive_bad_steps,
                    double inspect_seconds, double consensus_seconds);
-  /// An incident was classified (cause from the fixed set of forensics::kCauses).
+  /// An incident was classified (cause from the fixed set of kIncidentCauses (types.h)).
   void record_cause(const std::string& cause);
   /// A RAM snapshot was taken; `bytes_held` is what the ring holds now.
   void record_snapshot(std::int64_t bytes_held);

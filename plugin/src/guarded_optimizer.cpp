@@ -416,7 +416,9 @@ struct GuardedOptimizer::Impl {
     try {
       fs::create_directories(dir);
       if (!checked_inputs.empty()) {
-        torch::save(checked_inputs, prefix + ".batch.pt");
+        std::vector<torch::Tensor> host;
+        for (const auto& t : checked_inputs) host.push_back(t.to(at::kCPU));
+        torch::save(host, prefix + ".batch.pt");
         r["batch"] = prefix + ".batch.pt";
       }
       checkpoint::write_file_atomically(prefix + ".json", r.dump(2) + "\n");
@@ -942,25 +944,36 @@ std::int64_t GuardedOptimizer::resume(const std::string& dir) {
 bool GuardedOptimizer::check_inputs(const std::vector<torch::Tensor>& inputs,
                                     const torch::Tensor& mask) {
   Impl& s = *impl_;
+  TORCH_CHECK(!mask.defined() || mask.dim() == 2,
+              "stepguard: check_inputs: the mask must be [batch, sequence], got ", mask.sizes());
   if (s.replay) s.forward_rng = Impl::rng_state();  // closest to the forward pass
   s.checked_inputs.clear();
   s.bad_inputs.clear();
+  // Counts are reduced where the tensors live and read back once for the whole batch; the
+  // inputs are kept by reference and copied to the host only if a report saves them.
+  std::vector<std::size_t> counted;
+  std::vector<at::Tensor> counts;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const auto& t = inputs[i];
     if (!t.defined()) continue;
-    s.checked_inputs.push_back(t.detach().to(at::kCPU));
+    s.checked_inputs.push_back(t.detach());
     if (!at::isFloatingType(t.scalar_type())) continue;
-    const std::int64_t bad = (~at::isfinite(t.detach())).sum().item<std::int64_t>();
-    if (bad > 0) {
-      s.bad_inputs.push_back("input " + std::to_string(i) + " holds " + std::to_string(bad) +
-                             " NaN/Inf value" + (bad > 1 ? "s" : ""));
+    counted.push_back(i);
+    counts.push_back((~at::isfinite(t.detach())).sum());
+  }
+  if (mask.defined()) counts.push_back((~mask.to(at::kBool).any(1)).sum());
+  if (counts.empty()) return true;
+  for (auto& n : counts) n = n.to(counts.front().device(), at::kLong);
+  const at::Tensor host = at::stack(counts).to(at::kCPU);  // the one read
+  const std::int64_t* c = host.data_ptr<std::int64_t>();
+  for (std::size_t k = 0; k < counted.size(); ++k) {
+    if (c[k] > 0) {
+      s.bad_inputs.push_back("input " + std::to_string(counted[k]) + " holds " +
+                             std::to_string(c[k]) + " NaN/Inf value" + (c[k] > 1 ? "s" : ""));
     }
   }
   if (mask.defined()) {
-    TORCH_CHECK(mask.dim() == 2,
-                "stepguard: check_inputs: the mask must be [batch, sequence], got ", mask.sizes());
-    const at::Tensor real = mask.to(at::kBool);
-    const std::int64_t empty = (~real.any(1)).sum().item<std::int64_t>();
+    const std::int64_t empty = c[counted.size()];
     if (empty > 0) {
       s.bad_inputs.push_back(std::to_string(empty) + " of " + std::to_string(mask.size(0)) +
                              " sequences are empty or all padding (every position masked)");

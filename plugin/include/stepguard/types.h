@@ -217,6 +217,11 @@ struct Decision {
   }
 };
 
+/// The root causes forensics assigns, as Incident::cause and the metric label spell them.
+constexpr const char* kIncidentCauses[] = {
+    "data",       "forward",          "backward", "precision_overflow",
+    "divergence", "hardware_suspect", "unknown"};
+
 /// One incident: a step where a detector fired and the policy acted.
 struct Incident {
   std::int64_t step = 0;

@@ -4,8 +4,8 @@
 //
 // State: AdamW over 64 fp32 parameters, ~G GB in all (parameters + two moments; default 1).
 // Cases (median of N runs, default 3):
-//   snapshot take      SnapshotRing::take (ring full: buffers refilled)  vs memcpy of the bytes
-//   snapshot restore   SnapshotRing::restore                             vs memcpy of the bytes
+//   snapshot take      the engine's snapshot (ring full: buffers refilled) vs memcpy of the bytes
+//   snapshot restore   the engine's restore through the optimizer port   vs memcpy of the bytes
 //   disk write         encode + per-rank file + manifest, fsynced        vs write()+fsync of as
 //                                                                          many bytes to one file
 //   disk load          read + checksum verify + decode into the model    vs read() of that file
@@ -27,7 +27,9 @@
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/checkpoint/payload.h"
-#include "csrc/checkpoint/snapshot.h"
+#include "csrc/consensus/consensus.h"
+#include "plugin/src/libtorch_port.h"
+#include "plugin/src/recovery.h"
 
 namespace {
 
@@ -109,16 +111,15 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < src.size(); ++i) std::memcpy(dst[i].data(), src[i], dst[i].size());
   });
 
-  SnapshotRing ring(1);
-  ring.take(1, params, opt, {});  // first take allocates; measured takes refill
-  ring.on_step(2, true);
+  stepguard::LibTorchPort port(opt, torch::OrderedDict<std::string, torch::Tensor>());
+  stepguard::consensus::LocalConsensus one_rank;
+  stepguard::RecoveryConfig rc;
+  rc.snapshot_keep = 1;
+  stepguard::Recovery recovery(one_rank, port, rc);
+  recovery.take_snapshot(1, {});  // first take allocates; measured takes refill
   std::int64_t step = 1;
-  const double t_take = median_seconds(repeat, [&] {
-    ring.take(++step, params, opt, {});
-    ring.on_step(step + 1, true);
-  });
-  const double t_restore =
-      median_seconds(repeat, [&] { ring.restore(*ring.newest_confirmed(), params, opt); });
+  const double t_take = median_seconds(repeat, [&] { recovery.take_snapshot(++step, {}); });
+  const double t_restore = median_seconds(repeat, [&] { recovery.restore_snapshot(step); });
 
   // Disk.
   std::filesystem::remove_all(dir);
@@ -130,7 +131,8 @@ int main(int argc, char** argv) {
   std::size_t payload_bytes = 0;
   auto write_checkpoint = [&] {
     ++disk_step;
-    const EncodedPayload payload = encode_payload(record, params, opt);
+    const EncodedPayload payload =
+        encode_payload(record, recovery.training_tensors(), port.state_bytes(), capture_rng());
     payload_bytes = payload.pieces().size();
     write_rank_file(dir, disk_step, 0, payload.pieces());
     commit_checkpoint(dir, disk_step, 1, 2);
@@ -148,8 +150,12 @@ int main(int argc, char** argv) {
   write_plain();
   const double t_plain_write = median_seconds(repeat, write_plain);
   const CheckpointEntry newest = list_checkpoints(dir).back();
-  const double t_load = median_seconds(
-      repeat, [&] { decode_payload(read_rank_file(newest, 0), newest.dir, params, opt); });
+  const double t_load = median_seconds(repeat, [&] {
+    const DecodedPayload p = decode_payload(read_rank_file(newest, 0), newest.dir);
+    const auto live = recovery.training_tensors();
+    check_fits(p.tensors, live, newest.dir);
+    copy_into(p.tensors, live);
+  });
   const double t_plain_read = median_seconds(repeat, [&] { (void)plain_read(plain); });
 
   const double mb = bytes / 1e6;

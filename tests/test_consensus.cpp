@@ -1,7 +1,6 @@
 #include <gtest/gtest.h>
 
 #include "csrc/consensus/consensus.h"
-#include "stepguard/types.h"
 
 namespace stepguard {
 namespace consensus {
@@ -12,7 +11,7 @@ TEST(LocalConsensus, SumOverOneRankIsIdentityAndCountsCollectives) {
   EXPECT_EQ(c.rank(), 0);
   EXPECT_EQ(c.world_size(), 1);
   EXPECT_STREQ(c.backend_name(), "local");
-  auto buffer = at::arange(stats_slot::size(1), at::TensorOptions().dtype(at::kDouble));
+  auto buffer = at::arange(9, at::TensorOptions().dtype(at::kDouble));
   const auto expected = buffer.clone();
   c.all_reduce_sum(buffer, 1);
   c.all_reduce_sum(buffer, 2);
@@ -37,15 +36,10 @@ TEST(LocalConsensus, RejectsBuffersOfTheWrongShapeOrType) {
   EXPECT_EQ(c.collectives(), 0);
 }
 
-TEST(StatsLayout, TwoSlotsPerRankAfterTheFixedSlots) {
-  EXPECT_EQ(stats_slot::size(1), 7 + 2);
-  EXPECT_EQ(stats_slot::size(1024), 7 + 2048);
-  EXPECT_EQ(stats_slot::rank_fault(3), 10);
-  EXPECT_EQ(stats_slot::rank_digest(4, 3), 14);
-  EXPECT_EQ(stats_slot::rank_digest(4, 3) + 1, stats_slot::size(4));
-  // The largest digest is an integer fp64 holds exactly.
-  const double d = static_cast<double>(stats_slot::kDigestMask);
-  EXPECT_EQ(static_cast<std::uint64_t>(d), stats_slot::kDigestMask);
+TEST(GatherValues, OneRankGathersItsOwnValueWithoutACollective) {
+  LocalConsensus c;
+  EXPECT_EQ(gather_values(c, 42, 7, at::kCPU), std::vector<std::int64_t>({42}));
+  EXPECT_EQ(c.collectives(), 0);
 }
 
 }  // namespace

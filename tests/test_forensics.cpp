@@ -27,7 +27,7 @@ TEST(Forensics, AnAllPaddingRowIsData) {
   loss.backward();
   const StepReport r = guard.step(loss);
   ASSERT_TRUE(r.incident.has_value());
-  EXPECT_EQ(r.incident->cause, "data");
+  EXPECT_STREQ(to_string(r.incident->cause), "data");
   EXPECT_EQ(r.incident->evidence[0],
             "the batch itself is bad: 1 of 2 sequences are empty or all padding (every position "
             "masked)");
@@ -53,7 +53,7 @@ TEST(Forensics, ProbesNameTheFirstNonFiniteOutputInForwardOrder) {
   loss.backward();
   const StepReport r = guard.step(loss);
   ASSERT_TRUE(r.incident.has_value());
-  EXPECT_EQ(r.incident->cause, "forward");
+  EXPECT_STREQ(to_string(r.incident->cause), "forward");
   EXPECT_TRUE(has_line(r.incident->evidence, "the first non-finite output in forward order: log"))
       << r.incident->evidence.size();
 }
@@ -69,7 +69,7 @@ TEST(Forensics, ProbesNameTheFirstNonFiniteGradientInBackwardOrder) {
   loss.backward();
   const StepReport r = guard.step(loss);
   ASSERT_TRUE(r.incident.has_value());
-  EXPECT_EQ(r.incident->cause, "backward");
+  EXPECT_STREQ(to_string(r.incident->cause), "backward");
   EXPECT_TRUE(
       has_line(r.incident->evidence, "the first non-finite gradient in backward order reached a"));
 }
@@ -92,7 +92,7 @@ TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   const auto loss = compute();
   StepReport r = guard.step(loss);
   ASSERT_TRUE(r.incident.has_value());
-  EXPECT_EQ(r.incident->cause, "hardware_suspect");
+  EXPECT_STREQ(to_string(r.incident->cause), "hardware_suspect");
   EXPECT_TRUE(torch::equal(w, torch::ones({4})));  // replays never step the optimizer
 
   // A clean step ends the streak (replays run at the first bad step of a streak).
@@ -112,7 +112,7 @@ TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   l.backward();
   r = guard.step(l);
   ASSERT_TRUE(r.incident.has_value());
-  EXPECT_EQ(r.incident->cause, "forward");
+  EXPECT_STREQ(to_string(r.incident->cause), "forward");
   bool named = false;
   for (const auto& e : r.incident->evidence)
     named = named || e.rfind("anomaly mode names ", 0) == 0;

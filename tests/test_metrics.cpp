@@ -142,14 +142,13 @@ TEST(Metrics, ABusyPortOrBadAddressIsAClearError) {
   try {
     GuardedOptimizer second(sgd, GuardOptions().metrics_port(port));
     FAIL() << "expected an error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(
-        std::string(e.what()).find("cannot serve metrics on 127.0.0.1:" + std::to_string(port)),
-        std::string::npos)
-        << e.what();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find("cannot serve metrics on 127.0.0.1:" + std::to_string(port)),
+              std::string::npos)
+        << e.msg();
   }
   EXPECT_THROW(GuardedOptimizer(sgd, GuardOptions().metrics_port(0).metrics_bind_address("nohost")),
-               std::runtime_error);
+               c10::Error);
   EXPECT_THROW(GuardedOptimizer(sgd, GuardOptions().metrics_port(70000)), c10::Error);
 }
 

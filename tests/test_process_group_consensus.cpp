@@ -162,7 +162,7 @@ TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(last[r].outcome, Outcome::kAborted) << r;
     ASSERT_TRUE(last[r].incident.has_value());
-    EXPECT_EQ(last[r].incident->signal, "rank_desync");
+    EXPECT_STREQ(to_string(last[r].incident->signal), "rank_desync");
     EXPECT_EQ(last[r].incident->reason,
               "rank_desync (rank 1 diverged: guard state differs from the other ranks)");
   }

@@ -24,7 +24,7 @@ namespace stepguard {
 namespace checkpoint {
 
 /// The format this build writes and reads (MANIFEST.json's "format").
-constexpr int kDiskFormat = 1;
+constexpr int kDiskFormat = 1;  // the manifest and rank-record layout (payload.h has its own)
 
 /// A checkpoint found on disk (it has a readable manifest).
 struct CheckpointEntry {

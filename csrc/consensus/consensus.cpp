@@ -14,6 +14,18 @@ void Consensus::all_reduce_sum(at::Tensor& buffer, std::int64_t step) {
   do_all_reduce_sum(buffer, step);
 }
 
+std::vector<std::int64_t> gather_values(Consensus& consensus, std::int64_t value, std::int64_t tag,
+                                        const at::Device& device) {
+  const int world = consensus.world_size();
+  if (world == 1) return {value};
+  at::Tensor buffer = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(device));
+  buffer.select(0, consensus.rank()).fill_(static_cast<double>(value));
+  consensus.all_reduce_sum(buffer, tag);
+  const at::Tensor host = buffer.to(at::kCPU);
+  const double* v = host.data_ptr<double>();
+  return std::vector<std::int64_t>(v, v + world);
+}
+
 void LocalConsensus::do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) {
   (void)buffer;
   (void)step;

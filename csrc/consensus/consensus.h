@@ -1,16 +1,17 @@
 /*
- * Consensus: how the ranks of a job agree on one step's statistics. The guard packs everything a
- * decision needs into one small fp64 buffer (layout: stepguard::stats_slot) and calls
- * all_reduce_sum() exactly once per step; every rank then holds the same sums and, because the
- * policy is a pure function of them, decides the same.
+ * Consensus: how the ranks of a job agree on one step's statistics. The engine packs everything a
+ * decision needs into one small fp64 buffer (step_buffer.h) and calls all_reduce_sum() exactly
+ * once per step; every rank then holds the same sums and, because the policy is a pure function of
+ * them, decides the same. gather_values() is the rare extra exchange of rollback and resume.
  *
- * Not here: what is in the buffer (the guard packs it) or what it means (the policy).
+ * Not here: what is in the buffer (step_buffer.h) or what it means (the policy).
  */
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace stepguard {
 namespace consensus {
@@ -42,6 +43,11 @@ class Consensus {
  private:
   std::int64_t collectives_ = 0;
 };
+
+/// Every rank's `value`, in rank order, through one sum all-reduce of a buffer on `device`
+/// (rare: agreeing on a rollback or resume target). `tag` names the exchange in errors.
+std::vector<std::int64_t> gather_values(Consensus& consensus, std::int64_t value, std::int64_t tag,
+                                        const at::Device& device);
 
 /// World size 1: the sum over one rank is the buffer itself. Not thread-safe.
 class LocalConsensus final : public Consensus {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/types.h"
+#include "stepguard/core/vocabulary.h"
 
 namespace stepguard {
 namespace forensics {
@@ -58,7 +58,7 @@ struct Evidence {
 };
 
 struct Diagnosis {
-  std::string cause = "unknown";      ///< one of kIncidentCauses
+  Cause cause = Cause::kUnknown;
   std::vector<std::string> evidence;  ///< why, one line each, in the order checked
   std::vector<std::string> fixes;     ///< what to try first
 };

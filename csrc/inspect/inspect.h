@@ -11,8 +11,9 @@
 
 #include <vector>
 
+#include "csrc/core/stats.h"
 #include "csrc/inspect/element_ops.h"
-#include "stepguard/types.h"
+#include "stepguard/core/report.h"
 
 namespace stepguard {
 namespace inspect {
@@ -37,9 +38,10 @@ struct DeferredBlame {
 };
 
 /// Inspects `grads` (undefined tensors are allowed and count as empty) and writes NaN count, Inf
-/// count, sum of squares (0 when it overflowed) and the overflow flag into `head[0..3]`, a
-/// float64 tensor on the gradients' device: the first slots of the consensus buffer
-/// (stepguard::stats_slot), so the per-step collective can take them as they are.
+/// count, sum of squares (0 when it overflowed) and the overflow flag into `head`, a float64
+/// tensor of inspect_slot::kCount elements on the gradients' device, in inspect_slot order:
+/// inspection's block of the step buffer (StepBuffer::inspection_block()), so the per-step
+/// collective takes them as they are.
 ///
 /// CPU gradients: `stats` receives everything as well. CUDA gradients: one kernel launch writes
 /// `head` and nothing is read back: `stats` receives the element counts only, the per-tensor

@@ -155,26 +155,17 @@ void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at:
   }
 }
 
-}  // namespace
-
-void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& options,
-                  const at::Tensor& head, LocalStats* out, DeferredBlame* blame) {
-  TORCH_CHECK(std::isfinite(options.inv_scale) && options.inv_scale > 0.0,
-              "stepguard: inv_scale must be finite and positive, got ", options.inv_scale);
-  TORCH_CHECK(
-      head.defined() && head.dim() == 1 && head.numel() == 4 && head.scalar_type() == at::kDouble,
-      "stepguard: inspection results need a float64 tensor of 4 elements");
-  LocalStats& stats = *out;
-  stats = LocalStats();
-  *blame = DeferredBlame();
-  stats.num_tensors = static_cast<std::int64_t>(grads.size());
-  stats.tensor_sum_squares.assign(grads.size(), 0.0);
-
-  // Validate everything before touching anything, so a bad list changes no gradient.
+// Checks every gradient before anything is touched, so a bad list changes no gradient; fills the
+// contiguous views and dtypes. Returns the first defined gradient, or nullptr.
+const at::Tensor* validate(const std::vector<at::Tensor>& grads, const at::Tensor& head,
+                           std::vector<at::Tensor>* views, std::vector<GradDtype>* dtypes) {
+  TORCH_CHECK(head.defined() && head.dim() == 1 && head.numel() == inspect_slot::kCount &&
+                  head.scalar_type() == at::kDouble,
+              "stepguard: inspection results need a float64 tensor of 4 elements");
   const at::Tensor* first = nullptr;
   std::size_t first_index = 0;
-  std::vector<at::Tensor> views(grads.size());
-  std::vector<GradDtype> dtypes(grads.size(), GradDtype::kFloat32);
+  views->assign(grads.size(), at::Tensor());
+  dtypes->assign(grads.size(), GradDtype::kFloat32);
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     if (!g.defined()) continue;
@@ -191,19 +182,21 @@ void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& op
     TORCH_CHECK(g.device().is_cpu() || (g.device().is_cuda() && cuda::compiled_with_cuda()),
                 "stepguard: gradient ", i, " is on ", g.device(), "; this build inspects ",
                 cuda::compiled_with_cuda() ? "CPU and CUDA" : "CPU", " gradients only");
-    dtypes[i] = grad_dtype_of(g, i);
-    views[i] = g.is_contiguous() ? g : g.contiguous();
+    (*dtypes)[i] = grad_dtype_of(g, i);
+    (*views)[i] = g.is_contiguous() ? g : g.contiguous();
   }
-
   if (first != nullptr) {
     TORCH_CHECK(head.device() == first->device(), "stepguard: inspection results are on ",
                 head.device(), " but the gradients are on ", first->device());
   }
-  if (first != nullptr && first->is_cuda()) {
-    inspect_on_cuda(grads, views, dtypes, options, head, &stats, blame);
-    return;
-  }
+  return first;
+}
 
+// The CPU path: chunks in parallel, combined in a fixed order, results into `head`.
+void inspect_on_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& views,
+                    const std::vector<GradDtype>& dtypes, const InspectOptions& options,
+                    const at::Tensor& head, LocalStats* out) {
+  LocalStats& stats = *out;
   std::vector<Chunk> chunks;
   for (std::size_t i = 0; i < views.size(); ++i) {
     if (!views[i].defined()) continue;
@@ -251,10 +244,33 @@ void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& op
       if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
     }
   }
-  const double global[4] = {
-      static_cast<double>(stats.nan_count), static_cast<double>(stats.inf_count),
-      stats.sum_squares_overflow ? 0.0 : stats.sum_squares, stats.sum_squares_overflow ? 1.0 : 0.0};
-  head.copy_(at::tensor(at::ArrayRef<double>(global, 4), at::TensorOptions().dtype(at::kDouble)));
+  double block[inspect_slot::kCount] = {};
+  block[inspect_slot::kNanCount] = static_cast<double>(stats.nan_count);
+  block[inspect_slot::kInfCount] = static_cast<double>(stats.inf_count);
+  block[inspect_slot::kSumSquares] = stats.sum_squares_overflow ? 0.0 : stats.sum_squares;
+  block[inspect_slot::kSumSquaresOverflow] = stats.sum_squares_overflow ? 1.0 : 0.0;
+  head.copy_(at::tensor(at::ArrayRef<double>(block, inspect_slot::kCount),
+                        at::TensorOptions().dtype(at::kDouble)));
+}
+
+}  // namespace
+
+void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& options,
+                  const at::Tensor& head, LocalStats* out, DeferredBlame* blame) {
+  TORCH_CHECK(std::isfinite(options.inv_scale) && options.inv_scale > 0.0,
+              "stepguard: inv_scale must be finite and positive, got ", options.inv_scale);
+  std::vector<at::Tensor> views;
+  std::vector<GradDtype> dtypes;
+  const at::Tensor* first = validate(grads, head, &views, &dtypes);
+  *out = LocalStats();
+  *blame = DeferredBlame();
+  out->num_tensors = static_cast<std::int64_t>(grads.size());
+  out->tensor_sum_squares.assign(grads.size(), 0.0);
+  if (first != nullptr && first->is_cuda()) {
+    inspect_on_cuda(grads, views, dtypes, options, head, out, blame);
+    return;
+  }
+  inspect_on_cpu(grads, views, dtypes, options, head, out);
 }
 
 void DeferredBlame::fetch(LocalStats* stats) const {
@@ -280,17 +296,19 @@ LocalStats inspect_gradients(const std::vector<at::Tensor>& grads, const Inspect
   }
   // Meta tensors have no data: let inspect_into refuse them with its own message.
   if (!device.is_cpu() && !device.is_cuda()) device = at::kCPU;
-  const at::Tensor head = at::zeros({4}, at::TensorOptions().dtype(at::kDouble).device(device));
+  const at::Tensor head =
+      at::zeros({inspect_slot::kCount}, at::TensorOptions().dtype(at::kDouble).device(device));
   LocalStats stats;
   DeferredBlame blame;
   inspect_into(grads, options, head, &stats, &blame);
   if (blame.pending()) {
     const at::Tensor h = head.cpu();
     const double* g = h.data_ptr<double>();
-    stats.nan_count = static_cast<std::int64_t>(g[0]);
-    stats.inf_count = static_cast<std::int64_t>(g[1]);
-    stats.sum_squares_overflow = g[3] != 0.0;
-    stats.sum_squares = stats.sum_squares_overflow ? std::numeric_limits<double>::infinity() : g[2];
+    stats.nan_count = static_cast<std::int64_t>(g[inspect_slot::kNanCount]);
+    stats.inf_count = static_cast<std::int64_t>(g[inspect_slot::kInfCount]);
+    stats.sum_squares_overflow = g[inspect_slot::kSumSquaresOverflow] != 0.0;
+    stats.sum_squares = stats.sum_squares_overflow ? std::numeric_limits<double>::infinity()
+                                                   : g[inspect_slot::kSumSquares];
     blame.fetch(&stats);
   }
   return stats;

@@ -15,8 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/stats.h"
 #include "csrc/policy/detectors.h"
-#include "stepguard/types.h"
+#include "stepguard/core/report.h"
 
 namespace stepguard {
 namespace policy {

@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/types.h"
+#include "csrc/core/stats.h"
+#include "stepguard/core/report.h"
 
 namespace stepguard {
 namespace telemetry {

@@ -33,12 +33,6 @@ namespace telemetry {
 #if defined(STEPGUARD_WITH_METRICS)
 namespace {
 
-constexpr Outcome kOutcomes[] = {Outcome::kApplied, Outcome::kSkipped, Outcome::kRolledBack,
-                                 Outcome::kAborted};
-constexpr Action kActions[] = {Action::kApply,         Action::kSkipBatch, Action::kClip,
-                               Action::kDropLossScale, Action::kLowerLr,   Action::kRollback,
-                               Action::kAbort,         Action::kAlert};
-
 // A minimal HTTP endpoint for /metrics on one thread. prometheus-cpp's own exposer (civetweb)
 // cannot start its threads inside a process that has loaded Debian's LibTorch ("Cannot create
 // threads"), so stepguard serves the registry itself; scrapes are rare and small.
@@ -148,7 +142,7 @@ struct Metrics::State {
   prometheus::Gauge* last_applied_step = nullptr;
   prometheus::Gauge* last_applied_time = nullptr;
   prometheus::Gauge* consecutive_bad = nullptr;
-  std::map<std::string, prometheus::Counter*> causes;
+  std::map<Cause, prometheus::Counter*> causes;
   prometheus::Counter* snapshots = nullptr;
   prometheus::Gauge* snapshot_bytes = nullptr;
   prometheus::Counter* checkpoints = nullptr;
@@ -173,9 +167,9 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   };
 
   auto& steps = counter("stepguard_steps_total", "Guarded optimizer steps, by outcome.");
-  for (Outcome o : kOutcomes) s.steps[o] = &steps.Add({{"outcome", to_string(o)}});
+  for (Outcome o : kAllOutcomes) s.steps[o] = &steps.Add({{"outcome", to_string(o)}});
   auto& actions = counter("stepguard_actions_total", "Actions the policy took, by kind.");
-  for (Action a : kActions) s.actions[a] = &actions.Add({{"action", to_string(a)}});
+  for (Action a : kAllActions) s.actions[a] = &actions.Add({{"action", to_string(a)}});
   auto& incidents =
       counter("stepguard_incidents_total", "Steps where a detector fired, by first signal.");
   for (Signal g : kAllSignals)
@@ -204,8 +198,8 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
   auto& causes =
       counter("stepguard_incident_causes_total", "Incidents by the root cause forensics assigned.");
-  for (const char* c : kIncidentCauses) {
-    s.causes[c] = &causes.Add({{"cause", c}});
+  for (Cause c : kAllCauses) {
+    s.causes[c] = &causes.Add({{"cause", to_string(c)}});
   }
   s.snapshots = &counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});
   s.snapshot_bytes = gauge("stepguard_snapshot_bytes", "Host bytes held by the RAM snapshot ring.");
@@ -218,24 +212,16 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
                                  "Unix time the newest disk checkpoint became visible.");
   const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
                                                            3e-2, 0.1,  0.3,  1,    3,    10};
-  s.inspect_seconds = &prometheus::BuildHistogram()
-                           .Name("stepguard_inspect_duration_seconds")
-                           .Help("Time to inspect all gradients of one step.")
-                           .Labels(constant)
-                           .Register(reg)
-                           .Add({}, buckets);
-  s.checkpoint_write_seconds = &prometheus::BuildHistogram()
-                                    .Name("stepguard_checkpoint_write_duration_seconds")
-                                    .Help("Time to write one rank's disk checkpoint file.")
-                                    .Labels(constant)
-                                    .Register(reg)
-                                    .Add({}, buckets);
-  s.consensus_seconds = &prometheus::BuildHistogram()
-                             .Name("stepguard_consensus_duration_seconds")
-                             .Help("Time of the per-step collective across ranks.")
-                             .Labels(constant)
-                             .Register(reg)
-                             .Add({}, buckets);
+  auto histogram = [&](const char* name, const char* help) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Labels(constant).Register(reg).Add(
+        {}, buckets);
+  };
+  s.inspect_seconds =
+      histogram("stepguard_inspect_duration_seconds", "Time to inspect all gradients of one step.");
+  s.checkpoint_write_seconds = histogram("stepguard_checkpoint_write_duration_seconds",
+                                         "Time to write one rank's disk checkpoint file.");
+  s.consensus_seconds = histogram("stepguard_consensus_duration_seconds",
+                                  "Time of the per-step collective across ranks.");
   prometheus::BuildGauge()
       .Name("stepguard_build_info")
       .Help("Build facts of the running stepguard; always 1.")
@@ -247,6 +233,11 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.loss_scale->Set(1.0);
   s.loss_scale_min->Set(config.loss_scale_min);
 
+  serve(config);
+}
+
+void Metrics::serve(const MetricsConfig& config) {
+  State& s = *state_;
   try {
     s.server = std::make_unique<MetricsServer>(config.bind_address, config.port,
                                                [this] { return serialize(); });
@@ -265,10 +256,10 @@ void Metrics::record_step(const StepReport& r, std::int64_t consecutive_bad_step
   s.steps[r.outcome]->Increment();
   for (Action a : r.actions) s.actions[a]->Increment();
   if (r.incident) {
-    auto it = s.incidents.find(r.incident->signal);
+    auto it = s.incidents.find(to_string(r.incident->signal));
     if (it != s.incidents.end()) it->second->Increment();
   }
-  if (r.nonfinite_count > 0 || (r.incident && r.incident->signal == "nonfinite_loss")) {
+  if (r.nonfinite_count > 0 || (r.incident && r.incident->signal == Signal::kNonfiniteLoss)) {
     s.nonfinite_steps->Increment();
   }
   if (r.outcome == Outcome::kSkipped) s.skipped_batches->Increment();
@@ -289,10 +280,7 @@ void Metrics::record_step(const StepReport& r, std::int64_t consecutive_bad_step
   s.consensus_seconds->Observe(consensus_seconds);
 }
 
-void Metrics::record_cause(const std::string& cause) {
-  auto it = state_->causes.find(cause);
-  (it != state_->causes.end() ? it : state_->causes.find("unknown"))->second->Increment();
-}
+void Metrics::record_cause(Cause cause) { state_->causes.at(cause)->Increment(); }
 
 void Metrics::record_snapshot(std::int64_t bytes_held) {
   state_->snapshots->Increment();
@@ -329,7 +317,7 @@ Metrics::~Metrics() = default;
 void Metrics::record_step(const StepReport&, std::int64_t, double, double) {}
 void Metrics::record_abort() {}
 void Metrics::record_snapshot(std::int64_t) {}
-void Metrics::record_cause(const std::string&) {}
+void Metrics::record_cause(Cause) {}
 void Metrics::record_checkpoint(std::int64_t, double) {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }

@@ -14,7 +14,8 @@
 #include <memory>
 #include <string>
 
-#include "stepguard/types.h"
+#include "csrc/core/stats.h"
+#include "stepguard/core/report.h"
 
 namespace stepguard {
 namespace telemetry {
@@ -47,8 +48,8 @@ class Metrics {
   /// collective took.
   void record_step(const StepReport& report, std::int64_t consecutive_bad_steps,
                    double inspect_seconds, double consensus_seconds);
-  /// An incident was classified (cause from the fixed set of kIncidentCauses (types.h)).
-  void record_cause(const std::string& cause);
+  /// An incident was classified.
+  void record_cause(Cause cause);
   /// A RAM snapshot was taken; `bytes_held` is what the ring holds now.
   void record_snapshot(std::int64_t bytes_held);
   /// A disk checkpoint of `step` became visible; `write_seconds` is what writing it took.
@@ -59,6 +60,7 @@ class Metrics {
   std::string serialize() const;
 
  private:
+  void serve(const MetricsConfig& config);
   void record_abort();
 
   struct State;

@@ -394,8 +394,9 @@ int run_demo(const DemoOptions& o) {
     if (report.incident) {
       const auto& inc = *report.incident;
       nlohmann::json j = {
-          {"step", inc.step},     {"signal", inc.signal},     {"action", inc.action},
-          {"cause", inc.cause},   {"tensors", inc.tensors},   {"ranks", inc.ranks},
+          {"step", inc.step},     {"signal", to_string(inc.signal)},
+          {"action", to_string(inc.action)},
+          {"cause", to_string(inc.cause)},   {"tensors", inc.tensors},   {"ranks", inc.ranks},
           {"reason", inc.reason}, {"evidence", inc.evidence}, {"fixes", inc.fixes}};
       if (!inc.report.empty()) j["report"] = inc.report;
       incidents.push_back(j);
@@ -407,8 +408,8 @@ int run_demo(const DemoOptions& o) {
       std::string ranks;
       for (int r : inc.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
       if (lead) {
-        progress.note("  step " + std::to_string(inc.step) + ": " + inc.signal + " -> " +
-                      inc.action + ", cause " + inc.cause +
+        progress.note("  step " + std::to_string(inc.step) + ": " + to_string(inc.signal) + " -> " +
+                      to_string(inc.action) + ", cause " + to_string(inc.cause) +
                       (blamed.empty() ? "" : " (" + blamed + ")") +
                       (world.size > 1 ? " on rank " + ranks : ""));
       }

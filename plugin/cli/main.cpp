@@ -6,16 +6,15 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "csrc/checkpoint/disk_checkpoint.h"
-#include "csrc/forensics/report.h"
-#include "csrc/policy/policy_file.h"
 #include "integration/demo/demo.h"
 #include "stepguard/replay.h"
+#include "stepguard/tools.h"
 #include "stepguard/version.h"
 
 namespace {
@@ -39,9 +38,9 @@ constexpr const char* kUsage =
     "Run 'stepguard demo --help' for the demo's flags.\n";
 
 // Prints every issue of `path` to stderr; returns true when the file is valid.
-bool report_policy_issues(const std::string& path, stepguard::policy::PolicyConfig* config) {
-  const auto issues = stepguard::policy::check_policy_file(path, config);
-  for (const auto& issue : issues) std::cerr << issue.format() << "\n";
+bool report_policy_issues(const std::string& path) {
+  const auto issues = stepguard::check_policy_file(path);
+  for (const auto& issue : issues) std::cerr << issue << "\n";
   return issues.empty();
 }
 
@@ -56,8 +55,7 @@ int run_policy_command(const std::vector<std::string>& args) {
   if (args[0] == "check" && !files.empty()) {
     bool all_valid = true;
     for (const auto& file : files) {
-      stepguard::policy::PolicyConfig config;
-      if (report_policy_issues(file, &config)) {
+      if (report_policy_issues(file)) {
         std::cout << file << ": ok\n";
       } else {
         all_valid = false;
@@ -66,9 +64,8 @@ int run_policy_command(const std::vector<std::string>& args) {
     return all_valid ? 0 : 2;
   }
   if (args[0] == "explain" && files.size() == 1) {
-    stepguard::policy::PolicyConfig config;
-    if (!report_policy_issues(files[0], &config)) return 2;
-    std::cout << stepguard::policy::explain_policy(config);
+    if (!report_policy_issues(files[0])) return 2;
+    std::cout << stepguard::explain_policy_file(files[0]);
     return 0;
   }
   std::cerr << usage;
@@ -97,8 +94,7 @@ int run_replay_command(const std::vector<std::string>& args) {
     std::cerr << "stepguard replay: --policy and --trace are required\n" << usage;
     return 2;
   }
-  stepguard::policy::PolicyConfig config;
-  if (!report_policy_issues(options.policy_file, &config)) return 2;
+  if (!report_policy_issues(options.policy_file)) return 2;
   try {
     const stepguard::ReplaySummary s = stepguard::replay_trace(options, std::cout);
     std::cerr << "replayed " << s.steps << " steps: " << s.applied << " applied, " << s.skipped
@@ -124,13 +120,13 @@ int run_ckpt_command(const std::vector<std::string>& args) {
     std::cerr << "stepguard ckpt: " << dir << ": not a directory\n";
     return 2;
   }
-  const auto reports = stepguard::checkpoint::verify_all(dir);
+  const auto reports = stepguard::verify_checkpoints(dir);
   if (args[0] == "ls") {
     std::printf("%-12s %-6s %-12s %s\n", "step", "ranks", "bytes", "state");
     for (const auto& r : reports) {
       std::string state = r.ok() ? "valid" : !r.complete ? "incomplete" : "BAD";
-      std::printf("%-12" PRId64 " %-6d %-12" PRId64 " %s  %s\n", r.entry.step, r.entry.world_size,
-                  r.bytes, state.c_str(), r.entry.dir.c_str());
+      std::printf("%-12" PRId64 " %-6d %-12" PRId64 " %s  %s\n", r.step, r.world_size, r.bytes,
+                  state.c_str(), r.dir.c_str());
     }
     if (reports.empty()) std::printf("(no checkpoints in %s)\n", dir.c_str());
     return 0;
@@ -139,13 +135,13 @@ int run_ckpt_command(const std::vector<std::string>& args) {
   for (const auto& r : reports) {
     if (r.ok()) {
       ++valid;
-      std::cout << r.entry.dir << ": ok (step " << r.entry.step << ", " << r.entry.world_size
-                << " rank" << (r.entry.world_size > 1 ? "s" : "") << ", " << r.bytes << " bytes)\n";
+      std::cout << r.dir << ": ok (step " << r.step << ", " << r.world_size << " rank"
+                << (r.world_size > 1 ? "s" : "") << ", " << r.bytes << " bytes)\n";
     } else if (!r.complete) {
       // No manifest: never completed (a crash while writing, or a discarded state). Never
       // loaded; not an error.
       ++incomplete;
-      std::cout << r.entry.dir << ": incomplete, ignored (" << r.problems.front() << ")\n";
+      std::cout << r.dir << ": incomplete, ignored (" << r.problems.front() << ")\n";
     } else {
       ++bad;
       for (const auto& p : r.problems) std::cerr << p << "\n";
@@ -170,20 +166,14 @@ int run_incident_command(const std::vector<std::string>& args) {
               << "\n";
     return 2;
   }
-  nlohmann::json report;
+  std::ostringstream text;
+  text << in.rdbuf();
   try {
-    report = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    std::cerr << "stepguard incident: " << args[1] << ": not an incident report (" << e.what()
-              << ")\n";
+    std::cout << stepguard::render_incident_report(text.str(), args[1]);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "stepguard incident: " << e.what() << "\n";
     return 2;
   }
-  if (!report.is_object() || !report.contains("step") || !report.contains("cause")) {
-    std::cerr << "stepguard incident: " << args[1]
-              << ": not an incident report (no 'step' and 'cause')\n";
-    return 2;
-  }
-  std::cout << stepguard::forensics::render_markdown(report);
   return 0;
 }
 
@@ -200,8 +190,7 @@ int run_demo_command(const std::vector<std::string>& args) {
     return 2;
   }
   if (!options->policy.empty()) {
-    stepguard::policy::PolicyConfig config;
-    if (!report_policy_issues(options->policy, &config)) return 2;
+    if (!report_policy_issues(options->policy)) return 2;
   }
   return stepguard::demo::run_demo(*options);
 }

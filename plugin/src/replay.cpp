@@ -4,7 +4,6 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -49,44 +48,46 @@ std::int64_t count_field(const nlohmann::json& j, const char* key, std::int64_t 
   return it->get<std::int64_t>();
 }
 
-// The guard's RAM snapshots as replay sees them: only the decision state, with the same cadence
-// and confirmation (a clean next step confirms, a signal discards), so a rollback in a replay
-// restores what it restored live.
-class DecisionSnapshots {
- public:
-  explicit DecisionSnapshots(const policy::CheckpointCadence& c) : cadence_(c) {}
-  void on_step(std::int64_t step, bool clean) {
-    if (ring_.empty() || ring_.back().confirmed || ring_.back().step != step - 1) return;
-    if (clean) {
-      ring_.back().confirmed = true;
-    } else {
-      ring_.pop_back();
-    }
+// The agreed statistics a trace line records.
+GlobalStats stats_of_line(const nlohmann::json& j, const std::string& file, std::int64_t line) {
+  GlobalStats g;
+  g.loss = number_field(j, "loss", std::numeric_limits<double>::quiet_NaN(), file, line);
+  if (!j.contains("loss") && !j.contains("loss_nonfinite_ranks")) {
+    throw TraceError(file, line, "needs 'loss' (a number, or null)");
   }
-  const std::vector<std::int64_t>* rollback(std::int64_t* to_step) {
-    while (!ring_.empty() && !ring_.back().confirmed) ring_.pop_back();
-    if (ring_.empty()) return nullptr;
-    *to_step = ring_.back().step;
-    return &ring_.back().words;
+  g.loss_nonfinite_ranks =
+      count_field(j, "loss_nonfinite_ranks", std::isfinite(g.loss) ? 0 : 1, file, line);
+  g.grad_norm = number_field(j, "grad_norm", 0.0, file, line);
+  g.nan_count = count_field(j, "nan", 0, file, line);
+  g.inf_count = count_field(j, "inf", 0, file, line);
+  if (!j.contains("nan") && !j.contains("inf")) {
+    g.nan_count = count_field(j, "nonfinite", 0, file, line);
   }
-  void after(std::int64_t step, Outcome outcome, const StepController& controller) {
-    if (cadence_.snapshot_every <= 0 || outcome != Outcome::kApplied ||
-        step % cadence_.snapshot_every != 0) {
-      return;
-    }
-    ring_.push_back({step, false, controller.encode()});
-    while (static_cast<std::int64_t>(ring_.size()) > cadence_.snapshot_keep) ring_.pop_front();
-  }
+  g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;
+  g.sum_squares = g.grad_norm * g.grad_norm;
+  return g;
+}
 
- private:
-  struct Entry {
-    std::int64_t step;
-    bool confirmed;
-    std::vector<std::int64_t> words;
-  };
-  policy::CheckpointCadence cadence_;
-  std::deque<Entry> ring_;
-};
+void count(const StepReport& report, ReplaySummary* summary) {
+  ++summary->steps;
+  summary->loss_scale = report.loss_scale;
+  summary->lr_factor = report.lr_factor;
+  switch (report.outcome) {
+    case Outcome::kApplied:
+      ++summary->applied;
+      break;
+    case Outcome::kSkipped:
+      ++summary->skipped;
+      break;
+    case Outcome::kRolledBack:
+      ++summary->rolled_back;
+      break;
+    case Outcome::kAborted:
+      summary->aborted = true;
+      summary->abort_step = report.step;
+      break;
+  }
+}
 
 }  // namespace
 
@@ -104,7 +105,6 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
     }
   }();
 
-  DecisionSnapshots snapshots(config.checkpoint);
   ReplaySummary summary;
   std::string text;
   std::int64_t line_no = 0;
@@ -129,73 +129,15 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
     const std::int64_t step = step_it->get<std::int64_t>();
     previous_step = step;
 
-    GlobalStats g;
-    g.loss = number_field(j, "loss", std::numeric_limits<double>::quiet_NaN(), options.trace_file,
-                          line_no);
-    if (!j.contains("loss") && !j.contains("loss_nonfinite_ranks")) {
-      throw TraceError(options.trace_file, line_no, "needs 'loss' (a number, or null)");
-    }
-    g.loss_nonfinite_ranks = count_field(j, "loss_nonfinite_ranks", std::isfinite(g.loss) ? 0 : 1,
-                                         options.trace_file, line_no);
-    g.grad_norm = number_field(j, "grad_norm", 0.0, options.trace_file, line_no);
-    g.nan_count = count_field(j, "nan", 0, options.trace_file, line_no);
-    g.inf_count = count_field(j, "inf", 0, options.trace_file, line_no);
-    if (!j.contains("nan") && !j.contains("inf")) {
-      g.nan_count = count_field(j, "nonfinite", 0, options.trace_file, line_no);
-    }
-    g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;
-    g.sum_squares = g.grad_norm * g.grad_norm;
+    const GlobalStats g = stats_of_line(j, options.trace_file, line_no);
 
-    StepDecision d = controller.decide(step, g);
-    snapshots.on_step(step, !d.signals.any());
-    StepReport report;
-    if (d.decision.outcome == Outcome::kRolledBack) {
-      // As the guard does: back to the newest confirmed snapshot, or skip when there is none.
-      std::int64_t to_step = 0;
-      if (const auto* words = snapshots.rollback(&to_step)) {
-        controller.rollback_to(*words, d.decision);
-        d.loss_scale = controller.loss_scale();
-        d.lr_factor = controller.lr_factor();
-        report.rolled_back_to = to_step;
-        d.decision.reason += " (rolled back to step " + std::to_string(to_step) + ")";
-      } else {
-        auto& a = d.decision.actions;
-        a.erase(std::remove(a.begin(), a.end(), Action::kRollback), a.end());
-        a.insert(a.begin(), Action::kSkipBatch);
-        d.decision.outcome = Outcome::kSkipped;
-        d.decision.reason += " (no confirmed snapshot to roll back to yet: skipped instead)";
-      }
-    }
-    snapshots.after(step, d.decision.outcome, controller);
-    report.outcome = d.decision.outcome;
-    report.step = step;
-    report.loss = g.loss;
-    report.grad_norm = g.grad_norm;
-    report.nonfinite_count = g.nonfinite_count();
-    report.actions = d.decision.actions;
-    report.batches_to_skip = d.decision.batches_to_skip;
-    report.loss_scale = d.loss_scale;
-    report.lr_factor = d.lr_factor;
+    // Replay holds no copies: the newest confirmed snapshot is the one a live run restores.
+    const StepDecision d = controller.decide(step, g, newest_confirmed);
+    (void)controller.snapshot_due(step, d.decision.outcome);
+    const StepReport report = make_report(step, g, d);
     out << telemetry::trace_line(report, g, d.signals, d.decision, {}) << '\n';
 
-    ++summary.steps;
-    summary.loss_scale = d.loss_scale;
-    summary.lr_factor = d.lr_factor;
-    switch (report.outcome) {
-      case Outcome::kApplied:
-        ++summary.applied;
-        break;
-      case Outcome::kSkipped:
-        ++summary.skipped;
-        break;
-      case Outcome::kRolledBack:
-        ++summary.rolled_back;
-        break;
-      case Outcome::kAborted:
-        summary.aborted = true;
-        summary.abort_step = step;
-        break;
-    }
+    count(report, &summary);
     if (summary.aborted) break;
   }
   if (in.bad()) throw std::runtime_error(options.trace_file + ": read error");

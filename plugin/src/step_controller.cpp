@@ -10,7 +10,10 @@
 namespace stepguard {
 
 StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
-    : config_(config), loss_scaling_requested_(loss_scaling), engine_(std::move(config)) {
+    : config_(config),
+      loss_scaling_requested_(loss_scaling),
+      engine_(std::move(config)),
+      book_(config_.checkpoint) {
   const policy::PolicyConfig& c = engine_.config();
   if (c.has_loss_scale ? c.loss_scale.enabled : loss_scaling) {
     const policy::LossScaleSettings& l = c.loss_scale;  // defaults = GradScaler's
@@ -30,39 +33,76 @@ StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
   }
 }
 
-StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats) {
+StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
+                                    const RollbackAgreement& agree) {
   policy::StepInput input;
   input.step = step;
   input.stats = stats;
   input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
   policy::Verdict verdict = engine_.evaluate(input);
   StepDecision out;
-  Decision& d = verdict.decision;
+  update_knobs(stats, verdict.signals, &verdict.decision);
+  out.lr_factor = lr_.factor();
+  if (!verdict.decision.has(Action::kLowerLr)) {
+    lr_.on_step(verdict.decision.outcome == Outcome::kApplied && !verdict.signals.any());
+  }
+  out.loss_scale = loss_scale();
+  out.signals = std::move(verdict.signals);
+  out.decision = std::move(verdict.decision);
+  book_.on_step(step, !out.signals.any());
+  if (out.decision.outcome == Outcome::kRolledBack) settle_rollback(step, agree, &out);
+  return out;
+}
 
+void StepController::update_knobs(const GlobalStats& stats, const Signals& signals, Decision* d) {
+  (void)signals;
   if (scaler_) {
     // GradScaler's rule on every step, then the policy's extra drop.
     const double before = scaler_->scale();
     scaler_->update(stats.nonfinite_count() > 0 || stats.loss_nonfinite_ranks > 0);
-    if (d.has(Action::kDropLossScale)) scaler_->drop(d.loss_scale_factor);
-    if (scaler_->scale() < before && !d.has(Action::kDropLossScale) &&
-        d.outcome != Outcome::kAborted) {
+    if (d->has(Action::kDropLossScale)) scaler_->drop(d->loss_scale_factor);
+    if (scaler_->scale() < before && !d->has(Action::kDropLossScale) &&
+        d->outcome != Outcome::kAborted) {
       // The backoff is an action too: it shows in the trace and the metrics.
-      d.actions.push_back(Action::kDropLossScale);
-      std::sort(d.actions.begin(), d.actions.end());
+      d->actions.push_back(Action::kDropLossScale);
+      std::sort(d->actions.begin(), d->actions.end());
     }
   }
-  if (d.has(Action::kLowerLr)) {
-    lr_.lower(d.lower_lr.factor, d.lower_lr.floor, d.lower_lr.recover_after,
-              d.lower_lr.recover_over);
+  if (d->has(Action::kLowerLr)) {
+    lr_.lower(d->lower_lr.factor, d->lower_lr.floor, d->lower_lr.recover_after,
+              d->lower_lr.recover_over);
   }
-  out.lr_factor = lr_.factor();
-  if (!d.has(Action::kLowerLr)) {
-    lr_.on_step(d.outcome == Outcome::kApplied && !verdict.signals.any());
+}
+
+void StepController::settle_rollback(std::int64_t step, const RollbackAgreement& agree,
+                                     StepDecision* out) {
+  (void)step;
+  Decision& d = out->decision;
+  const std::int64_t to_step = agree(book_.confirmed_steps());
+  const SnapshotBook::Entry* target = to_step > 0 ? book_.at(to_step) : nullptr;
+  if (target != nullptr) {
+    const std::vector<std::int64_t> words = target->words;
+    rollback_to(words, d);
+    book_.drop_newer_than(to_step);
+    out->loss_scale = loss_scale();
+    out->lr_factor = lr_factor();
+    out->rolled_back_to = to_step;
+    d.reason += " (rolled back to step " + std::to_string(to_step) + ")";
+    return;
   }
-  out.loss_scale = loss_scale();
-  out.signals = std::move(verdict.signals);
-  out.decision = std::move(d);
-  return out;
+  // Nothing confirmed to go back to yet: the batch is skipped and the loop is still told how many
+  // batches to drop.
+  d.outcome = Outcome::kSkipped;
+  d.actions.erase(std::remove(d.actions.begin(), d.actions.end(), Action::kRollback),
+                  d.actions.end());
+  d.actions.insert(d.actions.begin(), Action::kSkipBatch);
+  d.reason += " (no confirmed snapshot to roll back to yet: skipped instead)";
+}
+
+bool StepController::snapshot_due(std::int64_t step, Outcome outcome) {
+  if (!book_.due(step, outcome)) return false;
+  book_.add(step, encode());
+  return true;
 }
 
 std::vector<std::int64_t> StepController::encode() const {
@@ -78,6 +118,11 @@ std::vector<std::int64_t> StepController::encode() const {
     words.push_back(v);
   }
   return words;
+}
+
+void StepController::check(const std::vector<std::int64_t>& words) const {
+  StepController probe(config_, loss_scaling_requested_);
+  probe.decode(words);
 }
 
 void StepController::decode(const std::vector<std::int64_t>& words) {
@@ -122,7 +167,83 @@ void StepController::rollback_to(const std::vector<std::int64_t>& words, const D
   }
 }
 
-void StepController::reset() { *this = StepController(config_, loss_scaling_requested_); }
+void StepController::reset() {
+  SnapshotBook book = std::move(book_);
+  *this = StepController(config_, loss_scaling_requested_);
+  book_ = std::move(book);
+}
+
+bool SnapshotBook::due(std::int64_t step, Outcome outcome) const noexcept {
+  return cadence_.snapshot_every > 0 && outcome == Outcome::kApplied &&
+         step % cadence_.snapshot_every == 0;
+}
+
+void SnapshotBook::add(std::int64_t step, std::vector<std::int64_t> words) {
+  entries_.push_back({step, false, std::move(words)});
+  while (static_cast<std::int64_t>(entries_.size()) >
+         std::max<std::int64_t>(1, cadence_.snapshot_keep)) {
+    entries_.pop_front();
+  }
+}
+
+void SnapshotBook::on_step(std::int64_t step, bool clean) {
+  if (entries_.empty() || entries_.back().confirmed || entries_.back().step != step - 1) return;
+  if (clean) {
+    entries_.back().confirmed = true;
+  } else {
+    entries_.pop_back();
+  }
+}
+
+std::vector<std::int64_t> SnapshotBook::confirmed_steps() const {
+  std::vector<std::int64_t> out;
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+    if (it->confirmed) out.push_back(it->step);
+  }
+  return out;
+}
+
+const SnapshotBook::Entry* SnapshotBook::at(std::int64_t step) const {
+  for (const auto& e : entries_) {
+    if (e.step == step) return &e;
+  }
+  return nullptr;
+}
+
+std::vector<std::int64_t> SnapshotBook::steps() const {
+  std::vector<std::int64_t> out;
+  for (const auto& e : entries_) out.push_back(e.step);
+  return out;
+}
+
+void SnapshotBook::drop(std::int64_t step) {
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                [step](const Entry& e) { return e.step == step; }),
+                 entries_.end());
+}
+
+void SnapshotBook::drop_newer_than(std::int64_t step) {
+  while (!entries_.empty() && entries_.back().step > step) entries_.pop_back();
+}
+
+std::int64_t newest_confirmed(const std::vector<std::int64_t>& confirmed) {
+  return confirmed.empty() ? 0 : confirmed.front();
+}
+
+StepReport make_report(std::int64_t step, const GlobalStats& stats, const StepDecision& decided) {
+  StepReport r;
+  r.outcome = decided.decision.outcome;
+  r.step = step;
+  r.loss = stats.loss;
+  r.grad_norm = stats.grad_norm;
+  r.nonfinite_count = stats.nonfinite_count();
+  r.actions = decided.decision.actions;
+  r.batches_to_skip = decided.decision.batches_to_skip;
+  r.loss_scale = decided.loss_scale;
+  r.lr_factor = decided.lr_factor;
+  r.rolled_back_to = decided.rolled_back_to;
+  return r;
+}
 
 std::uint64_t StepController::digest(std::int64_t step) const {
   std::vector<std::int64_t> words = encode();
@@ -134,7 +255,7 @@ std::uint64_t StepController::digest(std::int64_t step) const {
       h *= 0x100000001b3ull;
     }
   }
-  return h & stats_slot::kDigestMask;
+  return h;
 }
 
 }  // namespace stepguard

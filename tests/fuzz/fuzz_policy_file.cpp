@@ -28,8 +28,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     g.nan_count = (b & 2) ? 1 : 0;
     g.grad_norm = (b & 4) ? 1000.0 : 1.0 + 0.01 * (b >> 3);
     g.sum_squares = g.grad_norm * g.grad_norm;
-    const StepDecision d = controller.decide(step, g);
+    // Rollbacks go to the newest confirmed snapshot, as in a replay.
+    const StepDecision d = controller.decide(step, g, newest_confirmed);
     if (d.decision.actions.empty()) __builtin_trap();
+    (void)controller.snapshot_due(step, d.decision.outcome);
     if (d.decision.outcome == Outcome::kAborted) break;
   }
   StepController copy(config, true);

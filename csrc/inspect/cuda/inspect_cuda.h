@@ -39,8 +39,8 @@ struct DeviceGradient {
 };
 
 /// Where the kernel writes its results (device pointers; any may be null except `global`).
-/// global[0..3] = NaN count, Inf count, sum of squares, sum-of-squares overflow flag: the first
-/// four slots of the consensus buffer (stepguard::stats_slot), so it can be written in place.
+/// global[] = inspection's block of the step buffer, in stepguard::inspect_slot order (NaN count,
+/// Inf count, sum of squares, overflow flag), so it is written in place.
 struct DeviceResults {
   double* global = nullptr;
   double* tensor_sum_squares = nullptr;      ///< one per gradient
@@ -48,7 +48,8 @@ struct DeviceResults {
 };
 
 /// Owns the device chunk table and scratch for one set of gradients on one device. Not
-/// thread-safe; one guard drives one instance.
+/// thread-safe: inspect_into() keeps one instance per device and thread (thread_local), shared by
+/// every guard on that thread, and rebuilds the table when the gradient set changes.
 class FusedInspector {
  public:
   explicit FusedInspector(int device);

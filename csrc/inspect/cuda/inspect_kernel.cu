@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "csrc/common/cuda_check.h"
+#include "csrc/core/stats.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
 
 namespace stepguard {
@@ -174,11 +175,11 @@ __global__ void __launch_bounds__(kThreadsPerChunk)
     inf += s.inf_count;
   }
   flush();
-  results.global[0] = static_cast<double>(nan);
-  results.global[1] = static_cast<double>(inf);
+  results.global[inspect_slot::kNanCount] = static_cast<double>(nan);
+  results.global[inspect_slot::kInfCount] = static_cast<double>(inf);
   const bool overflow = !isfinite(total);
-  results.global[2] = overflow ? 0.0 : total;
-  results.global[3] = overflow ? 1.0 : 0.0;
+  results.global[inspect_slot::kSumSquares] = overflow ? 0.0 : total;
+  results.global[inspect_slot::kSumSquaresOverflow] = overflow ? 1.0 : 0.0;
   *done_counter = 0;  // ready for the next launch (and for graph replay)
 }
 

@@ -5,5 +5,6 @@
 #include "stepguard/guarded_optimizer.h"
 #include "stepguard/options.h"
 #include "stepguard/replay.h"
+#include "stepguard/tools.h"
 #include "stepguard/types.h"
 #include "stepguard/version.h"

@@ -1,8 +1,8 @@
 /*
- * The optimizer per-parameter states stepguard copies field by field (LibTorch's Adam, AdamW,
- * SGD, Adagrad, RMSprop): read a state into named tensors, build one back. The one place that
- * knows their fields; RAM snapshots and disk checkpoints both use it. Other optimizers go through
- * their own serialize archive. Thread-compatible.
+ * The LibTorch optimizer per-parameter states stepguard copies field by field (Adam, AdamW, SGD,
+ * Adagrad, RMSprop): read a state into named tensors, build one back. The one place that knows
+ * their fields; the LibTorch optimizer port uses it. Other optimizers go through their own
+ * serialize archive. Thread-compatible.
  */
 #pragma once
 
@@ -17,7 +17,7 @@
 #include <vector>
 
 namespace stepguard {
-namespace checkpoint {
+namespace libtorch_port {
 
 /// A state's tensors by field name, in a fixed order per type.
 using StateFields = std::vector<std::pair<std::string, at::Tensor>>;
@@ -32,5 +32,5 @@ bool optimizer_is(const torch::optim::Optimizer& optimizer, const std::string& t
 std::unique_ptr<torch::optim::OptimizerParamState> make_state(
     const std::string& type, std::int64_t step, std::map<std::string, at::Tensor>& fields);
 
-}  // namespace checkpoint
+}  // namespace libtorch_port
 }  // namespace stepguard

@@ -1,4 +1,4 @@
-#include "csrc/checkpoint/optimizer_state.h"
+#include "plugin/src/libtorch_optimizer_state.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -7,7 +7,7 @@
 #include <torch/optim/sgd.h>
 
 namespace stepguard {
-namespace checkpoint {
+namespace libtorch_port {
 
 // The optimizer param-state types stored field by field: their name, their optimizer, fields.
 bool read_fields(const torch::optim::OptimizerParamState& s, std::string* type, std::int64_t* step,
@@ -96,5 +96,5 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_state(
   return s;
 }
 
-}  // namespace checkpoint
+}  // namespace libtorch_port
 }  // namespace stepguard

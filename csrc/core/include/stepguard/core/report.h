@@ -1,0 +1,56 @@
+/*
+ * What a guarded step tells the training loop: the StepReport, and the Incident it carries when a
+ * detector fired. Built in one place (the step engine's record stage, which `stepguard replay`
+ * shares); read by the loop, the trace writer, the metrics and the incident report.
+ *
+ * Lives in csrc/core and is installed with the public headers (stepguard/types.h includes it).
+ * Plain values: copy freely.
+ */
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "stepguard/core/vocabulary.h"
+
+namespace stepguard {
+
+/// One incident: a step where a detector fired and the policy acted.
+struct Incident {
+  std::int64_t step = 0;
+  Signal signal = Signal::kNonfiniteGrad;  ///< the first signal raised
+  Action action = Action::kApply;          ///< the strongest action taken
+  /// Root-cause class (this rank's view; see forensics in the README).
+  Cause cause = Cause::kUnknown;
+  std::vector<std::string> tensors;   ///< offending gradients on this rank, in backward order
+  std::vector<int> ranks;             ///< ranks that saw the fault
+  std::string reason;                 ///< the policy's: signals and the rules that fired
+  std::vector<std::string> evidence;  ///< why the cause, one line each
+  std::vector<std::string> fixes;     ///< what to try first
+  std::string report;                 ///< path of the JSON incident report, when written
+};
+
+/// What guard.step(loss) returns to the training loop.
+struct StepReport {
+  Outcome outcome = Outcome::kApplied;
+  std::int64_t step = 0;   ///< 1-based count of guarded steps, this one included
+  double loss = 0.0;       ///< the agreed loss (mean over ranks)
+  double grad_norm = 0.0;  ///< global L2 norm of the finite gradient elements
+  double loss_scale = 1.0;
+  double lr_factor = 1.0;
+  std::int64_t nonfinite_count = 0;  ///< NaN/Inf gradient elements over all ranks
+  std::vector<Action> actions;
+  std::int64_t batches_to_skip = 0;  ///< batches the loop must drop before the next step
+  /// With outcome kRolledBack: the step whose snapshot was restored. The loop continues from its
+  /// current data position plus batches_to_skip (batches consumed since the snapshot are not
+  /// replayed).
+  std::int64_t rolled_back_to = 0;
+  std::optional<Incident> incident;
+
+  bool applied() const noexcept { return outcome == Outcome::kApplied; }
+  bool aborted() const noexcept { return outcome == Outcome::kAborted; }
+};
+
+}  // namespace stepguard

@@ -1,0 +1,117 @@
+/*
+ * The engine's internal values: what one rank saw in its gradients (LocalStats), what all ranks
+ * agreed on (GlobalStats), what the detectors raised (Signals) and what the policy decided
+ * (Decision), plus the slots inspection writes at the head of the step buffer. Modules exchange
+ * these and nothing else; none of it is installed (the training loop sees stepguard/types.h).
+ *
+ * Standard library only. Plain values.
+ */
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "stepguard/core/vocabulary.h"
+
+namespace stepguard {
+
+/// The slots inspection fills, in the order it writes them. The step buffer (consensus) places
+/// this block where it likes and reads it by these names; inspection writes nothing else.
+namespace inspect_slot {
+constexpr int kNanCount = 0;            ///< NaN gradient elements
+constexpr int kInfCount = 1;            ///< +/-Inf gradient elements
+constexpr int kSumSquares = 2;          ///< sum of squares of the finite elements (0 on overflow)
+constexpr int kSumSquaresOverflow = 3;  ///< 1 when the finite sum of squares overflowed fp64
+constexpr int kCount = 4;               ///< length of the block
+}  // namespace inspect_slot
+
+/// What one rank found in its own gradients. Produced by inspection.
+struct LocalStats {
+  std::int64_t nan_count = 0;
+  std::int64_t inf_count = 0;
+  double sum_squares = 0.0;  ///< over finite elements, of g * inv_scale, in fp64
+  bool sum_squares_overflow = false;
+  std::int64_t num_tensors = 0;   ///< gradients inspected (undefined grads count, hold nothing)
+  std::int64_t num_elements = 0;  ///< elements inspected
+  std::vector<std::int64_t> nonfinite_tensors;  ///< indices (in parameter order) holding NaN/Inf
+  std::vector<double> tensor_sum_squares;       ///< per tensor, for blame and clipping
+
+  std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
+};
+
+/// What all ranks agreed on after the all-reduce. Identical on every rank.
+struct GlobalStats {
+  std::int64_t nan_count = 0;
+  std::int64_t inf_count = 0;
+  double sum_squares = 0.0;
+  double grad_norm = 0.0;  ///< sqrt(sum_squares), of finite elements only
+  bool sum_squares_overflow = false;
+  double loss = 0.0;  ///< mean of the finite rank losses; NaN when every rank's loss is bad
+  std::int64_t loss_nonfinite_ranks = 0;
+  int world_size = 1;
+  std::vector<int> faulty_ranks;    ///< ranks that saw a non-finite gradient or loss
+  std::vector<int> desynced_ranks;  ///< ranks whose state digest differs from the majority
+
+  std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
+};
+
+/// What the detectors raised on one step, plus the streak they track.
+struct Signals {
+  std::vector<Signal> raised;
+  std::int64_t consecutive_bad_steps = 0;  ///< including this one when it is bad
+  std::vector<int> desynced_ranks;         ///< with kRankDesync: the ranks that diverged
+
+  bool has(Signal s) const noexcept {
+    for (Signal r : raised) {
+      if (r == s) return true;
+    }
+    return false;
+  }
+  bool any() const noexcept { return !raised.empty(); }
+};
+
+/// The parameters of a lower_lr action: multiply the LR factor by `factor`, not below `floor`;
+/// recover linearly to 1 over `recover_over` good steps after `recover_after` good steps.
+struct LrChange {
+  double factor = 0.5;
+  double floor = 0.0;
+  std::int64_t recover_after = 0;
+  std::int64_t recover_over = 0;
+};
+
+/// What the policy engine decided. A pure function of GlobalStats and engine state, so every
+/// rank decides the same. The parameters below are meaningful only with their action.
+struct Decision {
+  Outcome outcome = Outcome::kApplied;
+  std::vector<Action> actions;       ///< in a fixed order; see configs/policies/README.md
+  std::int64_t batches_to_skip = 0;  ///< with kRollback: batches to drop after the restore
+  double loss_scale_factor = 1.0;    ///< with kDropLossScale from a rule: scale *= this
+  LrChange lower_lr;                 ///< with kLowerLr
+  double clip_norm = 0.0;            ///< with kClip: scale the gradients to this global norm
+  std::vector<std::string> rules;    ///< names of the rules and limits that fired
+  std::string reason;                ///< one line, for logs and reports
+
+  bool has(Action a) const noexcept {
+    for (Action x : actions) {
+      if (x == a) return true;
+    }
+    return false;
+  }
+};
+
+/// The strongest of `actions`, which names an incident: abort, rollback, lower_lr,
+/// drop_loss_scale, skip_batch, clip, alert; apply when none of them.
+inline Action strongest_action(const std::vector<Action>& actions) noexcept {
+  constexpr Action kByStrength[] = {Action::kAbort,         Action::kRollback,  Action::kLowerLr,
+                                    Action::kDropLossScale, Action::kSkipBatch, Action::kClip,
+                                    Action::kAlert};
+  for (Action strong : kByStrength) {
+    for (Action a : actions) {
+      if (a == strong) return a;
+    }
+  }
+  return Action::kApply;
+}
+
+}  // namespace stepguard

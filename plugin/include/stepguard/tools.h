@@ -1,0 +1,39 @@
+/*
+ * The engine's offline tools, as the `stepguard` command uses them: policy checks and
+ * explanations, checkpoint verification, incident-report rendering. Plain values in, plain values
+ * out; nothing here touches a training run.
+ */
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace stepguard {
+
+/// Every problem of the policy file at `path`, one "FILE:LINE:COL: message" each, in file order;
+/// empty when the file is valid.
+std::vector<std::string> check_policy_file(const std::string& path);
+/// The policy at `path` in plain words. Throws std::invalid_argument holding the problems, one per
+/// line, when the file is not valid.
+std::string explain_policy_file(const std::string& path);
+
+/// What verifying one checkpoint directory found.
+struct CheckpointStatus {
+  std::string dir;  ///< DIR/step-NNNNNNNNN
+  std::int64_t step = 0;
+  int world_size = 0;
+  std::int64_t bytes = 0;             ///< payload bytes over all ranks
+  bool complete = true;               ///< false: no manifest (never completed; never loaded)
+  std::vector<std::string> problems;  ///< one line each, naming the file; empty when valid
+  bool ok() const noexcept { return problems.empty(); }
+};
+/// Every step directory under `root`, oldest first, verified (sizes and checksums of every rank's
+/// file against the records).
+std::vector<CheckpointStatus> verify_checkpoints(const std::string& root);
+
+/// Markdown for an incident report (the JSON text a guard wrote). Throws std::invalid_argument
+/// naming `source` when the text is not an incident report.
+std::string render_incident_report(const std::string& json_text, const std::string& source);
+
+}  // namespace stepguard

@@ -1,0 +1,129 @@
+#include "plugin/src/engine_config.h"
+
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#include <cstdio>
+
+#include "csrc/consensus/nccl_probe.h"
+#include "csrc/inspect/cuda/inspect_cuda.h"
+#include "csrc/policy/policy_file.h"
+#include "stepguard/version.h"
+
+namespace stepguard {
+
+namespace {
+
+void check_plain_options(const GuardOptions& o) {
+  TORCH_CHECK(o.max_consecutive_bad_steps() >= 0,
+              "stepguard: max_consecutive_bad_steps must be >= 0, got ",
+              o.max_consecutive_bad_steps());
+  TORCH_CHECK(o.checkpoint_every() >= 0, "stepguard: checkpoint_every must be >= 0, got ",
+              o.checkpoint_every());
+  TORCH_CHECK(o.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0, got ",
+              o.max_blamed_tensors());
+  TORCH_CHECK(o.collective_timeout_ms() > 0,
+              "stepguard: collective_timeout_ms must be positive, got ", o.collective_timeout_ms());
+  TORCH_CHECK(o.metrics_port() >= -1 && o.metrics_port() <= 65535,
+              "stepguard: metrics_port must be -1 (off), 0 (any free port) or a TCP port, got ",
+              o.metrics_port());
+  TORCH_CHECK(o.process_group() || !o.store(),
+              "stepguard: a store was given without a process group");
+  TORCH_CHECK(o.policy_file().empty() || o.policy_yaml().empty(), "stepguard: both policy_file ('",
+              o.policy_file(), "') and policy_yaml are set; set one");
+}
+
+policy::PolicyConfig read_policy(const GuardOptions& o) {
+  try {
+    if (!o.policy_file().empty()) return policy::load_policy_file(o.policy_file());
+    policy::PolicyConfig config;
+    auto issues = policy::parse_policy(o.policy_yaml(), "policy_yaml", &config);
+    if (!issues.empty()) throw policy::PolicyFileError(std::move(issues));
+    return config;
+  } catch (const policy::PolicyFileError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
+EngineConfig resolve_config(const GuardOptions& o) {
+  check_plain_options(o);
+  EngineConfig c;
+  const bool from_policy = !o.policy_file().empty() || !o.policy_yaml().empty();
+  const std::string where = o.policy_file().empty() ? std::string("policy_yaml")
+                                                    : "the policy file '" + o.policy_file() + "'";
+  if (from_policy) {
+    c.policy = read_policy(o);
+    TORCH_CHECK(o.max_consecutive_bad_steps() == 0,
+                "stepguard: max_consecutive_bad_steps is set both in GuardOptions and through ",
+                where, "; set it in one place");
+  } else {
+    c.policy.limits.max_consecutive_bad_steps = o.max_consecutive_bad_steps();
+  }
+  // Loss scaling: a policy section decides; the option may only agree with it.
+  TORCH_CHECK(!(o.loss_scaling() && c.policy.has_loss_scale && !c.policy.loss_scale.enabled),
+              "stepguard: loss_scaling is on in GuardOptions but ", where,
+              " turns loss scaling off (loss_scale.enabled: false); set it in one place");
+  c.loss_scaling = o.loss_scaling();
+  // Disk cadence: the option or the policy's checkpoint.disk_every, not both.
+  const std::int64_t policy_every = c.policy.checkpoint.disk_every;
+  TORCH_CHECK(o.checkpoint_every() == 0 || policy_every == 0,
+              "stepguard: checkpoint_every is set both in GuardOptions (", o.checkpoint_every(),
+              ") and through ", where, " (checkpoint.disk_every: ", policy_every,
+              "); set it in one place");
+  c.disk_every = o.checkpoint_every() > 0 ? o.checkpoint_every() : policy_every;
+  TORCH_CHECK(o.checkpoint_dir().empty() || c.disk_every > 0, "stepguard: checkpoint_dir '",
+              o.checkpoint_dir(),
+              "' is set but no cadence: set checkpoint_every or the policy's "
+              "checkpoint.disk_every");
+  TORCH_CHECK(!o.checkpoint_dir().empty() || o.checkpoint_every() == 0,
+              "stepguard: checkpoint_every is set but checkpoint_dir is empty");
+  if (o.checkpoint_dir().empty()) c.disk_every = 0;
+  return c;
+}
+
+std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank,
+                                                 double loss_scale_floor) {
+  if (o.metrics_port() < 0) return nullptr;
+#if !defined(STEPGUARD_WITH_METRICS)
+  (void)rank;
+  (void)loss_scale_floor;
+  TORCH_CHECK(false,
+              "stepguard: metrics_port is set but this build has no metrics "
+              "(configured with STEPGUARD_WITH_METRICS=OFF)");
+#else
+  telemetry::MetricsConfig mc;
+  mc.bind_address = o.metrics_bind_address();
+  mc.port = o.metrics_port();
+  mc.run = o.run_name();
+  mc.rank = rank;
+  mc.loss_scale_min = loss_scale_floor;
+  const int nccl = consensus::nccl_version();
+  mc.build_labels = {{"version", version()},
+                     {"libtorch", TORCH_VERSION},
+                     {"cuda", cuda::compiled_with_cuda() ? "yes" : "no"},
+                     {"nccl", nccl ? std::to_string(nccl) : "none"}};
+  std::unique_ptr<telemetry::Metrics> metrics;
+  try {
+    metrics = std::make_unique<telemetry::Metrics>(mc);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what(), " (GuardOptions::metrics_port, metrics_bind_address)");
+  }
+  // Say where, once: with port 0 nobody else knows.
+  std::fprintf(stderr, "stepguard: serving metrics at http://%s/metrics (run %s, rank %d)\n",
+               metrics->endpoint().c_str(), mc.run.c_str(), mc.rank);
+  return metrics;
+#endif
+}
+
+std::unique_ptr<telemetry::EventLog> open_trace(const GuardOptions& o) {
+  if (o.trace_path().empty()) return nullptr;
+  try {
+    return std::make_unique<telemetry::EventLog>(o.trace_path(), o.trace_every_step());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what(), " (GuardOptions::trace_path)");
+  }
+}
+
+}  // namespace stepguard

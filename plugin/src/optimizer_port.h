@@ -1,0 +1,63 @@
+/*
+ * OptimizerPort: the narrow interface through which the step engine drives a user's optimizer.
+ * The engine needs the gradients (with their parameters' names), to apply the step with an LR
+ * factor or discard it, the named state tensors a snapshot copies and a restore writes back in
+ * place, optional opaque state bytes for what is not a tensor, and a hook after a restore.
+ *
+ * Ports: LibTorch's torch::optim::Optimizer (libtorch_port.h); the Python package's
+ * torch.optim.Optimizer. Internal to the engine (not installed). Not thread-safe: the training
+ * thread drives it.
+ */
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "csrc/checkpoint/named_tensors.h"
+
+namespace stepguard {
+
+using checkpoint::NamedTensor;
+
+class OptimizerPort {
+ public:
+  virtual ~OptimizerPort() = default;
+
+  /// Brings the parameter list up to date (param groups may be added between steps); called at
+  /// the start of every step.
+  virtual void refresh() {}
+  /// The guarded parameters in a fixed order, and their names (for blame in reports).
+  virtual const std::vector<at::Tensor>& parameters() const = 0;
+  virtual const std::vector<std::string>& parameter_names() const = 0;
+  /// The gradients to inspect, one per parameter (undefined where a parameter has none).
+  virtual std::vector<at::Tensor> gradients() const;
+
+  /// Steps the wrapped optimizer with every learning rate multiplied by `lr_factor` for this step
+  /// only: the loop's own lr values and schedulers are left as they were.
+  virtual void apply(double lr_factor) = 0;
+  /// Drops this step's gradients (zeroes them), for a step that is not applied.
+  virtual void discard();
+
+  /// The optimizer's state tensors under stable names, in a fixed order: snapshots and
+  /// checkpoints copy them; a restore writes back into them in place.
+  virtual std::vector<NamedTensor> state_tensors() const = 0;
+  /// What the state holds beyond those tensors (step counters, structure, or a whole archive for
+  /// an optimizer without named tensors); empty when nothing.
+  virtual std::string state_bytes() const { return {}; }
+  /// Throws c10::Error when `bytes` and `saved` could not be loaded into this optimizer; changes
+  /// nothing. Checks what it can without loading (an opaque archive is checked only by loading).
+  virtual void check_state_bytes(const std::string& bytes,
+                                 const std::vector<NamedTensor>& saved) const = 0;
+  /// First half of a restore: puts back what state_bytes() held and makes state_tensors() name
+  /// exactly the tensors in `saved` (allocating any that do not exist yet, e.g. before the first
+  /// step), ready to be filled in place. Throws c10::Error, changing nothing, when the bytes do
+  /// not fit this optimizer.
+  virtual void load_state_bytes(const std::string& bytes,
+                                const std::vector<NamedTensor>& saved) = 0;
+  /// Called once a restore (snapshot or checkpoint) has written everything back.
+  virtual void after_restore() {}
+};
+
+}  // namespace stepguard

@@ -1,0 +1,269 @@
+#include "plugin/src/recovery.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <limits>
+
+#include "csrc/checkpoint/disk_checkpoint.h"
+
+namespace stepguard {
+
+namespace {
+
+constexpr const char* kOptimizerPrefix = "optimizer.";
+
+bool is_optimizer_tensor(const NamedTensor& t) { return t.name.rfind(kOptimizerPrefix, 0) == 0; }
+
+// The optimizer's part of a saved set, under the port's own names.
+std::vector<NamedTensor> optimizer_part(const std::vector<NamedTensor>& saved) {
+  std::vector<NamedTensor> out;
+  const std::size_t skip = std::char_traits<char>::length(kOptimizerPrefix);
+  for (const auto& t : saved) {
+    if (is_optimizer_tensor(t)) out.push_back({t.name.substr(skip), t.tensor});
+  }
+  return out;
+}
+
+std::vector<NamedTensor> model_part(const std::vector<NamedTensor>& tensors) {
+  std::vector<NamedTensor> out;
+  for (const auto& t : tensors) {
+    if (!is_optimizer_tensor(t)) out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace
+
+Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config)
+    : consensus_(consensus), port_(port), config_(std::move(config)) {
+  if (config_.snapshot_keep > 0) {
+    ring_ =
+        std::make_unique<checkpoint::SnapshotRing>(static_cast<std::size_t>(config_.snapshot_keep));
+  }
+  if (config_.checkpoint_dir.empty()) config_.disk_every = 0;
+}
+
+at::Device Recovery::device() const {
+  const auto& params = port_.parameters();
+  return params.empty() ? at::Device(at::kCPU) : params.front().device();
+}
+
+std::vector<NamedTensor> Recovery::training_tensors() const {
+  std::vector<NamedTensor> out;
+  const auto& params = port_.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    out.push_back({"param." + std::to_string(i), params[i]});
+  }
+  for (std::size_t i = 0; i < buffers_.size(); ++i) {
+    out.push_back({"buffer." + std::to_string(i), buffers_[i]});
+  }
+  for (auto& t : port_.state_tensors()) {
+    out.push_back({kOptimizerPrefix + t.name, std::move(t.tensor)});
+  }
+  return out;
+}
+
+void Recovery::take_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words) {
+  if (ring_) ring_->take(step, training_tensors(), port_.state_bytes(), std::move(guard_words));
+}
+
+std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::int64_t>& confirmed,
+                                      std::vector<std::int64_t>* damaged) {
+  std::int64_t mine = 0;
+  for (std::int64_t candidate : confirmed) {
+    const checkpoint::Snapshot* s = ring_ ? ring_->at(candidate) : nullptr;
+    if (s != nullptr && ring_->intact(*s)) {
+      mine = candidate;
+      break;
+    }
+    std::fprintf(stderr,
+                 "stepguard: step %" PRId64 ": the RAM snapshot of step %" PRId64
+                 " no longer matches its checksum (host memory corrupted); dropped\n",
+                 step, candidate);
+    if (ring_) ring_->drop(candidate);
+    damaged->push_back(candidate);
+  }
+  // Every rank must restore the same step: the newest one all of them hold.
+  const auto all = consensus::gather_values(consensus_, mine, step, device());
+  const std::int64_t agreed = *std::min_element(all.begin(), all.end());
+  if (!confirmed.empty() && mine == 0) {
+    throw RollbackFailure(
+        "every RAM snapshot failed its checksum; nothing is left to roll back to");
+  }
+  if (agreed > 0 && (ring_ == nullptr || ring_->at(agreed) == nullptr)) {
+    throw RollbackFailure("rank " + std::to_string(consensus_.rank()) +
+                          " holds no snapshot of step " + std::to_string(agreed) +
+                          ", the newest every rank holds");
+  }
+  return agreed;
+}
+
+void Recovery::restore_snapshot(std::int64_t step) {
+  const checkpoint::Snapshot* s = ring_ ? ring_->at(step) : nullptr;
+  TORCH_CHECK(s != nullptr, "stepguard: no RAM snapshot of step ", step);
+  const std::string source = "the RAM snapshot of step " + std::to_string(step);
+  check_restorable(s->tensors, s->opaque, s->rng, source);
+  restore(s->tensors, s->opaque, s->rng, source);
+}
+
+void Recovery::keep_snapshots(const std::vector<std::int64_t>& steps) {
+  if (ring_) ring_->keep_only(steps);
+}
+
+void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std::string& opaque,
+                                const checkpoint::RngState& rng, const std::string& source) const {
+  try {
+    checkpoint::check_fits(model_part(saved), model_part(training_tensors()), source);
+    port_.check_state_bytes(opaque, optimizer_part(saved));
+  } catch (const checkpoint::CheckpointError& e) {
+    TORCH_CHECK(false, "stepguard: ", e.what());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, source, ": ", e.msg());
+  }
+  const checkpoint::RngState now = checkpoint::capture_rng();
+  TORCH_CHECK(rng.cpu.defined() && rng.cpu.scalar_type() == now.cpu.scalar_type() &&
+                  rng.cpu.sizes() == now.cpu.sizes(),
+              "stepguard: ", source, ": its CPU random-generator state is malformed");
+  for (std::size_t d = 0; d < rng.cuda.size() && d < now.cuda.size(); ++d) {
+    TORCH_CHECK(rng.cuda[d].sizes() == now.cuda[d].sizes(), "stepguard: ", source,
+                ": its CUDA random-generator state of device ", d, " is malformed");
+  }
+}
+
+void Recovery::restore(const std::vector<NamedTensor>& saved, const std::string& opaque,
+                       const checkpoint::RngState& rng, const std::string& source) {
+  port_.load_state_bytes(opaque, optimizer_part(saved));
+  const std::vector<NamedTensor> live = training_tensors();
+  try {
+    checkpoint::check_fits(saved, live, source);
+  } catch (const checkpoint::CheckpointError& e) {
+    TORCH_CHECK(false, "stepguard: ", e.what());
+  }
+  checkpoint::copy_into(saved, live);
+  checkpoint::restore_rng(rng);
+  port_.after_restore();
+}
+
+bool Recovery::disk_due(std::int64_t step, bool applied) const noexcept {
+  return config_.disk_every > 0 && applied && step % config_.disk_every == 0;
+}
+
+void Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const checkpoint::EncodedPayload payload = checkpoint::encode_payload(
+      record, training_tensors(), port_.state_bytes(), checkpoint::capture_rng());
+  checkpoint::write_rank_file(config_.checkpoint_dir, record.step, consensus_.rank(),
+                              payload.pieces());
+  pending_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
+  pending_step_ = record.step;
+}
+
+std::int64_t Recovery::settle_pending(std::int64_t step, bool clean) {
+  if (pending_step_ == 0) return 0;
+  const std::int64_t pending = pending_step_;
+  const bool confirm = pending == step - 1 && clean;
+  // Rank 0 writes the manifest: every rank finished that step before this step's collective.
+  if (consensus_.rank() == 0) {
+    if (confirm) {
+      checkpoint::commit_checkpoint(config_.checkpoint_dir, pending, consensus_.world_size(),
+                                    config_.disk_keep);
+    } else {
+      checkpoint::discard_checkpoint(config_.checkpoint_dir, pending);
+    }
+  }
+  pending_step_ = 0;
+  return confirm ? pending : 0;
+}
+
+std::int64_t Recovery::commit_pending() {
+  if (pending_step_ == 0) return 0;
+  if (consensus_.rank() == 0) {
+    checkpoint::commit_checkpoint(config_.checkpoint_dir, pending_step_, consensus_.world_size(),
+                                  config_.disk_keep);
+  }
+  const std::int64_t step = pending_step_;
+  pending_step_ = 0;
+  return step;
+}
+
+std::int64_t Recovery::newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,
+                                       std::int64_t bound) const {
+  const int rank = consensus_.rank();
+  const int world = consensus_.world_size();
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+    if (it->step >= bound) continue;
+    if (it->world_size != world) {
+      std::fprintf(stderr, "stepguard: skipping %s: written by %d ranks, this run has %d\n",
+                   it->dir.c_str(), it->world_size, world);
+      continue;
+    }
+    try {
+      checkpoint::read_rank_file(*it, rank);
+      return it->step;
+    } catch (const checkpoint::CheckpointError& e) {
+      std::fprintf(stderr, "stepguard: skipping a bad checkpoint: %s\n", e.what());
+    }
+  }
+  return 0;
+}
+
+bool Recovery::load_agreed(const std::vector<checkpoint::CheckpointEntry>& entries,
+                           std::int64_t step,
+                           const std::function<void(const checkpoint::GuardRecord&)>& check,
+                           std::optional<checkpoint::DecodedPayload>* loaded) const {
+  for (const auto& e : entries) {
+    if (e.step != step) continue;
+    const std::string source = e.dir + "/rank " + std::to_string(consensus_.rank());
+    try {
+      checkpoint::DecodedPayload p =
+          checkpoint::decode_payload(checkpoint::read_rank_file(e, consensus_.rank()), source);
+      if (p.record.step != step) {
+        throw checkpoint::CheckpointError(source + ": holds step " + std::to_string(p.record.step) +
+                                          ", its directory says " + std::to_string(step));
+      }
+      check(p.record);
+      check_restorable(p.tensors, p.opaque, p.rng, source);
+      *loaded = std::move(p);
+      return true;
+    } catch (const c10::Error& err) {
+      std::fprintf(stderr, "stepguard: cannot resume from %s: %s\n", e.dir.c_str(),
+                   err.msg().c_str());
+    } catch (const std::exception& err) {
+      std::fprintf(stderr, "stepguard: cannot resume from %s: %s\n", e.dir.c_str(), err.what());
+    }
+  }
+  return false;
+}
+
+std::optional<checkpoint::GuardRecord> Recovery::resume(
+    const std::string& dir, const std::function<void(const checkpoint::GuardRecord&)>& check) {
+  const auto entries = checkpoint::list_checkpoints(dir);
+  std::int64_t bound = std::numeric_limits<std::int64_t>::max();
+  for (std::size_t round = 0; round <= entries.size(); ++round) {
+    // This rank's newest valid checkpoint below the bound, then the newest all ranks hold.
+    const std::int64_t mine = newest_loadable(entries, bound);
+    const auto all = consensus::gather_values(consensus_, mine, -1, device());
+    const std::int64_t agreed = *std::min_element(all.begin(), all.end());
+    if (agreed == 0) return std::nullopt;
+    std::optional<checkpoint::DecodedPayload> loaded;
+    const bool ok = load_agreed(entries, agreed, check, &loaded);
+    const auto oks = consensus::gather_values(consensus_, ok ? 1 : 0, -1, device());
+    if (std::all_of(oks.begin(), oks.end(), [](std::int64_t v) { return v == 1; })) {
+      // Checked everywhere: only now does anything change.
+      restore(loaded->tensors, loaded->opaque, loaded->rng,
+              checkpoint::step_dir(dir, agreed) + "/rank " + std::to_string(consensus_.rank()));
+      if (ring_) ring_->clear();
+      pending_step_ = 0;
+      return loaded->record;
+    }
+    bound = agreed;  // some rank could not load it: try an older one
+  }
+  return std::nullopt;
+}
+
+}  // namespace stepguard

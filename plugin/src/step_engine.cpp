@@ -1,0 +1,311 @@
+// StepEngine: the pipeline of one guarded step and the state it keeps between steps. The record
+// stage and forensics live in step_record.cpp.
+#include "plugin/src/step_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+
+#include "csrc/consensus/process_group_consensus.h"
+
+namespace stepguard {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& o) {
+  if (!o.process_group()) return std::make_unique<consensus::LocalConsensus>();
+  return std::make_unique<consensus::ProcessGroupConsensus>(
+      o.process_group(), std::chrono::milliseconds(o.collective_timeout_ms()), o.store());
+}
+
+StepController make_controller(const EngineConfig& config) {
+  try {
+    return StepController(config.policy, config.loss_scaling);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+RecoveryConfig recovery_config(const GuardOptions& o, const EngineConfig& c) {
+  RecoveryConfig r;
+  r.snapshot_keep = c.policy.checkpoint.snapshot_every > 0 ? c.policy.checkpoint.snapshot_keep : 0;
+  r.checkpoint_dir = o.checkpoint_dir();
+  r.disk_every = c.disk_every;
+  r.disk_keep = static_cast<int>(c.policy.checkpoint.disk_keep);
+  return r;
+}
+
+// The words GuardRecord::totals holds, in this order.
+constexpr std::size_t kTotalsWords = 8;
+
+}  // namespace
+
+StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
+    : port_(port),
+      options_(std::move(options)),
+      config_(resolve_config(options_)),
+      consensus_(make_consensus(options_)),
+      controller_(make_controller(config_)),
+      recovery_(*consensus_, port_, recovery_config(options_, config_)) {
+  metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor());
+  event_log_ = open_trace(options_);
+}
+
+StepEngine::~StepEngine() = default;
+
+StepReport StepEngine::step(const at::Tensor& loss) {
+  check_can_step(loss);
+  const std::int64_t step = step_ + 1;
+  const Agreed agreed = inspect_and_agree(loss, step);
+  const StepDecision decided = decide(step, agreed.global);
+  const Findings findings = investigate(agreed, decided);
+  act(step, agreed.global, decided);
+  return record(step, agreed, decided, findings);
+}
+
+void StepEngine::check_can_step(const at::Tensor& loss) {
+  TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
+              "); step() refuses to run after an abort");
+  port_.refresh();
+  TORCH_CHECK(loss.defined(), "stepguard: step(loss) got an undefined loss tensor");
+  TORCH_CHECK(loss.numel() == 1, "stepguard: loss must be a scalar (one element), got shape ",
+              loss.sizes());
+  TORCH_CHECK(at::isFloatingType(loss.scalar_type()),
+              "stepguard: loss must be a floating-point tensor, got ", loss.scalar_type());
+  const auto& params = port_.parameters();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].grad();
+    if (!g.defined()) continue;
+    TORCH_CHECK(g.device() == loss.device(), "stepguard: loss is on ", loss.device(),
+                " but the gradient of '", port_.parameter_names()[i], "' is on ", g.device(),
+                "; loss and gradients must be on one device");
+    break;
+  }
+}
+
+// 1 inspect, 2 agree: the fused pass writes the step buffer on the gradients' device, the one
+// collective sums it, and its one read to the host yields the agreed statistics.
+StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::int64_t step) {
+  Agreed a;
+  inspect::InspectOptions inspect_options;
+  if (controller_.loss_scaling()) {
+    // The fused pass unscales in place: the optimizer then sees true gradients.
+    inspect_options.inv_scale = controller_.inv_loss_scale();
+    inspect_options.unscale_in_place = true;
+  }
+  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), loss.device());
+  const auto t_inspect = Clock::now();
+  // Validation inside inspection throws before anything changes.
+  inspect::inspect_into(port_.gradients(), inspect_options, buffer.inspection_block(), &a.local,
+                        &a.blame);
+  a.inspect_seconds = seconds_since(t_inspect);
+  buffer.pack(loss, controller_.digest(step_));
+  step_ = step;
+  ++data_position_;  // this step's batch
+  const auto t_agree = Clock::now();
+  try {
+    consensus_->all_reduce_sum(buffer.tensor(), step);
+    a.global = buffer.unpack(step, options_.sharded_gradients());
+  } catch (const std::exception& e) {
+    // The ranks can no longer agree: nothing may be applied from here on. A ConsensusError
+    // (naming the step and the missing ranks) goes to the caller as it is.
+    abort_with(e.what());
+    throw;
+  }
+  a.agree_seconds = seconds_since(t_agree);
+  return a;
+}
+
+// 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
+StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
+  step_loss_scale_ = controller_.loss_scale();
+  try {
+    return controller_.decide(step, global, [&](const std::vector<std::int64_t>& confirmed) {
+      std::vector<std::int64_t> damaged;
+      const std::int64_t agreed = recovery_.agree_rollback(step, confirmed, &damaged);
+      for (std::int64_t s : damaged) controller_.snapshots().drop(s);
+      return agreed;
+    });
+  } catch (const RollbackFailure& e) {
+    abort_with(e.what());
+    TORCH_CHECK(false, "stepguard: step ", step, ": cannot roll back: ", e.what());
+  } catch (const std::invalid_argument& e) {
+    abort_with(e.what());
+    TORCH_CHECK(false, "stepguard: step ", step, ": ", e.what());
+  }
+}
+
+// 5 act: restore, apply or drop the step, then the snapshot and checkpoint cadence.
+void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided) {
+  const Decision& decision = decided.decision;
+  switch (decision.outcome) {
+    case Outcome::kApplied:
+      if (decision.has(Action::kClip)) {
+        // ZClip-style: one factor for every gradient, so the global norm becomes the target.
+        if (global.grad_norm > decision.clip_norm && decision.clip_norm > 0) {
+          at::NoGradGuard no_grad;
+          for (auto& g : port_.gradients()) {
+            if (g.defined()) g.mul_(decision.clip_norm / global.grad_norm);
+          }
+        }
+      }
+      port_.apply(decided.lr_factor);
+      ++totals_.applied;
+      break;
+    case Outcome::kSkipped:
+      if (options_.zero_grad_on_skip()) port_.discard();
+      ++totals_.skipped;
+      break;
+    case Outcome::kRolledBack:
+      recovery_.restore_snapshot(decided.rolled_back_to);
+      port_.discard();  // gradients of the abandoned state
+      ++totals_.rolled_back;
+      break;
+    case Outcome::kAborted:
+      if (options_.zero_grad_on_skip()) port_.discard();
+      abort_with(decision.reason);
+      ++totals_.aborted;
+      break;
+  }
+  ++totals_.steps;
+  if (decision.batches_to_skip > 0) {
+    skipped_ranges_.push_back({data_position_, decision.batches_to_skip});
+    data_position_ += decision.batches_to_skip;
+  }
+  checkpoint_after(step, decided);
+}
+
+void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided) {
+  const bool applied = decided.decision.outcome == Outcome::kApplied;
+  // The disk checkpoint written after the previous step becomes visible only if this step is
+  // clean.
+  if (const std::int64_t committed = recovery_.settle_pending(step, !decided.signals.any())) {
+    ++checkpoints_written_;
+    if (metrics_) metrics_->record_checkpoint(committed, recovery_.pending_write_seconds());
+  }
+  if (controller_.snapshot_due(step, decided.decision.outcome)) {
+    recovery_.take_snapshot(step, controller_.encode());
+    ++totals_.snapshots;
+    if (metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
+  }
+  recovery_.keep_snapshots(controller_.snapshots().steps());
+  if (recovery_.disk_due(step, applied)) recovery_.write_checkpoint(guard_record(step));
+}
+
+void StepEngine::abort_with(const std::string& reason) {
+  aborted_ = true;
+  abort_reason_ = reason;
+}
+
+GuardState StepEngine::state() const {
+  GuardState g;
+  g.step = step_;
+  g.words = controller_.encode();
+  g.consecutive_bad_steps = controller_.engine_state().consecutive_bad_steps;
+  g.bad_steps_total = controller_.engine_state().bad_steps_total;
+  g.loss_scale = controller_.loss_scale();
+  g.lr_factor = controller_.lr_factor();
+  return g;
+}
+
+void StepEngine::restore_state(const GuardState& state) {
+  TORCH_CHECK(state.step >= 0, "stepguard: restore_state got a negative step ", state.step);
+  if (state.words.empty()) {
+    controller_.reset();
+  } else {
+    try {
+      controller_.decode(state.words);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, "stepguard: restore_state: ", e.what());
+    }
+  }
+  step_ = state.step;
+}
+
+at::Tensor StepEngine::scale_loss(const at::Tensor& loss) const {
+  if (!controller_.loss_scaling()) return loss;
+  return loss * replay_scale_.value_or(controller_.loss_scale());
+}
+
+checkpoint::GuardRecord StepEngine::guard_record(std::int64_t at_step) const {
+  checkpoint::GuardRecord r;
+  r.step = at_step;
+  r.data_position = data_position_;
+  r.guard = controller_.encode();
+  r.totals = {totals_.steps,   totals_.applied,   totals_.skipped,   totals_.rolled_back,
+              totals_.aborted, totals_.incidents, totals_.snapshots, checkpoints_written_};
+  for (const auto& [first, count] : skipped_ranges_) {
+    r.skipped_ranges.push_back(first);
+    r.skipped_ranges.push_back(count);
+  }
+  return r;
+}
+
+void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
+  controller_.decode(record.guard);
+  step_ = record.step;
+  data_position_ = record.data_position;
+  const auto& t = record.totals;
+  totals_ = GuardTotals{t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
+  checkpoints_written_ = t[7];
+  skipped_ranges_.clear();
+  for (std::size_t i = 0; i + 1 < record.skipped_ranges.size(); i += 2) {
+    skipped_ranges_.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
+  }
+  controller_.snapshots().clear();
+}
+
+void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
+  controller_.check(r.guard);
+  if (r.step < 0 || r.data_position < 0 || r.totals.size() != kTotalsWords ||
+      r.skipped_ranges.size() % 2 != 0) {
+    throw checkpoint::CheckpointError("its guard record is malformed");
+  }
+}
+
+void StepEngine::load_record(const checkpoint::GuardRecord& record) {
+  try {
+    check_record(record);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "stepguard: the guard state does not fit this guard: ", e.what());
+  }
+  restore_record(record);
+}
+
+std::int64_t StepEngine::resume(const std::string& dir) {
+  TORCH_CHECK(!aborted_, "stepguard: resume() after an abort");
+  // A record is accepted only when all of it can be restored.
+  auto check = [this](const checkpoint::GuardRecord& r) { check_record(r); };
+  const std::optional<checkpoint::GuardRecord> record = recovery_.resume(dir, check);
+  if (!record) return 0;
+  restore_record(*record);
+  if (consensus_->rank() == 0) {
+    std::fprintf(stderr,
+                 "stepguard: resumed from %s (step %" PRId64 ", data position %" PRId64 ")\n",
+                 checkpoint::step_dir(dir, step_).c_str(), step_, data_position_);
+  }
+  return step_;
+}
+
+void StepEngine::set_data_position(std::int64_t position) {
+  TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
+  data_position_ = position;
+}
+
+void StepEngine::commit_pending_checkpoint() {
+  if (aborted_) return;
+  if (const std::int64_t step = recovery_.commit_pending()) {
+    ++checkpoints_written_;
+    if (metrics_) metrics_->record_checkpoint(step, recovery_.pending_write_seconds());
+  }
+}
+
+}  // namespace stepguard

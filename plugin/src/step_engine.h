@@ -1,0 +1,162 @@
+/*
+ * StepEngine: one guarded step for any optimizer behind an OptimizerPort, as DESIGN.md draws it:
+ *
+ *   inspect  one fused pass over the gradients into the step buffer    (csrc/inspect)
+ *   agree    ONE all-reduce of the buffer, one read to the host         (csrc/consensus)
+ *   decide   detectors, policy, knobs, rollback target                  (step_controller)
+ *   act      apply, skip, roll back, snapshot, checkpoint               (recovery)
+ *   record   report, incident, trace, metrics                           (step_record.cpp)
+ *
+ * Each stage is a short call into the module that owns it. The LibTorch GuardedOptimizer and the
+ * Python package are its two front ends; their documentation is the user's. Internal to the
+ * engine (not installed). Not thread-safe: one training thread drives one engine.
+ */
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "csrc/consensus/consensus.h"
+#include "csrc/consensus/step_buffer.h"
+#include "csrc/forensics/classifier.h"
+#include "csrc/forensics/incident_report.h"
+#include "csrc/forensics/probes.h"
+#include "csrc/forensics/replays.h"
+#include "csrc/inspect/inspect.h"
+#include "csrc/telemetry/event_log.h"
+#include "csrc/telemetry/metrics.h"
+#include "plugin/src/engine_config.h"
+#include "plugin/src/optimizer_port.h"
+#include "plugin/src/recovery.h"
+#include "plugin/src/step_controller.h"
+#include "stepguard/guard_state.h"
+#include "stepguard/options.h"
+#include "stepguard/types.h"
+
+namespace stepguard {
+
+class StepEngine {
+ public:
+  /// Drives `port`, which must outlive the engine. Throws c10::Error naming the option or file
+  /// when `options` are bad, the policy does not parse, the trace cannot be opened or the metrics
+  /// port cannot be served.
+  StepEngine(OptimizerPort& port, GuardOptions options);
+  ~StepEngine();
+  StepEngine(const StepEngine&) = delete;
+  StepEngine& operator=(const StepEngine&) = delete;
+
+  StepReport step(const at::Tensor& loss);
+
+  GuardState state() const;
+  void restore_state(const GuardState& state);
+  at::Tensor scale_loss(const at::Tensor& loss) const;
+  bool check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
+  void set_replay(forensics::Recompute recompute);
+  at::Tensor probe(const std::string& name, const at::Tensor& output);
+  void track_buffers(std::vector<at::Tensor> buffers) {
+    recovery_.track_buffers(std::move(buffers));
+  }
+  std::int64_t resume(const std::string& dir);
+  void set_data_position(std::int64_t position);
+  void commit_pending_checkpoint();
+
+  /// The guard's side of a checkpoint (step, data position, decision state, totals, skipped
+  /// ranges), and its restore (a state dict of a front end). restore_record() checks it all
+  /// first; c10::Error, changing nothing, when it does not fit this guard's policy.
+  checkpoint::GuardRecord record() const { return guard_record(step_); }
+  void load_record(const checkpoint::GuardRecord& record);
+
+  int rank() const noexcept { return consensus_->rank(); }
+  int world_size() const noexcept { return consensus_->world_size(); }
+  std::string metrics_endpoint() const { return metrics_ ? metrics_->endpoint() : std::string(); }
+  std::string metrics_text() const { return metrics_ ? metrics_->serialize() : std::string(); }
+  double loss_scale() const noexcept { return controller_.loss_scale(); }
+  double lr_factor() const noexcept { return controller_.lr_factor(); }
+  std::int64_t data_position() const noexcept { return data_position_; }
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& skipped_ranges() const noexcept {
+    return skipped_ranges_;
+  }
+  std::int64_t checkpoints_written() const noexcept { return checkpoints_written_; }
+  std::size_t snapshots_held() const noexcept { return recovery_.snapshots_held(); }
+  std::int64_t snapshot_bytes() const noexcept { return recovery_.snapshot_bytes(); }
+  std::int64_t step_count() const noexcept { return step_; }
+  GuardTotals totals() const noexcept { return totals_; }
+  bool aborted() const noexcept { return aborted_; }
+  std::int64_t collectives() const noexcept { return consensus_->collectives(); }
+  const GuardOptions& options() const noexcept { return options_; }
+  OptimizerPort& port() noexcept { return port_; }
+
+ private:
+  /// What inspection and agreement produced for one step.
+  struct Agreed {
+    GlobalStats global;
+    LocalStats local;
+    inspect::DeferredBlame blame;
+    double inspect_seconds = 0.0;
+    double agree_seconds = 0.0;
+  };
+  /// What forensics made of an incident on this rank.
+  struct Findings {
+    std::vector<std::string> blamed;  ///< offending gradients, backward order
+    forensics::Evidence evidence;
+    forensics::Diagnosis diagnosis;
+  };
+
+  void check_can_step(const at::Tensor& loss);
+  Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
+  StepDecision decide(std::int64_t step, const GlobalStats& global);
+  Findings investigate(const Agreed& agreed, const StepDecision& decided);
+  void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
+  void checkpoint_after(std::int64_t step, const StepDecision& decided);
+  StepReport record(std::int64_t step, const Agreed& agreed, const StepDecision& decided,
+                    const Findings& findings);
+  std::optional<Incident> make_incident(std::int64_t step, const Agreed& agreed,
+                                        const StepDecision& decided, const Findings& findings,
+                                        const StepReport& report);
+  std::string write_incident_files(std::int64_t step, nlohmann::json& report_json);
+  void run_replays(forensics::Evidence* ev);
+  void abort_with(const std::string& reason);
+  checkpoint::GuardRecord guard_record(std::int64_t at_step) const;
+  void check_record(const checkpoint::GuardRecord& record) const;
+  void restore_record(const checkpoint::GuardRecord& record);
+
+  OptimizerPort& port_;
+  GuardOptions options_;
+  EngineConfig config_;  // first: it validates the options the members below are built from
+  std::unique_ptr<consensus::Consensus> consensus_;
+  StepController controller_;
+  Recovery recovery_;
+  std::unique_ptr<telemetry::EventLog> event_log_;
+  std::unique_ptr<telemetry::Metrics> metrics_;
+
+  std::int64_t step_ = 0;
+  GuardTotals totals_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+  std::int64_t checkpoints_written_ = 0;
+  std::int64_t data_position_ = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges_;
+
+  // Forensics.
+  forensics::Recompute replay_;
+  bool replaying_ = false;
+  std::optional<double> replay_scale_;  ///< while replaying: scale_loss() uses the step's scale
+  double step_loss_scale_ = 1.0;        ///< the scale this step's backward used
+  /// The random streams before this step's forward pass (captured after the previous step and
+  /// again by check_inputs()), so a replay draws the same dropout masks as the original.
+  checkpoint::RngState forward_rng_;
+  std::vector<std::string> bad_inputs_;     ///< from this step's check_inputs()
+  std::vector<at::Tensor> checked_inputs_;  ///< saved with an incident report
+  forensics::Probes probes_;
+  std::deque<forensics::HistoryRow> history_;  ///< the last kHistory steps, oldest first
+  static constexpr std::size_t kHistory = 16;
+};
+
+}  // namespace stepguard

@@ -1,0 +1,258 @@
+// The step controller: the knobs the policy turns (loss scale, LR factor, clipping target), the
+// snapshot book and the final decision (rollback or its skip fallback), and the decision state's
+// round trip. Expected values are derived by hand from the documented semantics
+// (configs/policies/README.md) and PyTorch GradScaler's documented update rule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "plugin/src/step_controller.h"
+#include "tests/support/policy_scenarios.h"
+
+namespace stepguard {
+namespace {
+
+using testing_support::describe;
+using testing_support::parse;
+using testing_support::stats_for;
+
+TEST(StepController, OutcomeFollowsTheStrongestAction) {
+  StepController c(parse("version: 1\ncheckpoint: {snapshot_every: 1}\nrules:\n"
+                         "  - {on: nonfinite_loss, action: rollback}\n"
+                         "  - {on: nonfinite_grad, action: skip_batch}\n"),
+                   false);
+  // Snapshots every step: step 2 confirms step 1's; the bad step 3 discards step 2's.
+  const char* steps = "ccnl";
+  const Outcome expected[] = {Outcome::kApplied, Outcome::kApplied, Outcome::kSkipped,
+                              Outcome::kRolledBack};
+  for (std::int64_t s = 1; s <= 4; ++s) {
+    const StepDecision d = c.decide(s, stats_for(steps[s - 1], s));
+    EXPECT_EQ(d.decision.outcome, expected[s - 1]) << "step " << s;
+    (void)c.snapshot_due(s, d.decision.outcome);
+    if (s == 4) EXPECT_EQ(d.rolled_back_to, 1);
+  }
+}
+
+TEST(StepController, ClipTargetIsTheEmaMeanPlusZDeviations) {
+  // Grad norms 2.2, 2.0, 2.2, 2.0 with decay 0.5 (alpha 0.5):
+  //   mean 2.2 var 0; mean 2.1 var 0.5*(0+0.5*0.04)=0.01; mean 2.15 var 0.5*(0.01+0.5*0.01)=0.0075;
+  //   mean 2.075 var 0.5*(0.0075+0.5*0.0225)=0.009375. Target = 2.075 + 3*sqrt(0.009375).
+  StepController c(parse("version: 1\ndetectors:\n  grad_norm_spike: {z: 3, warmup: 4, decay: "
+                         "0.5}\nrules:\n  - {on: grad_norm_spike, action: clip}\n"),
+                   false);
+  for (std::int64_t s = 1; s <= 4; ++s) c.decide(s, stats_for('c', s));
+  const StepDecision d = c.decide(5, stats_for('G', 5));
+  EXPECT_NEAR(d.decision.clip_norm, 2.075 + 3 * 0.0968245836551854, 1e-12);
+  // An explicit z on the rule overrides the detector's.
+  StepController z1(parse("version: 1\ndetectors:\n  grad_norm_spike: {z: 3, warmup: 4, decay: "
+                          "0.5}\nrules:\n  - {on: grad_norm_spike, action: clip, z: 1}\n"),
+                    false);
+  for (std::int64_t s = 1; s <= 4; ++s) z1.decide(s, stats_for('c', s));
+  EXPECT_NEAR(z1.decide(5, stats_for('G', 5)).decision.clip_norm, 2.075 + 0.0968245836551854,
+              1e-12);
+}
+
+TEST(StepController, LowerLrFloorAndLinearRecovery) {
+  StepController c(parse("version: 1\nrules:\n  - {on: nonfinite, action: lower_lr, factor: 0.5, "
+                         "floor: 0.3, recover_after: 1, recover_over: 2}\n"),
+                   false);
+  // Lowered to 0.5, then 0.25 clamps at the floor 0.3. Recovery: one good step of waiting, then
+  // 0.3 -> 0.65 -> 1.0 over two good steps; the reported factor is the one the step used.
+  std::vector<double> used;
+  const std::string steps = "nncccc";
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const auto s = static_cast<std::int64_t>(i + 1);
+    used.push_back(c.decide(s, stats_for(steps[i], s)).lr_factor);
+  }
+  const std::vector<double> expected = {0.5, 0.3, 0.3, 0.3, 0.65, 1.0};
+  ASSERT_EQ(used.size(), expected.size());
+  for (std::size_t i = 0; i < used.size(); ++i) EXPECT_NEAR(used[i], expected[i], 1e-15) << i;
+  EXPECT_EQ(c.lr_factor(), 1.0);
+}
+
+TEST(StepController, GradScalerUpdateRule) {
+  // GradScaler: x backoff on a NaN/Inf step, x growth after growth_interval clean steps in a row.
+  StepController c(parse("version: 1\nloss_scale: {init_scale: 8, growth_interval: 2}\n"), false);
+  std::vector<double> scales;
+  std::vector<std::string> actions;
+  const std::string steps = "ccnccc";
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const auto s = static_cast<std::int64_t>(i + 1);
+    const StepDecision d = c.decide(s, stats_for(steps[i], s));
+    scales.push_back(d.loss_scale);
+    actions.push_back(describe(d.decision));
+  }
+  EXPECT_EQ(scales, std::vector<double>({8, 16, 8, 8, 16, 16}));
+  EXPECT_EQ(actions[2], "skip_batch+drop_loss_scale");
+}
+
+TEST(StepController, HysteresisDelaysTheBackoff) {
+  // Megatron's hysteresis 2: the first overflow is tolerated, the second backs off.
+  StepController c(parse("version: 1\nloss_scale: {init_scale: 8, hysteresis: 2}\n"), false);
+  EXPECT_EQ(c.decide(1, stats_for('n', 1)).loss_scale, 8);
+  const StepDecision d = c.decide(2, stats_for('n', 2));
+  EXPECT_EQ(d.loss_scale, 4);
+  EXPECT_EQ(describe(d.decision), "skip_batch+drop_loss_scale");
+}
+
+TEST(StepController, RuleDropComesOnTopOfTheBackoff) {
+  StepController c(parse("version: 1\nloss_scale: {init_scale: 64}\nrules:\n"
+                         "  - {on: nonfinite, action: drop_loss_scale, factor: 0.25}\n"),
+                   false);
+  // 64 x 0.5 (backoff) x 0.25 (rule) = 8.
+  EXPECT_EQ(c.decide(1, stats_for('n', 1)).loss_scale, 8);
+}
+
+TEST(StepController, LossScaleAtItsFloorEscalatesInsteadOfCrashing) {
+  // init 4, floor 1: 4 -> 2 -> 1 (at the floor, 1 step) -> 1 (2 steps) -> limit of 2 fires.
+  StepController c(parse("version: 1\nloss_scale: {init_scale: 4, min_scale: 1}\nlimits:\n"
+                         "  loss_scale_floor: {steps: 2, action: abort}\n"),
+                   false);
+  std::vector<std::string> got;
+  for (std::int64_t s = 1; s <= 4; ++s)
+    got.push_back(describe(c.decide(s, stats_for('n', s)).decision));
+  EXPECT_EQ(got, std::vector<std::string>({"skip_batch+drop_loss_scale",
+                                           "skip_batch+drop_loss_scale", "skip_batch", "abort"}));
+}
+
+TEST(StepController, StateRoundTripsAndDecisionsStayIdentical) {
+  const policy::PolicyConfig config = parse(
+      "version: 1\nloss_scale: {init_scale: 1024, growth_interval: 3}\ndetectors:\n"
+      "  loss_spike: {z: 3, warmup: 4, decay: 0.5}\nrules:\n"
+      "  - {on: nonfinite, within: {steps: 10, count: 2}, action: lower_lr, "
+      "recover_after: 1, recover_over: 4}\n  - {on: loss_spike, action: skip_batch}\n"
+      "limits:\n  max_skips: {count: 5, within: 20, action: alert}\n");
+  StepController a(config, false);
+  const std::string steps = "ccncnccSccncccSc";
+  for (std::size_t i = 0; i < 8; ++i) {
+    a.decide(static_cast<std::int64_t>(i + 1),
+             stats_for(steps[i], static_cast<std::int64_t>(i + 1)));
+  }
+  StepController b(config, false);
+  EXPECT_NE(a.digest(8), b.digest(8));
+  b.decode(a.encode());
+  EXPECT_EQ(a.encode(), b.encode());
+  EXPECT_EQ(a.digest(8), b.digest(8));
+  EXPECT_NE(a.digest(8), a.digest(9));  // the step counter is part of the digest
+  for (std::size_t i = 8; i < steps.size(); ++i) {
+    const auto s = static_cast<std::int64_t>(i + 1);
+    const StepDecision da = a.decide(s, stats_for(steps[i], s));
+    const StepDecision db = b.decide(s, stats_for(steps[i], s));
+    EXPECT_EQ(describe(da.decision), describe(db.decision)) << "step " << s;
+    EXPECT_EQ(da.loss_scale, db.loss_scale);
+    EXPECT_EQ(da.lr_factor, db.lr_factor);
+  }
+  EXPECT_EQ(a.encode(), b.encode());
+}
+
+TEST(StepController, StateAfterAnOverflowStreakRoundTrips) {
+  // Found by the fuzzer: a long overflow streak under hysteresis must leave a state that decodes.
+  const policy::PolicyConfig config =
+      parse("version: 1\nloss_scale: {init_scale: 1024, hysteresis: 2, min_scale: 1}\n");
+  StepController a(config, false);
+  for (std::int64_t s = 1; s <= 30; ++s) a.decide(s, stats_for('n', s));
+  EXPECT_EQ(a.loss_scale(), 1);
+  StepController b(config, false);
+  b.decode(a.encode());
+  EXPECT_EQ(b.encode(), a.encode());
+}
+
+TEST(StepController, BadStateWordsAreRejectedAndChangeNothing) {
+  StepController c(parse("version: 1\nrules:\n  - {on: nonfinite, action: skip_batch}\n"), false);
+  c.decide(1, stats_for('n', 1));
+  const auto before = c.encode();
+  EXPECT_THROW(c.decode({1, 2, 3}), std::invalid_argument);
+  auto wrong = before;
+  wrong.push_back(0);
+  EXPECT_THROW(c.decode(wrong), std::invalid_argument);
+  auto bad_lr = before;
+  bad_lr[bad_lr.size() - 6] = 0;  // LR factor bits 0 -> factor 0.0
+  EXPECT_THROW(c.decode(bad_lr), std::invalid_argument);
+  EXPECT_EQ(c.encode(), before);
+  // A state from a policy with another number of rules does not fit.
+  StepController two(parse("version: 1\nrules:\n  - {on: nonfinite, action: skip_batch}\n"
+                           "  - {on: nonfinite, action: lower_lr}\n"),
+                     false);
+  EXPECT_THROW(two.decode(before), std::invalid_argument);
+}
+
+TEST(StepController, DropLossScaleNeedsLossScaling) {
+  EXPECT_THROW(StepController(parse("version: 1\nrules:\n  - {on: nonfinite, action: "
+                                    "drop_loss_scale}\n"),
+                              false),
+               std::invalid_argument);
+  EXPECT_NO_THROW(StepController(parse("version: 1\nrules:\n  - {on: nonfinite, action: "
+                                       "drop_loss_scale}\n"),
+                                 true));
+}
+
+}  // namespace
+}  // namespace stepguard
+
+namespace stepguard {
+namespace {
+
+TEST(StepController, RollbackWithoutAConfirmedSnapshotIsASkip) {
+  StepController c(parse("version: 1\ncheckpoint: {snapshot_every: 5}\nrules:\n"
+                         "  - {on: nonfinite_loss, action: rollback, skip_batches: 3}\n"),
+                   false);
+  const StepDecision d = c.decide(1, stats_for('l', 1));
+  EXPECT_EQ(d.decision.outcome, Outcome::kSkipped);
+  EXPECT_EQ(describe(d.decision), "skip_batch");
+  EXPECT_EQ(d.decision.batches_to_skip, 3);  // the loop still drops the batches
+  EXPECT_EQ(d.rolled_back_to, 0);
+  EXPECT_NE(d.decision.reason.find("no confirmed snapshot to roll back to yet"), std::string::npos);
+}
+
+TEST(StepController, RollbackGoesWhereTheRanksAgreeAndDropsNewerSnapshots) {
+  StepController c(parse("version: 1\ncheckpoint: {snapshot_every: 1, snapshot_keep: 4}\n"
+                         "rules:\n  - {on: nonfinite_loss, action: rollback}\n"),
+                   false);
+  for (std::int64_t s = 1; s <= 3; ++s) {
+    (void)c.snapshot_due(s, c.decide(s, stats_for('c', s)).decision.outcome);
+  }
+  // Confirmed: 1 and 2 (3 waits for step 4, which is bad and discards it).
+  std::vector<std::int64_t> offered;
+  const StepDecision d = c.decide(4, stats_for('l', 4), [&](const std::vector<std::int64_t>& v) {
+    offered = v;
+    return std::int64_t{1};  // another rank holds only step 1
+  });
+  EXPECT_EQ(offered, std::vector<std::int64_t>({2, 1}));
+  EXPECT_EQ(d.decision.outcome, Outcome::kRolledBack);
+  EXPECT_EQ(d.rolled_back_to, 1);
+  EXPECT_EQ(c.snapshots().steps(), std::vector<std::int64_t>({1}));
+  const StepReport r = make_report(4, stats_for('l', 4), d);
+  EXPECT_EQ(r.rolled_back_to, 1);
+  EXPECT_EQ(r.outcome, Outcome::kRolledBack);
+}
+
+}  // namespace
+}  // namespace stepguard
+
+namespace stepguard {
+namespace {
+
+TEST(SnapshotBook, ConfirmedOnlyByACleanNextStep) {
+  policy::CheckpointCadence cadence;
+  cadence.snapshot_every = 10;
+  cadence.snapshot_keep = 3;
+  SnapshotBook book(cadence);
+  EXPECT_TRUE(book.due(10, Outcome::kApplied));
+  EXPECT_FALSE(book.due(10, Outcome::kSkipped));
+  EXPECT_FALSE(book.due(11, Outcome::kApplied));
+  book.add(10, {1, 2});
+  EXPECT_TRUE(book.confirmed_steps().empty());  // pending
+  book.on_step(11, true);
+  EXPECT_EQ(book.confirmed_steps(), std::vector<std::int64_t>({10}));
+  EXPECT_EQ(book.at(10)->words, std::vector<std::int64_t>({1, 2}));
+  book.add(20, {3});
+  book.on_step(21, false);  // the step after it raised a signal: the snapshot is the suspect
+  EXPECT_EQ(book.steps(), std::vector<std::int64_t>({10}));
+  // Only the snapshot of the previous step is pending; older confirmations are final.
+  book.on_step(30, false);
+  EXPECT_EQ(book.confirmed_steps(), std::vector<std::int64_t>({10}));
+}
+
+}  // namespace
+}  // namespace stepguard

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""A Python training iteration with guard.step(loss) against the same iteration with
+optimizer.step(), in one process, interleaved in blocks, medians of each.
+
+    PYTHONPATH=build/python python3 benchmarks/bench_python_step.py [--rounds R] [--block B]
+
+Cases: the demo's character transformer (0.4M parameters) and one of ~50M parameters (d_model 768,
+7 blocks, batch 8 x 128 tokens), each with the default policy (RAM snapshots every 50 steps: run
+at least 50 guarded iterations to include them) and with snapshots off. Prints one JSON object per
+case: case, params, plain_ms, guarded_ms, overhead (= guarded / plain - 1).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration", "pytorch"))
+import stepguard  # noqa: E402
+from train_gpt import CharTransformer  # noqa: E402
+
+DEFAULT_POLICY = os.path.join(HERE, "..", "configs", "policies", "default.yaml")
+NO_SNAPSHOTS = open(DEFAULT_POLICY).read().replace("snapshot_every: 50", "snapshot_every: 0")
+
+
+def run_case(name, config, batch, context, policy_yaml, rounds, block):
+    vocab = 96
+    torch.manual_seed(0)
+    plain_model = CharTransformer(vocab, context=context, **config)
+    guarded_model = CharTransformer(vocab, context=context, **config)
+    guarded_model.load_state_dict(plain_model.state_dict())
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(guarded_model.parameters(), lr=1e-4),
+                                       guarded_model.named_parameters(), policy_yaml=policy_yaml)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, vocab, (batch, context), generator=g)
+    y = torch.randint(0, vocab, (batch, context), generator=g)
+
+    def iteration(model, step):
+        logits = model(model.embed(x))
+        loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
+        loss.backward()
+        step(loss)
+
+    def plain_step(loss):
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    def guarded_step(loss):
+        guard.step(loss.detach())
+        guard.zero_grad()
+
+    plain_times, guarded_times = [], []
+    iteration(plain_model, plain_step)  # warm-up, not timed
+    iteration(guarded_model, guarded_step)
+    for _ in range(rounds):
+        for model, step, times in ((plain_model, plain_step, plain_times),
+                                   (guarded_model, guarded_step, guarded_times)):
+            for _ in range(block):
+                t0 = time.perf_counter()
+                iteration(model, step)
+                times.append(time.perf_counter() - t0)
+    plain_ms = statistics.median(plain_times) * 1e3
+    guarded_ms = statistics.median(guarded_times) * 1e3
+    # The mean includes the snapshot steps the median hides: report both.
+    plain_mean = statistics.mean(plain_times) * 1e3
+    guarded_mean = statistics.mean(guarded_times) * 1e3
+    return {
+        "case": name,
+        "params": sum(p.numel() for p in plain_model.parameters()),
+        "plain_ms": round(plain_ms, 3), "guarded_ms": round(guarded_ms, 3),
+        "overhead": round(guarded_ms / plain_ms - 1, 4),
+        "plain_mean_ms": round(plain_mean, 3), "guarded_mean_ms": round(guarded_mean, 3),
+        "overhead_mean": round(guarded_mean / plain_mean - 1, 4),
+        "guarded_iterations": len(guarded_times) + 1, "snapshots": guard.totals["snapshots"],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--block", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    p.add_argument("--only", default="", help="run only cases whose name contains this")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    demo = dict(d_model=128, heads=4, layers=2)
+    large = dict(d_model=768, heads=12, layers=7)
+    policy = open(DEFAULT_POLICY).read()
+    cases = [
+        ("demo/default_policy", demo, 32, 64, policy),
+        ("demo/no_snapshots", demo, 32, 64, NO_SNAPSHOTS),
+        ("50M/default_policy", large, 8, 128, policy),
+        ("50M/no_snapshots", large, 8, 128, NO_SNAPSHOTS),
+    ]
+    for name, config, batch, context, policy_yaml in cases:
+        if args.only and args.only not in name:
+            continue
+        print(json.dumps(run_case(name, config, batch, context, policy_yaml, args.rounds,
+                                  args.block)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""The Python demo: the character transformer of `stepguard demo`, trained with plain PyTorch DDP
+over Gloo and guarded by stepguard.GuardedOptimizer, with the same injected faults, flags and
+summary JSON as the C++ demo.
+
+    torchrun --nproc_per_node 4 integration/pytorch/train_gpt.py --steps 200 \
+        --inject nan_grad@40:1 --inject nan_loss@80 --summary-json summary.json
+
+Run with PYTHONPATH=build/python (or an installed stepguard). One process without torchrun is one
+rank.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stepguard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_POLICY = os.path.join(HERE, "..", "..", "configs", "policies", "default.yaml")
+FAULTS = ("nan_grad", "inf_grad", "nan_loss", "nan_input", "overflow", "lr_spike", "loss_spike",
+          "corrupt_weights", "kill", "transient_nan")
+NAN_GRAD_PARAM = "blocks.1.qkv.weight"
+INF_GRAD_PARAM = "blocks.0.fc_in.weight"
+CORRUPT_PARAM = "blocks.0.proj.weight"
+
+
+# -- the model: pre-norm decoder blocks, causal attention, GELU MLP ------------------------------
+class Block(nn.Module):
+    def __init__(self, d_model, heads, context):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc_in = nn.Linear(d_model, 4 * d_model)
+        self.fc_out = nn.Linear(4 * d_model, d_model)
+        # Additive causal mask (Gloo broadcasts no bool buffers under DDP).
+        self.register_buffer("causal_bias", torch.full((context, context), float("-inf")).triu(1))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads)
+        scores = scores + self.causal_bias[:t, :t]
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c)
+        h = x + self.proj(mixed)
+        return h + self.fc_out(F.gelu(self.fc_in(self.ln2(h))))
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, vocab, context=64, d_model=128, heads=4, layers=2):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads, context) for _ in range(layers))
+        self.ln_final = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "weight" in name and p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+                elif "bias" in name:
+                    p.zero_()
+
+    def embed(self, tokens, poison_row=-1):
+        x = self.token_embedding(tokens) + self.position_embedding(
+            torch.arange(tokens.shape[1], device=tokens.device))
+        if poison_row >= 0:
+            x = x.clone()
+            x[poison_row] = float("nan")
+        return x
+
+    def forward(self, x):  # x: the input embeddings
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_final(x))
+
+
+# -- data: the license texts every Debian system ships ---------------------------------------
+def load_corpus(directory):
+    text = b""
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                text += f.read() + b"\n"
+    if len(text) < 4096:
+        raise SystemExit("train_gpt: corpus directory %r holds too little text" % directory)
+    alphabet = sorted(set(text))
+    index = {c: i for i, c in enumerate(alphabet)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(alphabet)
+
+
+def batch(tokens, seed, batch_index, batch_size, context):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + batch_index)
+    starts = torch.randint(0, tokens.numel() - context - 1, (batch_size,), generator=g)
+    rows = starts[:, None] + torch.arange(context + 1)[None, :]
+    window = tokens[rows]
+    return window[:, :-1], window[:, 1:]
+
+
+# -- the command line (the flags of `stepguard demo` that apply here) ---------------------------
+def parse_injection(text):
+    try:
+        kind, rest = text.split("@", 1)
+        step, _, rank = rest.partition(":")
+        if kind not in FAULTS:
+            raise ValueError("unknown fault %r (one of %s)" % (kind, ", ".join(FAULTS)))
+        return kind, int(step), int(rank) if rank else -1
+    except ValueError as e:
+        raise argparse.ArgumentTypeError("--inject %s: %s" % (text, e))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--inject", type=parse_injection, action="append", default=[],
+                   metavar="KIND@STEP[:RANK]")
+    p.add_argument("--policy", default=None, help="policy file (default: default.yaml)")
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--trace", default=None, help="trace path; rank r writes .rank<r> beside it")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--incident-dir", default=None)
+    p.add_argument("--metrics-port", type=int, default=-1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--corpus-dir", default="/usr/share/common-licenses")
+    p.add_argument("--collective-timeout", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.steps <= 0:
+        p.error("--steps must be positive")
+    return args
+
+
+def injected(args, kind, step, rank):
+    return any(k == kind and s == step and r in (-1, rank) for k, s, r in args.inject)
+
+
+def rank_path(path, rank, world):
+    return path if not path or world == 1 else "%s.rank%d" % (path, rank)
+
+
+def param_hash(model):
+    h = hashlib.blake2b(digest_size=8)
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    group = None
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+        group = dist.group.WORLD
+    torch.manual_seed(args.seed)
+    tokens, vocab = load_corpus(args.corpus_dir)
+    raw = CharTransformer(vocab, context=args.context)
+    model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=args.lr, betas=(0.9, 0.99),
+                                  weight_decay=0.01)
+    guard = stepguard.GuardedOptimizer(
+        optimizer, raw.named_parameters(), policy=args.policy or DEFAULT_POLICY,
+        process_group=group, trace_path=rank_path(args.trace or "", rank, world),
+        incident_dir=args.incident_dir or "", checkpoint_dir=args.checkpoint_dir or "",
+        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
+        metrics_port=args.metrics_port + int(os.environ.get("LOCAL_RANK", "0"))
+        if args.metrics_port > 0 else args.metrics_port,
+        run_name="train_gpt", collective_timeout=args.collective_timeout)
+    guard.track_buffers(raw.named_buffers())
+    named = dict(raw.named_parameters())
+    summary = train(args, model, raw, guard, named, tokens, vocab, rank, world)
+    hashes = [None] * world
+    if world > 1:
+        dist.all_gather_object(hashes, summary.pop("param_hash"))
+        finite = [None] * world
+        dist.all_gather_object(finite, summary["params_finite"])
+        summary["params_finite"] = all(finite)
+    else:
+        hashes = [summary.pop("param_hash")]
+    summary["param_hashes"] = hashes
+    if rank == 0:
+        print(json.dumps({k: summary[k] for k in ("steps", "applied", "skipped", "rollbacks",
+                                                  "final_loss")}), file=sys.stderr)
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f, indent=2)
+    if world > 1:
+        dist.destroy_process_group()
+    return 3 if summary["aborted"] else 0
+
+
+def train(args, model, raw, guard, named, tokens, vocab, rank, world):
+    applied_losses, incidents = [], []
+    initial_loss = None
+    batch_index = 0
+    for step in range(1, args.steps + 1):
+        x_tokens, y = batch(tokens, args.seed, batch_index * world + rank, args.batch_size,
+                            args.context)
+        batch_index += 1
+        if injected(args, "kill", step, rank):
+            os._exit(137)
+        if injected(args, "corrupt_weights", step, rank):
+            with torch.no_grad():
+                named[CORRUPT_PARAM].view(-1)[0] = float("nan")
+        lr_spike = injected(args, "lr_spike", step, rank)
+        if lr_spike:
+            for g in guard.param_groups:
+                g["lr"] *= 1000.0
+        poison = 0 if injected(args, "nan_input", step, rank) else -1
+
+        def forward_backward(mode, check):
+            x = raw.embed(x_tokens, poison)
+            if check:
+                guard.check_inputs([x])
+            logits = model(x) if world > 1 else raw(x)
+            loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
+            if injected(args, "nan_loss", step, rank):
+                loss = loss * float("nan")
+            if injected(args, "loss_spike", step, rank):
+                loss = loss * 1000.0
+            scaled = guard.scale_loss(loss) if mode != "fp32" else loss
+            scaled.backward()
+            return loss
+
+        def inject_gradient_faults():
+            with torch.no_grad():
+                if injected(args, "nan_grad", step, rank):
+                    named[NAN_GRAD_PARAM].grad.view(-1)[7] = float("nan")
+                if injected(args, "inf_grad", step, rank):
+                    named[INF_GRAD_PARAM].grad.view(-1)[3] = float("inf")
+
+        def replay(mode):
+            guard.zero_grad()
+            with model.no_sync() if world > 1 else _null():
+                loss = forward_backward(mode, False)
+            inject_gradient_faults()  # deterministic faults come back; a transient one does not
+            return loss
+
+        guard.set_replay(replay)
+        guard.zero_grad()
+        loss = forward_backward("as_is", True)
+        inject_gradient_faults()
+        if injected(args, "transient_nan", step, rank):
+            with torch.no_grad():
+                named[NAN_GRAD_PARAM].grad.view(-1)[11] = float("nan")
+        report = guard.step(loss.detach())
+        if lr_spike:
+            for g in guard.param_groups:
+                g["lr"] /= 1000.0
+        batch_index += report.batches_to_skip
+        if report.applied:
+            if initial_loss is None:
+                initial_loss = report.loss
+            applied_losses.append(report.loss)
+        if report.incident is not None:
+            inc = report.incident
+            incidents.append({k: inc[k] for k in ("step", "signal", "action", "cause", "tensors",
+                                                  "ranks", "reason", "evidence", "fixes")})
+            if rank == 0:
+                print("  step %d: %s -> %s, cause %s" % (inc["step"], inc["signal"],
+                                                          inc["action"], inc["cause"]),
+                      file=sys.stderr)
+        if report.aborted:
+            break
+    guard.set_replay(None)
+    tail = applied_losses[-10:]
+    totals = guard.totals
+    finite = all(bool(torch.isfinite(p).all()) for p in raw.parameters())
+    if not guard.aborted:
+        if world > 1:
+            dist.barrier()
+        guard.commit_pending_checkpoint()
+    return {
+        "steps": totals["steps"], "applied": totals["applied"], "skipped": totals["skipped"],
+        "rollbacks": totals["rolled_back"], "aborted": totals["aborted"] > 0,
+        "initial_loss": initial_loss, "final_loss": sum(tail) / len(tail) if tail else None,
+        "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": guard.loss_scale,
+        "lr_factor": guard.lr_factor, "ranks": world, "seed": args.seed,
+        "collectives": guard.collectives, "batches_consumed": batch_index,
+        "incidents": incidents, "policy": args.policy or "default.yaml",
+    }
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,255 @@
+// stepguard._C: binds the step engine, driven through the torch.optim port, to Python. Only
+// bindings here: the logic is the engine's (plugin/src) and the port's (python_port.cpp and the
+// stepguard package).
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+
+#include "csrc/consensus/process_group_consensus.h"
+#include "plugin/python/python_port.h"
+#include "plugin/src/step_engine.h"
+#include "stepguard/tools.h"
+#include "stepguard/version.h"
+
+namespace py = pybind11;
+
+namespace stepguard {
+namespace {
+
+// A guard: the Python port and the engine that drives it.
+struct PyGuard {
+  PyGuard(py::object port_object, GuardOptions options)
+      : port(std::move(port_object)),
+        engine_ptr(std::make_unique<StepEngine>(port, std::move(options))),
+        engine(*engine_ptr) {}
+  // The engine may hold the last reference to a process group, whose destructor waits for its
+  // worker threads, which may need the GIL to free a Python tensor: release it meanwhile.
+  ~PyGuard() {
+    py::gil_scoped_release release;
+    engine_ptr.reset();
+  }
+  PythonPort port;
+  std::unique_ptr<StepEngine> engine_ptr;
+  StepEngine& engine;
+};
+
+py::object incident_dict(const std::optional<Incident>& incident) {
+  if (!incident) return py::none();
+  py::dict d;
+  d["step"] = incident->step;
+  d["signal"] = to_string(incident->signal);
+  d["action"] = to_string(incident->action);
+  d["cause"] = to_string(incident->cause);
+  d["tensors"] = incident->tensors;
+  d["ranks"] = incident->ranks;
+  d["reason"] = incident->reason;
+  d["evidence"] = incident->evidence;
+  d["fixes"] = incident->fixes;
+  d["report"] = incident->report;
+  return std::move(d);
+}
+
+std::vector<std::string> action_names(const std::vector<Action>& actions) {
+  std::vector<std::string> out;
+  for (Action a : actions) out.push_back(to_string(a));
+  return out;
+}
+
+py::dict record_dict(const checkpoint::GuardRecord& r) {
+  py::dict d;
+  d["step"] = r.step;
+  d["data_position"] = r.data_position;
+  d["guard"] = r.guard;
+  d["totals"] = r.totals;
+  d["skipped_ranges"] = r.skipped_ranges;
+  return d;
+}
+
+checkpoint::GuardRecord record_of(const py::dict& d) {
+  checkpoint::GuardRecord r;
+  r.step = d["step"].cast<std::int64_t>();
+  r.data_position = d["data_position"].cast<std::int64_t>();
+  r.guard = d["guard"].cast<std::vector<std::int64_t>>();
+  r.totals = d["totals"].cast<std::vector<std::int64_t>>();
+  r.skipped_ranges = d["skipped_ranges"].cast<std::vector<std::int64_t>>();
+  return r;
+}
+
+py::dict totals_dict(const GuardTotals& t) {
+  py::dict d;
+  d["steps"] = t.steps;
+  d["applied"] = t.applied;
+  d["skipped"] = t.skipped;
+  d["rolled_back"] = t.rolled_back;
+  d["aborted"] = t.aborted;
+  d["incidents"] = t.incidents;
+  d["snapshots"] = t.snapshots;
+  return d;
+}
+
+std::unique_ptr<PyGuard> make_guard(py::object port, const std::string& policy_file,
+                                    const std::string& policy_yaml, const py::object& process_group,
+                                    const py::object& store, const std::string& trace_path,
+                                    bool trace_every_step, const std::string& checkpoint_dir,
+                                    std::int64_t checkpoint_every, const std::string& incident_dir,
+                                    int metrics_port, const std::string& metrics_bind_address,
+                                    const std::string& run_name, bool loss_scaling,
+                                    bool sharded_gradients, double collective_timeout,
+                                    std::int64_t max_consecutive_bad_steps, bool zero_grad_on_skip,
+                                    std::int64_t max_blamed_tensors) {
+  TORCH_CHECK(std::isfinite(collective_timeout) && collective_timeout > 0,
+              "stepguard: collective_timeout must be a positive number of seconds, got ",
+              collective_timeout);
+  GuardOptions o;
+  o.policy_file(policy_file)
+      .policy_yaml(policy_yaml)
+      .trace_path(trace_path)
+      .trace_every_step(trace_every_step)
+      .checkpoint_dir(checkpoint_dir)
+      .checkpoint_every(checkpoint_every)
+      .incident_dir(incident_dir)
+      .metrics_port(metrics_port)
+      .metrics_bind_address(metrics_bind_address)
+      .run_name(run_name)
+      .loss_scaling(loss_scaling)
+      .sharded_gradients(sharded_gradients)
+      .collective_timeout_ms(static_cast<std::int64_t>(std::ceil(collective_timeout * 1000.0)))
+      .max_consecutive_bad_steps(max_consecutive_bad_steps)
+      .zero_grad_on_skip(zero_grad_on_skip)
+      .max_blamed_tensors(max_blamed_tensors);
+  if (!process_group.is_none()) {
+    o.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+  }
+  if (!store.is_none()) o.store(store.cast<c10::intrusive_ptr<c10d::Store>>());
+  return std::make_unique<PyGuard>(std::move(port), std::move(o));
+}
+
+// A Python replay closure, called with the GIL held and released with it.
+forensics::Recompute recompute_of(py::function fn) {
+  auto held = std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [held](ReplayMode mode) {
+    py::gil_scoped_acquire gil;
+    return (*held)(to_string(mode)).cast<at::Tensor>();
+  };
+}
+
+void bind_report(py::module_& m) {
+  py::class_<StepReport>(m, "StepReport", "What guard.step(loss) did.")
+      .def_property_readonly("outcome", [](const StepReport& r) { return to_string(r.outcome); })
+      .def_property_readonly("applied", &StepReport::applied)
+      .def_property_readonly("skipped",
+                             [](const StepReport& r) { return r.outcome == Outcome::kSkipped; })
+      .def_property_readonly("rolled_back",
+                             [](const StepReport& r) { return r.outcome == Outcome::kRolledBack; })
+      .def_property_readonly("aborted", &StepReport::aborted)
+      .def_readonly("step", &StepReport::step)
+      .def_readonly("loss", &StepReport::loss)
+      .def_readonly("grad_norm", &StepReport::grad_norm)
+      .def_readonly("nonfinite_count", &StepReport::nonfinite_count)
+      .def_property_readonly("actions", [](const StepReport& r) { return action_names(r.actions); })
+      .def_readonly("batches_to_skip", &StepReport::batches_to_skip)
+      .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
+      .def_readonly("loss_scale", &StepReport::loss_scale)
+      .def_readonly("lr_factor", &StepReport::lr_factor)
+      .def_property_readonly("incident",
+                             [](const StepReport& r) { return incident_dict(r.incident); })
+      .def("__repr__", [](const StepReport& r) {
+        return "StepReport(step=" + std::to_string(r.step) + ", outcome='" + to_string(r.outcome) +
+               "')";
+      });
+}
+
+void bind_guard(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<PyGuard>(m, "Guard", "The step engine over a torch.optim port (see GuardedOptimizer).")
+      .def(py::init(&make_guard), py::arg("port"), py::kw_only(), py::arg("policy_file") = "",
+           py::arg("policy_yaml") = "", py::arg("process_group") = py::none(),
+           py::arg("store") = py::none(), py::arg("trace_path") = "",
+           py::arg("trace_every_step") = true, py::arg("checkpoint_dir") = "",
+           py::arg("checkpoint_every") = 0, py::arg("incident_dir") = "",
+           py::arg("metrics_port") = -1, py::arg("metrics_bind_address") = "127.0.0.1",
+           py::arg("run_name") = "stepguard", py::arg("loss_scaling") = false,
+           py::arg("sharded_gradients") = false, py::arg("collective_timeout") = 300.0,
+           py::arg("max_consecutive_bad_steps") = 0, py::arg("zero_grad_on_skip") = true,
+           py::arg("max_blamed_tensors") = 8)
+      .def(
+          "step", [](PyGuard& g, const at::Tensor& loss) { return g.engine.step(loss); },
+          py::arg("loss"), Release())
+      .def("scale_loss",
+           [](PyGuard& g, const at::Tensor& loss) { return g.engine.scale_loss(loss); })
+      .def(
+          "check_inputs",
+          [](PyGuard& g, const std::vector<at::Tensor>& inputs, std::optional<at::Tensor> mask) {
+            py::gil_scoped_release release;
+            return g.engine.check_inputs(inputs, mask.value_or(at::Tensor()));
+          },
+          py::arg("inputs"), py::arg("mask") = py::none())
+      .def("set_replay",
+           [](PyGuard& g, const py::object& fn) {
+             g.engine.set_replay(fn.is_none() ? forensics::Recompute()
+                                              : recompute_of(fn.cast<py::function>()));
+           })
+      .def("probe", [](PyGuard& g, const std::string& name,
+                       const at::Tensor& output) { return g.engine.probe(name, output); })
+      .def("track_buffers",
+           [](PyGuard& g, std::vector<at::Tensor> buffers) {
+             g.engine.track_buffers(std::move(buffers));
+           })
+      .def(
+          "resume", [](PyGuard& g, const std::string& dir) { return g.engine.resume(dir); },
+          Release())
+      .def(
+          "commit_pending_checkpoint", [](PyGuard& g) { g.engine.commit_pending_checkpoint(); },
+          Release())
+      .def("record", [](const PyGuard& g) { return record_dict(g.engine.record()); })
+      .def("load_record", [](PyGuard& g, const py::dict& d) { g.engine.load_record(record_of(d)); })
+      .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine.set_data_position(p); })
+      .def_property_readonly("step_count", [](const PyGuard& g) { return g.engine.step_count(); })
+      .def_property_readonly("totals",
+                             [](const PyGuard& g) { return totals_dict(g.engine.totals()); })
+      .def_property_readonly("aborted", [](const PyGuard& g) { return g.engine.aborted(); })
+      .def_property_readonly("loss_scale", [](const PyGuard& g) { return g.engine.loss_scale(); })
+      .def_property_readonly("lr_factor", [](const PyGuard& g) { return g.engine.lr_factor(); })
+      .def_property_readonly("metrics_endpoint",
+                             [](const PyGuard& g) { return g.engine.metrics_endpoint(); })
+      .def_property_readonly("data_position",
+                             [](const PyGuard& g) { return g.engine.data_position(); })
+      .def_property_readonly("skipped_ranges",
+                             [](const PyGuard& g) { return g.engine.skipped_ranges(); })
+      .def_property_readonly("rank", [](const PyGuard& g) { return g.engine.rank(); })
+      .def_property_readonly("world_size", [](const PyGuard& g) { return g.engine.world_size(); })
+      .def_property_readonly("collectives", [](const PyGuard& g) { return g.engine.collectives(); })
+      .def_property_readonly("snapshots_held",
+                             [](const PyGuard& g) { return g.engine.snapshots_held(); })
+      .def_property_readonly("checkpoints_written",
+                             [](const PyGuard& g) { return g.engine.checkpoints_written(); })
+      .def("metrics_text", [](const PyGuard& g) { return g.engine.metrics_text(); });
+}
+
+}  // namespace
+}  // namespace stepguard
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "stepguard's step engine (use the stepguard package)";
+  // c10::Error carries a C++ backtrace in what(); Python sees the message (policy errors keep
+  // their FILE:LINE:COL: lines).
+  static py::exception<c10::Error> error(m, "StepguardError", PyExc_RuntimeError);
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::Error& e) {
+      error(e.msg().c_str());
+    }
+  });
+  stepguard::bind_report(m);
+  stepguard::bind_guard(m);
+  m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));
+  m.def("explain_policy_file", &stepguard::explain_policy_file, py::arg("path"));
+  m.def("version", &stepguard::version);
+}

@@ -1,0 +1,106 @@
+#include "plugin/python/python_port.h"
+
+#include <c10/util/Exception.h>
+
+namespace stepguard {
+
+namespace py = pybind11;
+
+namespace {
+
+// Runs `f` with the GIL held and turns a Python exception into a c10::Error carrying its text,
+// so the engine sees one error type and the binding hands the text back to Python.
+template <typename F>
+auto with_gil(const char* what, F&& f) -> decltype(f()) {
+  py::gil_scoped_acquire gil;
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    const std::string message = e.what();
+    TORCH_CHECK(false, "stepguard: the optimizer port's ", what, "() failed: ", message);
+  }
+}
+
+py::list to_python(const std::vector<NamedTensor>& tensors) {
+  py::list out;
+  for (const auto& t : tensors) out.append(py::make_tuple(t.name, t.tensor));
+  return out;
+}
+
+std::vector<NamedTensor> from_python(const py::handle& list) {
+  std::vector<NamedTensor> out;
+  for (const auto& item : list) {
+    const auto pair = item.cast<py::tuple>();
+    out.push_back({pair[0].cast<std::string>(), pair[1].cast<at::Tensor>()});
+  }
+  return out;
+}
+
+}  // namespace
+
+PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
+  py::gil_scoped_acquire gil;
+  has_gradients_ = py::hasattr(port_, "gradients");
+  refresh();
+}
+
+PythonPort::~PythonPort() {
+  py::gil_scoped_acquire gil;
+  port_ = py::object();
+}
+
+void PythonPort::refresh() {
+  with_gil("parameters", [&] {
+    const py::tuple result = port_.attr("parameters")();
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& p : result[0]) params.push_back(p.cast<at::Tensor>());
+    for (const auto& n : result[1]) names.push_back(n.cast<std::string>());
+    TORCH_CHECK(names.size() == params.size(), "stepguard: the optimizer port named ", names.size(),
+                " of ", params.size(), " parameters");
+    params_ = std::move(params);
+    names_ = std::move(names);
+  });
+}
+
+std::vector<at::Tensor> PythonPort::gradients() const {
+  if (!has_gradients_) return OptimizerPort::gradients();
+  return with_gil("gradients", [&] {
+    const py::object grads = port_.attr("gradients")();
+    if (grads.is_none()) return OptimizerPort::gradients();
+    std::vector<at::Tensor> out;
+    for (const auto& g : grads) out.push_back(g.is_none() ? at::Tensor() : g.cast<at::Tensor>());
+    return out;
+  });
+}
+
+void PythonPort::apply(double lr_factor) {
+  with_gil("apply", [&] { port_.attr("apply")(lr_factor); });
+}
+
+std::vector<NamedTensor> PythonPort::state_tensors() const {
+  return with_gil("state_tensors", [&] { return from_python(port_.attr("state_tensors")()); });
+}
+
+std::string PythonPort::state_bytes() const {
+  return with_gil("state_bytes", [&] {
+    return port_.attr("state_bytes")().cast<py::bytes>().cast<std::string>();
+  });
+}
+
+void PythonPort::check_state_bytes(const std::string& bytes,
+                                   const std::vector<NamedTensor>& saved) const {
+  with_gil("check_state_bytes",
+           [&] { port_.attr("check_state_bytes")(py::bytes(bytes), to_python(saved)); });
+}
+
+void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) {
+  with_gil("load_state_bytes",
+           [&] { port_.attr("load_state_bytes")(py::bytes(bytes), to_python(saved)); });
+}
+
+void PythonPort::after_restore() {
+  with_gil("after_restore", [&] { port_.attr("after_restore")(); });
+}
+
+}  // namespace stepguard

@@ -1,0 +1,51 @@
+/*
+ * The torch.optim port: drives a Python optimizer for the step engine through a Python port object
+ * (stepguard._port.TorchOptimPort, or an adapter deriving from it). Every call takes the GIL for
+ * the Python work it does; the engine itself runs with the GIL released.
+ *
+ * The port object provides: parameters() -> (list of tensors, list of names); apply(lr_factor);
+ * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
+ * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved) with saved a list of
+ * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None.
+ *
+ * Internal to the Python extension. Not thread-safe: the training thread drives it.
+ */
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <vector>
+
+#include "plugin/src/optimizer_port.h"
+
+namespace stepguard {
+
+class PythonPort final : public OptimizerPort {
+ public:
+  /// `port` is the Python port object; it is kept alive by this port.
+  explicit PythonPort(pybind11::object port);
+  ~PythonPort() override;
+
+  void refresh() override;
+  const std::vector<at::Tensor>& parameters() const override { return params_; }
+  const std::vector<std::string>& parameter_names() const override { return names_; }
+  std::vector<at::Tensor> gradients() const override;
+  void apply(double lr_factor) override;
+  std::vector<NamedTensor> state_tensors() const override;
+  std::string state_bytes() const override;
+  void check_state_bytes(const std::string& bytes,
+                         const std::vector<NamedTensor>& saved) const override;
+  void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) override;
+  void after_restore() override;
+
+  const pybind11::object& object() const noexcept { return port_; }
+
+ private:
+  pybind11::object port_;
+  bool has_gradients_ = false;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace stepguard

@@ -1,0 +1,183 @@
+"""GuardedOptimizer: wraps any torch.optim.Optimizer so that guard.step(loss) replaces
+optimizer.step(). The engine is stepguard's C++ step engine (stepguard._C), the same one the C++
+GuardedOptimizer runs."""
+
+import torch
+
+from . import _C
+from ._port import TorchOptimPort
+
+# Keyword options, as GuardOptions names them (collective_timeout in seconds).
+_OPTIONS = (
+    "trace_path", "trace_every_step", "checkpoint_dir", "checkpoint_every", "incident_dir",
+    "metrics_port", "metrics_bind_address", "run_name", "loss_scaling", "sharded_gradients",
+    "collective_timeout", "max_consecutive_bad_steps", "zero_grad_on_skip", "max_blamed_tensors",
+)
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """A guarded optimizer, accepted wherever ``optimizer`` is.
+
+    ``step(loss)`` inspects every gradient and the loss in one fused pass, agrees across ranks in
+    one all-reduce, and applies the wrapped optimizer's step, skips it, rolls back, lowers the LR
+    or aborts as the policy says; it returns a ``StepReport``. ``param_groups``, ``state``,
+    ``defaults``, ``zero_grad`` and ``add_param_group`` pass through to the wrapped optimizer, so
+    ``torch.optim.lr_scheduler`` schedulers take the guard (step the scheduler only when
+    ``report.applied``).
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to guard.
+        named_parameters: ``model.named_parameters()`` (or pairs), for blame in reports.
+        policy: path of a YAML policy file; ``policy_yaml``: the policy as text.
+        process_group: the group the ranks agree through (``dist.group.WORLD``, any
+            ``new_group``); None for one process.
+        port: an adapter's port (see ``stepguard.adapters``); default a ``TorchOptimPort``.
+        Other keywords mirror the C++ ``GuardOptions``: trace_path, trace_every_step,
+        checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
+        run_name, loss_scaling, sharded_gradients, collective_timeout (seconds),
+        max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors.
+
+    Not thread-safe: one training thread drives one guard.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, *, policy=None, policy_yaml=None,
+                 process_group=None, store=None, port=None, **options):
+        # The wrapped optimizer holds the state; Optimizer.__init__ is not called on purpose.
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError("stepguard: unknown option %s (known: %s)"
+                            % (", ".join(unknown), ", ".join(_OPTIONS)))
+        self.optimizer = optimizer
+        self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
+        self._guard = _C.Guard(self._port, policy_file=policy or "", policy_yaml=policy_yaml or "",
+                               process_group=process_group, store=store, **options)
+
+    # -- pass-through: accepted wherever the wrapped optimizer is ------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def zero_grad(self, set_to_none=False):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group):
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self):
+        return "GuardedOptimizer(%r)" % (self.optimizer,)
+
+    # -- the guarded step ---------------------------------------------------------------------
+    def step(self, loss=None):
+        """Replaces optimizer.step(): returns a StepReport. ``loss`` is this rank's loss, a
+        floating-point tensor of one element on the gradients' device (not the scaled one)."""
+        if loss is None or callable(loss):
+            raise TypeError("stepguard: step(loss) needs this step's loss tensor (closures are "
+                            "not supported)")
+        return self._guard.step(loss)
+
+    def scale_loss(self, loss):
+        """``loss`` times the loss scale (with loss scaling on), to call backward() on."""
+        return self._guard.scale_loss(loss)
+
+    def check_inputs(self, inputs, mask=None):
+        """Checks this step's batch (NaN/Inf inputs; empty rows with a mask): evidence for an
+        incident, saved with its report. Returns True when the batch looks fine."""
+        if torch.is_tensor(inputs):
+            inputs = [inputs]
+        return self._guard.check_inputs(list(inputs), mask)
+
+    def set_replay(self, fn):
+        """``fn(mode)`` recomputes this step's loss from the same batch and runs backward
+        (mode: "as_is", "fp32", "anomaly"); used to classify NaN/Inf incidents. None removes it."""
+        self._guard.set_replay(fn)
+
+    def probe(self, name, tensor):
+        """Marks a module output for forensics: ``x = guard.probe("blocks.0", block(x))``."""
+        return self._guard.probe(name, tensor)
+
+    def track_buffers(self, named_buffers):
+        """Module buffers (``model.named_buffers()``) that snapshots and checkpoints hold."""
+        self._guard.track_buffers([b for _, b in named_buffers if b is not None])
+
+    def resume(self, directory):
+        """Restores the newest checkpoint every rank holds intact; returns its step or 0."""
+        return self._guard.resume(str(directory))
+
+    def commit_pending_checkpoint(self):
+        """Makes the checkpoint written after the last step visible (end of a good run)."""
+        self._guard.commit_pending_checkpoint()
+
+    # -- state dict: the wrapped optimizer's and the guard's -----------------------------------
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "stepguard": self._guard.record()}
+
+    def load_state_dict(self, state_dict):
+        if "stepguard" not in state_dict or "optimizer" not in state_dict:
+            raise ValueError("stepguard: not a GuardedOptimizer state dict (it needs the keys "
+                             "'optimizer' and 'stepguard')")
+        self._guard.load_record(state_dict["stepguard"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    # -- what the guard knows -----------------------------------------------------------------
+    @property
+    def step_count(self):
+        return self._guard.step_count
+
+    @property
+    def totals(self):
+        return self._guard.totals
+
+    @property
+    def aborted(self):
+        return self._guard.aborted
+
+    @property
+    def loss_scale(self):
+        return self._guard.loss_scale
+
+    @property
+    def lr_factor(self):
+        return self._guard.lr_factor
+
+    @property
+    def metrics_endpoint(self):
+        return self._guard.metrics_endpoint
+
+    @property
+    def data_position(self):
+        return self._guard.data_position
+
+    @data_position.setter
+    def data_position(self, value):
+        self._guard.set_data_position(value)
+
+    @property
+    def collectives(self):
+        return self._guard.collectives
+
+    @property
+    def snapshots_held(self):
+        return self._guard.snapshots_held
+
+    def metrics_text(self):
+        return self._guard.metrics_text()

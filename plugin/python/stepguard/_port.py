@@ -1,0 +1,149 @@
+"""The torch.optim port: what the step engine needs of a PyTorch optimizer.
+
+The engine (C++) calls these methods with the GIL held: the parameters and their names, the
+optimizer step with an LR factor, and the optimizer state as named tensors (copied by snapshots and
+written back in place by a restore) plus opaque bytes for everything that is not a tensor.
+Adapters for other training stacks derive from TorchOptimPort.
+"""
+
+import pickle
+
+import torch
+
+_FORMAT = b"P1"  # opaque state bytes: this marker, then a pickle of the structure
+
+
+class TorchOptimPort:
+    """Drives any ``torch.optim.Optimizer``.
+
+    Parameters are taken from ``optimizer.param_groups`` in order; names come from
+    ``named_parameters`` (matched by identity), else ``param_<i>``. The state of parameter ``i``
+    is ``optimizer.state[p]``: its tensors are named ``"<i>.<key>"``; its other values (and which
+    device each tensor lives on) travel in the opaque bytes. Not thread-safe.
+    """
+
+    def __init__(self, optimizer, named_parameters=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "stepguard: expected a torch.optim.Optimizer, got " + type(optimizer).__name__)
+        self.optimizer = optimizer
+        self._names_by_id = {}
+        if named_parameters is not None:
+            for name, p in named_parameters:
+                self._names_by_id[id(p)] = name
+        self._params = []
+        self._names = []
+        self._count = -1
+
+    # -- parameters ---------------------------------------------------------------------------
+    def parameters(self):
+        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        if count != self._count:
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            self._names = [self._names_by_id.get(id(p), "param_%d" % i)
+                           for i, p in enumerate(self._params)]
+            self._count = count
+        return self._params, self._names
+
+    # -- the step -----------------------------------------------------------------------------
+    def apply(self, lr_factor):
+        """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
+        if lr_factor == 1.0:
+            self.optimizer.step()
+            return
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        try:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr * lr_factor
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+
+    # -- state --------------------------------------------------------------------------------
+    def _states(self):
+        params, _ = self.parameters()
+        state = self.optimizer.state
+        for i, p in enumerate(params):
+            if p in state and state[p]:
+                yield i, p, state[p]
+
+    def state_tensors(self):
+        out = []
+        for i, _, st in self._states():
+            for key in sorted(st):
+                if torch.is_tensor(st[key]):
+                    out.append(("%d.%s" % (i, key), st[key]))
+        return out
+
+    def state_bytes(self):
+        structure = []
+        for i, p, st in self._states():
+            entry = {}
+            for key in sorted(st):
+                value = st[key]
+                if torch.is_tensor(value):
+                    entry[key] = ("tensor", value.device == p.device)
+                else:
+                    entry[key] = ("value", value)
+            structure.append((i, entry))
+        if not structure:
+            return b""
+        return _FORMAT + pickle.dumps(structure, protocol=4)
+
+    def _read(self, data, saved):
+        """The structure in ``data``, checked against this optimizer and the saved tensors."""
+        if not data:
+            if saved:
+                raise ValueError("the saved optimizer state has tensors but no structure")
+            return []
+        if not data.startswith(_FORMAT):
+            raise ValueError("the saved optimizer state is not a torch.optim port's")
+        structure = pickle.loads(data[len(_FORMAT):])
+        params, names = self.parameters()
+        tensors = dict(saved)
+        for i, entry in structure:
+            if not 0 <= i < len(params):
+                raise ValueError("the saved optimizer state names parameter %d; the optimizer "
+                                 "has %d" % (i, len(params)))
+            for key, (kind, _) in entry.items():
+                if kind != "tensor":
+                    continue
+                name = "%d.%s" % (i, key)
+                if name not in tensors:
+                    raise ValueError("the saved optimizer state lacks tensor '%s'" % name)
+        return structure
+
+    def check_state_bytes(self, data, saved):
+        self._read(data, saved)
+
+    def load_state_bytes(self, data, saved):
+        """Rebuilds the state's structure; the engine then fills its tensors in place."""
+        structure = self._read(data, saved)
+        params, _ = self.parameters()
+        tensors = dict(saved)
+        state = self.optimizer.state
+        rebuilt = {}
+        for i, entry in structure:
+            p = params[i]
+            live = state.get(p, {})
+            st = {}
+            for key, (kind, detail) in entry.items():
+                if kind == "value":
+                    st[key] = detail
+                    continue
+                like = tensors["%d.%s" % (i, key)]
+                device = p.device if detail else torch.device("cpu")
+                old = live.get(key)
+                if (torch.is_tensor(old) and old.shape == like.shape and old.dtype == like.dtype
+                        and old.device == device):
+                    st[key] = old
+                else:
+                    st[key] = torch.empty(like.shape, dtype=like.dtype, device=device)
+            rebuilt[p] = st
+        state.clear()
+        state.update(rebuilt)
+
+    def after_restore(self):
+        pass

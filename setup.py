@@ -1,0 +1,62 @@
+"""pip install of the stepguard Python package: builds the C++ engine and stepguard._C with CMake
+against the torch of the Python running pip, and ships them in the package.
+
+    pip install --no-build-isolation .
+
+(--no-build-isolation: the build must see your torch.) Needs a C++17 compiler, CMake >= 3.25 and
+the engine's libraries (yaml-cpp, prometheus-cpp, nlohmann-json, xxhash, pybind11 headers; on
+Debian: scripts/install-deps). STEPGUARD_CMAKE_ARGS adds CMake arguments.
+"""
+
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import torch  # the torch this package is built against
+
+        build_dir = os.path.join(self.build_temp, "cmake")
+        os.makedirs(build_dir, exist_ok=True)
+        args = [
+            "cmake", "-S", HERE, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
+            "-DSTEPGUARD_BUILD_TESTS=OFF", "-DSTEPGUARD_BUILD_BENCHMARKS=OFF",
+            "-DSTEPGUARD_PYTHON=" + sys.executable,
+            "-DCMAKE_PREFIX_PATH=" + torch.utils.cmake_prefix_path,
+        ] + shlex.split(os.environ.get("STEPGUARD_CMAKE_ARGS", ""))
+        subprocess.check_call(args)
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        subprocess.check_call(["cmake", "--build", build_dir, "--target", "stepguard_python",
+                               "-j", jobs])
+        package = os.path.join(build_dir, "python", "stepguard")
+        if not glob.glob(os.path.join(package, "_C*")):
+            raise RuntimeError("stepguard: CMake did not build stepguard._C (see its messages "
+                               "above: a torch that does not import, or a C++ ABI mismatch)")
+        target = os.path.dirname(self.get_ext_fullpath(ext.name))
+        os.makedirs(target, exist_ok=True)
+        for path in glob.glob(os.path.join(package, "*")):
+            shutil.copy2(path, target)
+        # The engine library, found beside the extension ($ORIGIN in its RPATH).
+        for path in glob.glob(os.path.join(build_dir, "lib", "libstepguard.so*")):
+            shutil.copy2(path, target, follow_symlinks=False)
+
+
+setup(
+    name="stepguard",
+    version="0.1.0",
+    description="Guards every optimizer step of PyTorch training against NaN/Inf and loss spikes",
+    packages=["stepguard"],
+    package_dir={"stepguard": "plugin/python/stepguard"},
+    ext_modules=[Extension("stepguard._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.8",
+)

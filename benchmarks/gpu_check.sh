@@ -33,6 +33,11 @@ for deb in .gpudeps/*.deb; do dpkg -x "$deb" "$DEPS"; done
 export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 
 PY=python3
+# No GPU visible here is a failure of the check, not a skip.
+$PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check: torch sees no GPU")'
+# The CUDA compiler, named: a missing nvcc on PATH must not silently give a CPU-only build.
+NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
+[[ -x "$NVCC" ]] || { echo "gpu_check: no nvcc (PATH or /usr/local/cuda/bin)" >&2; exit 1; }
 TORCH_CMAKE=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')
 NCCL_HOME=$($PY -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])')
 NCCL_LIB=$(ls "$NCCL_HOME"/lib/libnccl.so* | head -n1)
@@ -41,8 +46,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$DEPS/usr;$DEPS/usr/lib/x86_64-linux-gnu/cmake;$DEPS/usr/share/cmake" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_METRICS=OFF \
-  -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB"
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_METRICS=OFF \
+  -DSTEPGUARD_CUDART=shared \
+  -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB" | tee "$OUT/configure.log"
+grep -q 'stepguard: CUDA' "$OUT/configure.log" ||
+  { echo "gpu_check: the configure step found no CUDA/NCCL: this would be a CPU-only build" >&2; exit 1; }
+# The C++ ABI flag of the build must be torch's (a mismatch links but fails at run time).
+TORCH_ABI=$($PY -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
+grep -q "_GLIBCXX_USE_CXX11_ABI=$TORCH_ABI" build-gpu/CMakeCache.txt ||
+  { echo "gpu_check: the build's _GLIBCXX_USE_CXX11_ABI is not torch's ($TORCH_ABI)" >&2; exit 1; }
 cmake --build build-gpu -j16 --target stepguard_tests bench_inspect_gpu
 
 set +e

@@ -117,8 +117,10 @@ TEST(CudaKernel, MatchesTheCpuPassWithInvScaleAndInPlaceUnscale) {
 
 TEST(CudaKernel, MisalignedTensorsTakeTheScalarPathWithTheSameResult) {
   SKIP_WITHOUT_GPU();
-  expect_gpu_equals_cpu(mixed_case(), 1.0, false, 4);
-  expect_gpu_equals_cpu(mixed_case(), 0.25, true, 2);
+  // 8 bytes: every element stays naturally aligned (a misaligned scalar load is a sticky CUDA
+  // error that would fail every later test), while 16-byte vector loads are defeated.
+  expect_gpu_equals_cpu(mixed_case(), 1.0, false, 8);
+  expect_gpu_equals_cpu(mixed_case(), 0.25, true, 24);
 }
 
 TEST(CudaKernel, EmptySetIsAllZero) {

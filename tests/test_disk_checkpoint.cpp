@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stepguard/stepguard.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -108,6 +109,40 @@ TEST(DiskCheckpoint, DamageIsDetectedAndNamed) {
       {"garbled manifest",
        [](const std::string& d) { std::ofstream(d + "/MANIFEST.json") << "{\"format\": "; },
        "/MANIFEST.json: unreadable manifest"},
+      // A FIFO must not block a reader (it did: open() waited for a writer forever).
+      {"fifo for a rank file",
+       [](const std::string& d) {
+         fs::remove(d + "/rank-00001.ckpt");
+         ASSERT_EQ(::mkfifo((d + "/rank-00001.ckpt").c_str(), 0600), 0);
+       },
+       "/rank-00001.ckpt: a FIFO, not a regular file"},
+      {"fifo for the manifest",
+       [](const std::string& d) {
+         fs::remove(d + "/MANIFEST.json");
+         ASSERT_EQ(::mkfifo((d + "/MANIFEST.json").c_str(), 0600), 0);
+       },
+       "/MANIFEST.json: a FIFO, not a regular file"},
+      {"directory for a record",
+       [](const std::string& d) {
+         fs::remove(d + "/rank-00000.json");
+         fs::create_directory(d + "/rank-00000.json");
+       },
+       "/rank-00000.json: a directory, not a file"},
+      // A huge world size used to loop a billion times (and was truncated to int).
+      {"world size out of range",
+       [](const std::string& d) {
+         std::ofstream(d + "/MANIFEST.json")
+             << R"({"format": 1, "step": 20, "world_size": 99999999999, "writer": "stepguard"})";
+       },
+       "/MANIFEST.json: world_size 99999999999 is out of range (1 to 1048576)"},
+      {"files of another step",
+       [](const std::string& d) {
+         const std::string older = fs::path(d).parent_path().string() + "/step-000000010";
+         for (const char* f : {"/rank-00000.ckpt", "/rank-00000.json"}) {
+           fs::copy_file(older + f, d + f, fs::copy_options::overwrite_existing);
+         }
+       },
+       "/rank-00000.json: belongs to step 10, rank 0, not step 20, rank 0"},
   };
   for (const auto& c : cases) {
     const std::string root = fresh_dir("damage");

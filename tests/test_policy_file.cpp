@@ -61,6 +61,33 @@ TEST(PolicyFile, LimitsAreOptional) {
   EXPECT_EQ(config.limits.max_consecutive_bad_steps, 0);
 }
 
+TEST(PolicyFile, DuplicateKeysAreRejectedWithBothPositions) {
+  // Every level: the top, a section, a rule. The first would silently win.
+  EXPECT_EQ(issues_of("version: 1\nrules:\n  - {on: nonfinite, action: skip_batch}\n"
+                      "rules:\n  - {on: nonfinite, action: abort}\n"),
+            std::vector<std::string>(
+                {"p.yaml:4:1: duplicate key 'rules' (first given at line 2, column 1)"}));
+  EXPECT_EQ(issues_of("version: 1\nlimits:\n  max_consecutive_bad_steps: 3\n"
+                      "  max_consecutive_bad_steps: 9\n"),
+            std::vector<std::string>({"p.yaml:4:3: duplicate key 'max_consecutive_bad_steps' in "
+                                      "'limits' (first given at line 3, column 3)"}));
+  EXPECT_EQ(
+      issues_of("version: 1\nrules:\n  - {on: nonfinite, action: skip_batch, action: abort}\n"),
+      std::vector<std::string>({"p.yaml:3:41: duplicate key 'action' in rule 'rule 1' (first "
+                                "given at line 3, column 21)"}));
+}
+
+TEST(PolicyFile, InvalidUtf8IsRejectedWithItsPosition) {
+  EXPECT_EQ(
+      issues_of("version: 1\nrules:\n  - {name: caf\xe9, on: nonfinite, action: skip_batch}\n"),
+      std::vector<std::string>(
+          {"p.yaml:3:15: invalid UTF-8 (byte 0xe9); a policy file is UTF-8 text"}));
+  // Valid multi-byte text is fine.
+  EXPECT_TRUE(
+      issues_of("version: 1\nrules:\n  - {name: caf\xc3\xa9, on: nonfinite, action: skip_batch}\n")
+          .empty());
+}
+
 TEST(PolicyFile, UnknownKeySuggestsTheClosest) {
   EXPECT_EQ(issues_of("version: 1\nlimits:\n  max_consecutiv_bad_steps: 3\n"),
             std::vector<std::string>({"p.yaml:3:3: unknown key 'max_consecutiv_bad_steps' in "

@@ -29,10 +29,8 @@ Group make_group(int world, std::chrono::milliseconds timeout) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      g.ranks[r] = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          c10::make_intrusive<c10d::PrefixStore>("gloo", g.store), r, world, options);
+      g.ranks[r] = make_gloo_process_group(c10::make_intrusive<c10d::PrefixStore>("gloo", g.store),
+                                           r, world, timeout, "127.0.0.1");
     });
   }
   for (auto& t : threads) t.join();

@@ -82,6 +82,12 @@ TEST(Replay, BadTraceLinesNameFileAndLine) {
             "sg_replay_trace.jsonl:1: 'nan' must be a whole number >= 0, got -3");
   EXPECT_EQ(replay_error("[1, 2]\n"), "sg_replay_trace.jsonl:1: not a JSON object");
   EXPECT_EQ(replay_error("\n\n"), "no error");  // an empty trace replays nothing
+  // A number beyond fp64 and nesting 200,000 deep: errors with file and line, not a crash.
+  EXPECT_EQ(replay_error("{\"step\": 1, \"loss\": 1e999}\n").rfind("sg_replay_trace.jsonl:1: ", 0),
+            0u);
+  const std::string deep = "{\"step\": 1, \"loss\": " + std::string(200000, '[') + "\n";
+  EXPECT_EQ(replay_error(deep),
+            "sg_replay_trace.jsonl:1: not a JSON object: nested deeper than 64 levels");
 }
 
 TEST(Replay, MissingFilesAreClearErrors) {

@@ -44,11 +44,20 @@ void fsync_dir(const std::string& dir) {
   if (rc != 0) fail(dir, "fsync of the directory failed");
 }
 
-bool read_whole(const std::string& path, std::string* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
+// Reads a regular file whole. Opens without blocking (a FIFO in its place must not hang a
+// reader) and refuses anything but a regular file; `why` says what was wrong ("missing" when
+// it does not exist).
+bool read_whole(const std::string& path, std::string* out, std::string* why) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    *why = errno == ENOENT ? std::string("missing") : std::string(std::strerror(errno));
+    return false;
+  }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    *why = S_ISDIR(st.st_mode)    ? "a directory, not a file"
+           : S_ISFIFO(st.st_mode) ? "a FIFO, not a regular file"
+                                  : "not a regular file";
     ::close(fd);
     return false;
   }
@@ -80,9 +89,11 @@ std::int64_t step_of_dir_name(const std::string& name) {
 bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* problem) {
   const std::string path = dir + "/" + kManifest;
   std::string text;
-  errno = 0;
-  if (!read_whole(path, &text)) {
-    *problem = path + ": missing (the checkpoint was never completed)";
+  std::string why;
+  if (!read_whole(path, &text, &why)) {
+    *problem =
+        path + ": " +
+        (why == "missing" ? std::string("missing (the checkpoint was never completed)") : why);
     return false;
   }
   try {
@@ -92,13 +103,27 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
                  std::to_string(kDiskFormat);
       return false;
     }
-    entry->dir = dir;
-    entry->step = j.at("step").get<std::int64_t>();
-    entry->world_size = j.at("world_size").get<int>();
-    if (entry->world_size < 1 || entry->step < 0) {
-      *problem = path + ": step or world_size out of range";
+    // Every number read from disk is bounded before anything loops over it.
+    const auto step = j.at("step").get<std::int64_t>();
+    const auto world = j.at("world_size").get<std::int64_t>();
+    if (world < 1 || world > kMaxWorldSize) {
+      *problem = path + ": world_size " + std::to_string(world) + " is out of range (1 to " +
+                 std::to_string(kMaxWorldSize) + ")";
       return false;
     }
+    if (step < 0 || step > kMaxStep) {
+      *problem = path + ": step " + std::to_string(step) + " is out of range";
+      return false;
+    }
+    const std::int64_t named = step_of_dir_name(std::filesystem::path(dir).filename().string());
+    if (named >= 0 && named != step) {
+      *problem = path + ": holds step " + std::to_string(step) + " inside the directory of step " +
+                 std::to_string(named);
+      return false;
+    }
+    entry->dir = dir;
+    entry->step = step;
+    entry->world_size = static_cast<int>(world);
   } catch (const std::exception& e) {
     *problem = path + ": unreadable manifest (" + e.what() + ")";
     return false;
@@ -107,13 +132,14 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
 }
 
 // The record of one rank file: its size and checksum. Returns false with `problem` set.
-bool check_rank_file(const std::string& dir, int rank, std::string* payload, std::string* problem,
-                     std::int64_t* bytes) {
+bool check_rank_file(const std::string& dir, std::int64_t step, int rank, std::string* payload,
+                     std::string* problem, std::int64_t* bytes) {
   const std::string record_path = dir + "/" + rank_name(rank, "json");
   const std::string file_path = dir + "/" + rank_name(rank, "ckpt");
   std::string record_text;
-  if (!read_whole(record_path, &record_text)) {
-    *problem = record_path + ": missing";
+  std::string why;
+  if (!read_whole(record_path, &record_text, &why)) {
+    *problem = record_path + ": " + why;
     return false;
   }
   std::int64_t size = 0;
@@ -122,12 +148,19 @@ bool check_rank_file(const std::string& dir, int rank, std::string* payload, std
     const auto j = nlohmann::json::parse(record_text);
     size = j.at("bytes").get<std::int64_t>();
     sum = j.at("xxh3_64").get<std::string>();
+    // Files of another step or rank copied here would otherwise pass their own checksums.
+    if (j.at("step").get<std::int64_t>() != step || j.at("rank").get<std::int64_t>() != rank) {
+      *problem = record_path + ": belongs to step " + j.at("step").dump() + ", rank " +
+                 j.at("rank").dump() + ", not step " + std::to_string(step) + ", rank " +
+                 std::to_string(rank);
+      return false;
+    }
   } catch (const std::exception& e) {
     *problem = record_path + ": unreadable (" + e.what() + ")";
     return false;
   }
-  if (!read_whole(file_path, payload)) {
-    *problem = file_path + ": missing";
+  if (!read_whole(file_path, payload, &why)) {
+    *problem = file_path + ": " + why;
     return false;
   }
   if (static_cast<std::int64_t>(payload->size()) != size) {
@@ -283,7 +316,7 @@ VerifyReport verify_checkpoint(const CheckpointEntry& entry) {
   report.entry = entry;
   for (int rank = 0; rank < entry.world_size; ++rank) {
     std::string payload, problem;
-    if (!check_rank_file(entry.dir, rank, &payload, &problem, &report.bytes)) {
+    if (!check_rank_file(entry.dir, entry.step, rank, &payload, &problem, &report.bytes)) {
       report.problems.push_back(problem);
     }
   }
@@ -312,14 +345,6 @@ std::vector<VerifyReport> verify_all(const std::string& root) {
       out.push_back(r);
       continue;
     }
-    if (entry.step != step) {
-      VerifyReport r;
-      r.entry = entry;
-      r.problems.push_back(dir + "/" + kManifest + ": names step " + std::to_string(entry.step) +
-                           " in the directory of step " + std::to_string(step));
-      out.push_back(r);
-      continue;
-    }
     out.push_back(verify_checkpoint(entry));
   }
   return out;
@@ -332,7 +357,7 @@ std::string read_rank_file(const CheckpointEntry& entry, int rank) {
     throw CheckpointError(entry.dir + ": no rank " + std::to_string(rank) + " (world size " +
                           std::to_string(entry.world_size) + ")");
   }
-  if (!check_rank_file(entry.dir, rank, &payload, &problem, &bytes)) {
+  if (!check_rank_file(entry.dir, entry.step, rank, &payload, &problem, &bytes)) {
     throw CheckpointError(problem);
   }
   return payload;

@@ -26,6 +26,10 @@ namespace checkpoint {
 /// The format this build writes and reads (MANIFEST.json's "format").
 constexpr int kDiskFormat = 1;  // the manifest and rank-record layout (payload.h has its own)
 
+/// Bounds of the numbers a manifest may hold (beyond any real job; they bound every loop).
+constexpr std::int64_t kMaxWorldSize = std::int64_t{1} << 20;
+constexpr std::int64_t kMaxStep = std::int64_t{1} << 53;
+
 /// A checkpoint found on disk (it has a readable manifest).
 struct CheckpointEntry {
   std::string dir;  ///< DIR/step-NNNNNNNNN

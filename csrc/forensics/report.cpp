@@ -1,4 +1,5 @@
 #include "csrc/forensics/report.h"
+#include "csrc/common/json_text.h"
 
 #include <cstdio>
 #include <sstream>
@@ -21,7 +22,7 @@ std::string cell(const nlohmann::json& v) {
     std::snprintf(buf, sizeof buf, "%.6g", v.get<double>());
     return buf;
   }
-  return v.is_string() ? v.get<std::string>() : v.dump();
+  return v.is_string() ? v.get<std::string>() : dump_json(v);
 }
 
 }  // namespace
@@ -33,7 +34,8 @@ std::string render_markdown(const nlohmann::json& r) {
   out << "- signal: `" << text(r, "signal") << "`\n";
   out << "- action: `" << text(r, "action") << "`\n";
   if (r.contains("reason")) out << "- policy: " << text(r, "reason") << "\n";
-  if (r.contains("ranks") && !r["ranks"].empty()) out << "- ranks: " << r["ranks"].dump() << "\n";
+  if (r.contains("ranks") && !r["ranks"].empty())
+    out << "- ranks: " << dump_json(r["ranks"]) << "\n";
   if (r.contains("tensors") && !r["tensors"].empty()) {
     out << "- first offending gradients (backward order):";
     for (const auto& t : r["tensors"]) out << " `" << t.get<std::string>() << "`";

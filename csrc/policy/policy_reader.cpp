@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "csrc/common/utf8.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/policy/policy_file_internal.h"
 
@@ -443,6 +445,17 @@ class Reader {
 std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string& name,
                                       PolicyConfig* config) {
   Checker check(name);
+  // A rule name that is not UTF-8 would pass and then break every trace and report naming it.
+  if (const Utf8Error bad = find_invalid_utf8(text); bad.found) {
+    YAML::Mark at;
+    at.pos = static_cast<int>(bad.offset);
+    at.line = bad.line;
+    at.column = bad.column;
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(text[bad.offset]));
+    check.issue(at, std::string("invalid UTF-8 (byte ") + byte + "); a policy file is UTF-8 text");
+    return check.take();
+  }
   YAML::Node root;
   try {
     root = YAML::Load(text);

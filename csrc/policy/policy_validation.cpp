@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -83,8 +84,19 @@ void Checker::issue(const YAML::Mark& mark, const std::string& message) {
 void Checker::check_keys(const YAML::Node& map, const std::vector<std::string>& known,
                          const std::string& where, const std::vector<std::string>& elsewhere,
                          const std::string& why) {
+  // A repeated key would be read once (the first) and the edit to the other silently ignored.
+  std::map<std::string, YAML::Mark> seen;
   for (const auto& item : map) {
     const std::string key = item.first.IsScalar() ? item.first.Scalar() : std::string();
+    if (item.first.IsScalar()) {
+      const auto [first, fresh] = seen.emplace(key, item.first.Mark());
+      if (!fresh) {
+        issue(item.first.Mark(), "duplicate key '" + key + "'" + where + " (first given at line " +
+                                     std::to_string(first->second.line + 1) + ", column " +
+                                     std::to_string(first->second.column + 1) + ")");
+        continue;
+      }
+    }
     if (std::find(known.begin(), known.end(), key) != known.end()) continue;
     if (!why.empty() && std::find(elsewhere.begin(), elsewhere.end(), key) != elsewhere.end()) {
       issue(item.first.Mark(), "'" + key + "' " + why);

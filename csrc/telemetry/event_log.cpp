@@ -1,4 +1,5 @@
 #include "csrc/telemetry/event_log.h"
+#include "csrc/common/json_text.h"
 
 #include <cerrno>
 #include <cmath>
@@ -50,7 +51,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   if (!decision.reason.empty()) line["reason"] = decision.reason;
   if (!stats.faulty_ranks.empty()) line["faulty_ranks"] = stats.faulty_ranks;
   if (!tensors.empty()) line["tensors"] = tensors;
-  return line.dump();
+  return dump_json(line);
 }
 
 void EventLog::record(const StepReport& report, const GlobalStats& stats, const Signals& signals,

@@ -18,6 +18,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "csrc/common/json_text.h"
 #include "default_policy.h"
 #include "integration/demo/corpus.h"
 #include "integration/demo/launcher.h"
@@ -393,11 +394,15 @@ int run_demo(const DemoOptions& o) {
     }
     if (report.incident) {
       const auto& inc = *report.incident;
-      nlohmann::json j = {
-          {"step", inc.step},     {"signal", to_string(inc.signal)},
-          {"action", to_string(inc.action)},
-          {"cause", to_string(inc.cause)},   {"tensors", inc.tensors},   {"ranks", inc.ranks},
-          {"reason", inc.reason}, {"evidence", inc.evidence}, {"fixes", inc.fixes}};
+      nlohmann::json j = {{"step", inc.step},
+                          {"signal", to_string(inc.signal)},
+                          {"action", to_string(inc.action)},
+                          {"cause", to_string(inc.cause)},
+                          {"tensors", inc.tensors},
+                          {"ranks", inc.ranks},
+                          {"reason", inc.reason},
+                          {"evidence", inc.evidence},
+                          {"fixes", inc.fixes}};
       if (!inc.report.empty()) j["report"] = inc.report;
       incidents.push_back(j);
       std::string blamed;
@@ -495,7 +500,7 @@ int run_demo(const DemoOptions& o) {
   };
   if (!o.summary_json.empty()) {
     std::ofstream out(o.summary_json);
-    out << summary.dump(2) << '\n';
+    out << dump_json(summary, 2) << '\n';
     if (!out) throw std::runtime_error("demo: cannot write summary to '" + o.summary_json + "'");
   }
 

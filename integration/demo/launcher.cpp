@@ -3,12 +3,14 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -51,6 +53,18 @@ std::string describe(int status) {
   return "ended with wait status " + std::to_string(status);
 }
 
+// SIGTERM or SIGINT to the launcher: forwarded to every rank, so none is left training.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+void catch_stop_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+}
+
 }  // namespace
 
 int launch_ranks(const DemoOptions& o) {
@@ -65,6 +79,8 @@ int launch_ranks(const DemoOptions& o) {
                port);
   std::fflush(stderr);
   std::vector<pid_t> pids(o.ranks, -1);
+  catch_stop_signals();
+  const pid_t launcher = ::getpid();
   for (int r = 0; r < o.ranks; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) {
@@ -74,6 +90,9 @@ int launch_ranks(const DemoOptions& o) {
       throw std::runtime_error(std::string("demo: fork(): ") + std::strerror(errno));
     }
     if (pid == 0) {
+      // A rank dies with its launcher, however the launcher ends (even SIGKILL).
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) std::_Exit(1);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(o.ranks).c_str(), 1);
@@ -93,7 +112,16 @@ int launch_ranks(const DemoOptions& o) {
   bool failure_seen = false;
   Clock::time_point kill_at = Clock::time_point::max();
   const auto grace = std::chrono::seconds(o.collective_timeout_s) + std::chrono::seconds(15);
+  bool forwarded = false;
   while (remaining > 0) {
+    if (g_stop_signal != 0 && !forwarded) {
+      std::fprintf(stderr, "stepguard demo: %s: stopping every rank\n", strsignal(g_stop_signal));
+      for (int r = 0; r < o.ranks; ++r) {
+        if (!done[r]) ::kill(pids[r], g_stop_signal);
+      }
+      forwarded = true;
+      kill_at = std::min(kill_at, Clock::now() + std::chrono::seconds(10));
+    }
     int st = 0;
     const pid_t pid = ::waitpid(-1, &st, WNOHANG);
     if (pid > 0) {
@@ -103,7 +131,7 @@ int launch_ranks(const DemoOptions& o) {
         status[r] = st;
         --remaining;
         const bool ok = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 3);
-        if (!ok) {
+        if (!ok && !forwarded) {
           std::fprintf(stderr, "stepguard demo: rank %d %s\n", r, describe(st).c_str());
           if (!failure_seen) {
             failure_seen = true;
@@ -127,6 +155,7 @@ int launch_ranks(const DemoOptions& o) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
+  if (g_stop_signal != 0) return 128 + g_stop_signal;
   bool all_ok = true, all_aborted = true;
   for (int r = 0; r < o.ranks; ++r) {
     const bool exited = WIFEXITED(status[r]);

@@ -2,6 +2,9 @@
 // assertions read its summary JSON and trace, as a user's script would.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
+#include <csignal>
+#include <thread>
 
 #include <chrono>
 #include <cstdlib>
@@ -296,6 +299,41 @@ TEST(MultiRank, AKilledRankMakesTheOthersExitWithinTheDeadlineNamingStepAndRank)
   EXPECT_NE(r.err.find("missing rank 1"), std::string::npos) << r.err;
   // No rank is left behind.
   EXPECT_EQ(processes_mentioning(marker), 0);
+}
+
+TEST(MultiRank, SigtermToTheLauncherStopsEveryRank) {
+  const std::string marker = temp_path("sigterm_marker.jsonl");
+  const std::string first_trace = marker;  // rank 0 writes the path as given
+  const pid_t launcher = ::fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    ::freopen("/dev/null", "w", stderr);
+    ::execl(STEPGUARD_BIN, STEPGUARD_BIN, "demo", "--ranks", "2", "--steps", "100000",
+            "--batch-size", "4", "--trace", marker.c_str(), static_cast<char*>(nullptr));
+    std::_Exit(127);
+  }
+  // Wait until rank 0 trains (its trace has a line): then the launcher is mid-run.
+  const auto started = std::chrono::steady_clock::now();
+  while (slurp(first_trace).find('\n') == std::string::npos &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(300)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_NE(slurp(first_trace).find('\n'), std::string::npos) << "the ranks never started";
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  // Deadlines count from the signal.
+  const auto signalled = std::chrono::steady_clock::now();
+  int status = 0;
+  while (::waitpid(launcher, &status, WNOHANG) == 0 &&
+         std::chrono::steady_clock::now() - signalled < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(WIFEXITED(status)) << "the launcher did not exit within 30 s of SIGTERM";
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  while (processes_mentioning(marker) > 0 &&
+         std::chrono::steady_clock::now() - signalled < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(processes_mentioning(marker), 0) << "ranks left training as orphans";
 }
 
 TEST(MultiRank, InjectionOnARankThatDoesNotExistIsABadArgument) {

@@ -1,6 +1,7 @@
 // Rendezvous and Gloo process-group creation, wiring torch's c10d.
 #include "stepguard/distributed.h"
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -73,17 +74,15 @@ ProcessGroupHandle init_gloo_process_group(const Rendezvous& r) {
     auto tcp = c10::make_intrusive<c10d::TCPStore>(r.master_addr, store_options);
     handle.store = c10::make_intrusive<c10d::PrefixStore>("stepguard", tcp);
 
-    auto options = c10d::ProcessGroupGloo::Options::create(r.timeout);
+    const auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", tcp);
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    } else if (is_loopback(r.master_addr)) {
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      handle.group = make_gloo_process_group(gloo_store, r.rank, r.world_size, r.timeout, ifname,
+                                             /*is_interface=*/true);
     } else {
-      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      // Loopback rendezvous: bind Gloo to loopback; else to this host's address ("").
+      handle.group = make_gloo_process_group(gloo_store, r.rank, r.world_size, r.timeout,
+                                             is_loopback(r.master_addr) ? "127.0.0.1" : "");
     }
-    options->threads = 2;
-    handle.group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("gloo", tcp), r.rank, r.world_size, options);
   } catch (const std::invalid_argument&) {
     throw;
   } catch (const std::exception& e) {
@@ -94,6 +93,39 @@ ProcessGroupHandle init_gloo_process_group(const Rendezvous& r) {
                              ":" + std::to_string(r.master_port) + " failed: " + cause);
   }
   return handle;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+    std::chrono::milliseconds timeout, const std::string& hostname_or_interface,
+    bool is_interface) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (is_interface) {
+    options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForInterface(hostname_or_interface));
+  } else if (!hostname_or_interface.empty()) {
+    options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(hostname_or_interface));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  options->threads = 2;
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+#if TORCH_VERSION_MAJOR >= 2
+  // Since 2.0 the Gloo class is a Backend: the group dispatches to it for CPU tensors. 2.5
+  // dropped ProcessGroup::Options; the default backend is then set explicitly.
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+#else
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(
+      store, rank, world_size, c10::make_intrusive<c10d::ProcessGroup::Options>("gloo", timeout));
+#endif
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  return group;
+#else
+  return gloo;
+#endif
 }
 
 }  // namespace stepguard

@@ -95,9 +95,8 @@ bool LibTorchPort::typed() const {
   return true;
 }
 
-std::vector<NamedTensor> LibTorchPort::state_tensors() const {
-  std::vector<NamedTensor> out;
-  if (!typed()) return out;  // the archive in state_bytes() holds everything
+template <typename Visit>
+void LibTorchPort::each_state(Visit visit) const {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto it = optimizer_.state().find(state_key(params_[i]));
     if (it == optimizer_.state().end()) continue;
@@ -105,10 +104,18 @@ std::vector<NamedTensor> LibTorchPort::state_tensors() const {
     std::int64_t step = 0;
     StateFields fields;
     libtorch_port::read_fields(*it->second, &type, &step, &fields);
+    visit(i, type, step, fields);
+  }
+}
+
+std::vector<NamedTensor> LibTorchPort::state_tensors() const {
+  std::vector<NamedTensor> out;
+  if (!typed()) return out;  // the archive in state_bytes() holds everything
+  each_state([&](std::size_t i, const std::string&, std::int64_t, const StateFields& fields) {
     for (const auto& [name, t] : fields) {
       if (t.defined()) out.push_back({std::to_string(i) + "." + name, t});
     }
-  }
+  });
   return out;
 }
 
@@ -122,19 +129,14 @@ std::string LibTorchPort::state_bytes() const {
     return kArchive + bytes.str();
   }
   Json states = Json::array();
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    auto it = optimizer_.state().find(state_key(params_[i]));
-    if (it == optimizer_.state().end()) continue;
-    std::string type;
-    std::int64_t step = 0;
-    StateFields fields;
-    libtorch_port::read_fields(*it->second, &type, &step, &fields);
-    Json defined = Json::array();
-    for (const auto& [name, t] : fields) {
-      if (t.defined()) defined.push_back(name);
-    }
-    states.push_back({{"param", i}, {"type", type}, {"step", step}, {"fields", defined}});
-  }
+  each_state(
+      [&](std::size_t i, const std::string& type, std::int64_t step, const StateFields& fields) {
+        Json defined = Json::array();
+        for (const auto& [name, t] : fields) {
+          if (t.defined()) defined.push_back(name);
+        }
+        states.push_back({{"param", i}, {"type", type}, {"step", step}, {"fields", defined}});
+      });
   return kTyped + states.dump();
 }
 

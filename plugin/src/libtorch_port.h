@@ -38,6 +38,9 @@ class LibTorchPort final : public OptimizerPort {
  private:
   void collect(const torch::OrderedDict<std::string, torch::Tensor>& named);
   bool typed() const;
+  /// Calls visit(parameter index, type, step, fields) for every parameter with a state.
+  template <typename Visit>
+  void each_state(Visit visit) const;
   struct TypedEntry {
     std::size_t param;
     std::string type;

@@ -10,6 +10,7 @@
 #include <ostream>
 #include <stdexcept>
 
+#include "csrc/common/json_text.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/telemetry/event_log.h"
 #include "plugin/src/step_controller.h"
@@ -114,8 +115,8 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
+      j = parse_json_bounded(text);
+    } catch (const std::exception& e) {
       throw TraceError(options.trace_file, line_no, std::string("not a JSON object: ") + e.what());
     }
     if (!j.is_object()) throw TraceError(options.trace_file, line_no, "not a JSON object");

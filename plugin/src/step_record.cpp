@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/common/json_text.h"
 #include "csrc/forensics/input_check.h"
 #include "csrc/forensics/report.h"
 #include "plugin/src/step_engine.h"
@@ -146,7 +147,7 @@ std::string StepEngine::write_incident_files(std::int64_t step, nlohmann::json& 
       torch::save(host, prefix + ".batch.pt");
       json["batch"] = prefix + ".batch.pt";
     }
-    checkpoint::write_file_atomically(prefix + ".json", json.dump(2) + "\n");
+    checkpoint::write_file_atomically(prefix + ".json", dump_json(json, 2) + "\n");
     checkpoint::write_file_atomically(prefix + ".md", forensics::render_markdown(json));
   } catch (const std::exception& e) {
     std::fprintf(stderr,

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/common/json_text.h"
 #include "csrc/forensics/report.h"
 #include "csrc/policy/policy_file.h"
 
@@ -34,7 +35,7 @@ std::vector<CheckpointStatus> verify_checkpoints(const std::string& root) {
 std::string render_incident_report(const std::string& json_text, const std::string& source) {
   nlohmann::json report;
   try {
-    report = nlohmann::json::parse(json_text);
+    report = parse_json_bounded(json_text);
   } catch (const std::exception& e) {
     throw std::invalid_argument(source + ": not an incident report (" + e.what() + ")");
   }

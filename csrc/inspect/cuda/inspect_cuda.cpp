@@ -162,6 +162,12 @@ HostInspection inspect_host_on_device(const std::vector<std::vector<std::uint8_t
                                       const std::vector<inspect::GradDtype>& dtypes,
                                       double inv_scale, bool unscale, std::size_t misalign_bytes) {
   if (bytes.size() != dtypes.size()) throw std::invalid_argument("bytes and dtypes differ in size");
+  if (misalign_bytes % 8 != 0) {
+    // Scalar loads must stay naturally aligned for every dtype (a misaligned load poisons the
+    // context); 8 bytes still defeats the 16-byte vector loads.
+    throw std::invalid_argument("stepguard: misalign_bytes must be a multiple of 8, got " +
+                                std::to_string(misalign_bytes));
+  }
   FusedInspector inspector(0);
   std::vector<DeviceBuffer> buffers;
   std::vector<DeviceGradient> grads;

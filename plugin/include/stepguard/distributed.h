@@ -41,4 +41,12 @@ struct ProcessGroupHandle {
 /// std::runtime_error naming the address when the rendezvous misses its deadline.
 ProcessGroupHandle init_gloo_process_group(const Rendezvous& rendezvous);
 
+/// A c10d::ProcessGroup that runs on Gloo over `device` (a createDevice* of ProcessGroupGloo),
+/// meeting through `store`. LibTorch 1.x: the ProcessGroupGloo itself; 2.x: a ProcessGroup
+/// with ProcessGroupGloo as its CPU backend (since 2.0 the Gloo class is a c10d::Backend).
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+    std::chrono::milliseconds timeout, const std::string& hostname_or_interface,
+    bool is_interface = false);
+
 }  // namespace stepguard

@@ -49,17 +49,21 @@ class TorchOptimPort:
     def apply(self, lr_factor):
         """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
         if lr_factor == 1.0:
-            self.optimizer.step()
+            self.update()
             return
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         try:
             for g, lr in zip(groups, saved):
                 g["lr"] = lr * lr_factor
-            self.optimizer.step()
+            self.update()
         finally:
             for g, lr in zip(groups, saved):
                 g["lr"] = lr
+
+    def update(self):
+        """The update itself (adapters replace it)."""
+        self.optimizer.step()
 
     # -- state --------------------------------------------------------------------------------
     def _states(self):

@@ -21,22 +21,11 @@ class _MegatronPort(TorchOptimPort):
         self.megatron = megatron_optimizer
         self.clip_grad = clip_grad
 
-    def apply(self, lr_factor):
-        def update():
-            if self.clip_grad > 0.0:
-                self.megatron.clip_grad_norm(self.clip_grad)
-            if not self.megatron.step_with_ready_grads():
-                raise RuntimeError("stepguard: step_with_ready_grads() reported failure")
-
-        groups = self.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        try:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr * lr_factor
-            update()
-        finally:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
+    def update(self):
+        if self.clip_grad > 0.0:
+            self.megatron.clip_grad_norm(self.clip_grad)
+        if not self.megatron.step_with_ready_grads():
+            raise RuntimeError("stepguard: step_with_ready_grads() reported failure")
 
 
 class MegatronOptimizerAdapter:

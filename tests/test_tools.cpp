@@ -1,0 +1,43 @@
+// The offline tools behind the CLI (stepguard/tools.h) and the trace writer on hostile text:
+// deep JSON is an error, not a stack overflow; invalid UTF-8 in names never stops a trace line.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "csrc/telemetry/event_log.h"
+#include "stepguard/tools.h"
+
+namespace stepguard {
+namespace {
+
+TEST(Tools, ADeeplyNestedIncidentReportIsAnErrorNotACrash) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  try {
+    render_incident_report(deep, "deep.json");
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "deep.json: not an incident report (nested deeper than 64 levels)");
+  }
+  EXPECT_THROW(render_incident_report("{\"step\": 1}", "x.json"), std::invalid_argument);
+  const std::string md = render_incident_report(
+      R"({"step": 7, "cause": "data", "signal": "nonfinite_loss", "action": "skip_batch"})",
+      "ok.json");
+  EXPECT_NE(md.find("data"), std::string::npos);
+}
+
+TEST(Tools, TraceLinesReplaceInvalidUtf8InsteadOfThrowing) {
+  StepReport report;
+  report.step = 3;
+  Decision decision;
+  decision.rules = {"caf\xe9"};
+  decision.reason = "rule caf\xe9 fired";
+  const std::string line = telemetry::trace_line(report, GlobalStats{}, Signals{}, decision, {});
+  const auto j = nlohmann::json::parse(line);
+  EXPECT_EQ(j["rules"][0], "caf\xef\xbf\xbd");  // U+FFFD
+}
+
+}  // namespace
+}  // namespace stepguard

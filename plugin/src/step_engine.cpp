@@ -165,7 +165,13 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
       ++totals_.skipped;
       break;
     case Outcome::kRolledBack:
-      recovery_.restore_snapshot(decided.rolled_back_to);
+      try {
+        recovery_.restore_snapshot(decided.rolled_back_to);
+      } catch (const std::exception& e) {
+        // Every rank agreed to restore; one that cannot may not train on alone.
+        abort_with(e.what());
+        throw;
+      }
       port_.discard();  // gradients of the abandoned state
       ++totals_.rolled_back;
       break;

@@ -28,6 +28,26 @@ TEST(Tools, ADeeplyNestedIncidentReportIsAnErrorNotACrash) {
   EXPECT_NE(md.find("data"), std::string::npos);
 }
 
+TEST(Tools, AReportWithWrongTypesOrEscapeCodesIsSafeToShow) {
+  try {
+    render_incident_report(R"({"step": 1, "cause": "data", "evidence": 5, "fixes": {"a": 1}})",
+                           "typed.json");
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("typed.json: not an incident report (a field has the "
+                                          "wrong type: ",
+                                          0),
+              0u)
+        << e.what();
+  }
+  const std::string md = render_incident_report(
+      "{\"step\": 2, \"cause\": \"data\", \"reason\": \"\\u001b[2J\\u001b]0;owned\\u0007x\"}",
+      "escape.json");
+  EXPECT_EQ(md.find('\x1b'), std::string::npos) << md;
+  EXPECT_EQ(md.find('\x07'), std::string::npos) << md;
+  EXPECT_NE(md.find("?[2J"), std::string::npos) << md;
+}
+
 TEST(Tools, TraceLinesReplaceInvalidUtf8InsteadOfThrowing) {
   StepReport report;
   report.step = 3;

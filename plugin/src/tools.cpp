@@ -42,7 +42,19 @@ std::string render_incident_report(const std::string& json_text, const std::stri
   if (!report.is_object() || !report.contains("step") || !report.contains("cause")) {
     throw std::invalid_argument(source + ": not an incident report (no 'step' and 'cause')");
   }
-  return forensics::render_markdown(report);
+  std::string text;
+  try {
+    text = forensics::render_markdown(report);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(source + ": not an incident report (a field has the wrong type: " +
+                                e.what() + ")");
+  }
+  // The report is data from a file: no terminal escape sequences reach the terminal.
+  for (char& c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) c = '?';
+  }
+  return text;
 }
 
 }  // namespace stepguard

@@ -304,6 +304,9 @@ TEST(MultiRank, AKilledRankMakesTheOthersExitWithinTheDeadlineNamingStepAndRank)
 TEST(MultiRank, SigtermToTheLauncherStopsEveryRank) {
   const std::string marker = temp_path("sigterm_marker.jsonl");
   const std::string first_trace = marker;  // rank 0 writes the path as given
+  // A trace left by an earlier run would look like a run in progress.
+  std::filesystem::remove(marker);
+  std::filesystem::remove(marker + ".rank1");
   const pid_t launcher = ::fork();
   ASSERT_GE(launcher, 0);
   if (launcher == 0) {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "csrc/forensics/classifier.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace forensics {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "csrc/forensics/classifier.h"
-#include "stepguard/core/vocabulary.h"
+#include "csrc/core/vocabulary.h"
 
 namespace stepguard {
 namespace forensics {

@@ -13,7 +13,7 @@
 
 #include "csrc/core/stats.h"
 #include "csrc/inspect/element_ops.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace inspect {

@@ -17,7 +17,7 @@
 
 #include "csrc/core/stats.h"
 #include "csrc/policy/detectors.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace policy {

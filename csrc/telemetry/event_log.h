@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "csrc/core/stats.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace telemetry {

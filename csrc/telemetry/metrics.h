@@ -15,7 +15,7 @@
 #include <string>
 
 #include "csrc/core/stats.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace telemetry {

@@ -6,9 +6,9 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 

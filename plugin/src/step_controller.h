@@ -22,7 +22,7 @@
 #include "csrc/policy/policy.h"
 #include "csrc/scaling/loss_scaler.h"
 #include "csrc/scaling/lr_controller.h"
-#include "stepguard/core/report.h"
+#include "csrc/core/report.h"
 
 namespace stepguard {
 

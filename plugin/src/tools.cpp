@@ -46,8 +46,8 @@ std::string render_incident_report(const std::string& json_text, const std::stri
   try {
     text = forensics::render_markdown(report);
   } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(source + ": not an incident report (a field has the wrong type: " +
-                                e.what() + ")");
+    throw std::invalid_argument(
+        source + ": not an incident report (a field has the wrong type: " + e.what() + ")");
   }
   // The report is data from a file: no terminal escape sequences reach the terminal.
   for (char& c : text) {

@@ -4,7 +4,7 @@
  * used both ways: to_string() for traces, JSON and metric labels, parse_*() for policy files,
  * traces and reports. Nobody else spells these names.
  *
- * Lives in csrc/core and is installed with the public headers (stepguard/types.h includes it):
+ * Installed with the public headers (stepguard/types.h includes it):
  * the engine modules and the training loop share it. Standard library only. Thread-safe (constant
  * data).
  */

@@ -3,7 +3,7 @@
  * detector fired. Built in one place (the step engine's record stage, which `stepguard replay`
  * shares); read by the loop, the trace writer, the metrics and the incident report.
  *
- * Lives in csrc/core and is installed with the public headers (stepguard/types.h includes it).
+ * Installed with the public headers (stepguard/types.h includes it).
  * Plain values: copy freely.
  */
 #pragma once
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/core/vocabulary.h"
+#include "csrc/core/vocabulary.h"
 
 namespace stepguard {
 

@@ -23,17 +23,15 @@ namespace {
 struct PyGuard {
   PyGuard(py::object port_object, GuardOptions options)
       : port(std::move(port_object)),
-        engine_ptr(std::make_unique<StepEngine>(port, std::move(options))),
-        engine(*engine_ptr) {}
+        engine(std::make_unique<StepEngine>(port, std::move(options))) {}
   // The engine may hold the last reference to a process group, whose destructor waits for its
   // worker threads, which may need the GIL to free a Python tensor: release it meanwhile.
   ~PyGuard() {
     py::gil_scoped_release release;
-    engine_ptr.reset();
+    engine.reset();
   }
   PythonPort port;
-  std::unique_ptr<StepEngine> engine_ptr;
-  StepEngine& engine;
+  std::unique_ptr<StepEngine> engine;
 };
 
 py::object incident_dict(const std::optional<Incident>& incident) {
@@ -179,57 +177,59 @@ void bind_guard(py::module_& m) {
            py::arg("max_consecutive_bad_steps") = 0, py::arg("zero_grad_on_skip") = true,
            py::arg("max_blamed_tensors") = 8)
       .def(
-          "step", [](PyGuard& g, const at::Tensor& loss) { return g.engine.step(loss); },
+          "step", [](PyGuard& g, const at::Tensor& loss) { return g.engine->step(loss); },
           py::arg("loss"), Release())
       .def("scale_loss",
-           [](PyGuard& g, const at::Tensor& loss) { return g.engine.scale_loss(loss); })
+           [](PyGuard& g, const at::Tensor& loss) { return g.engine->scale_loss(loss); })
       .def(
           "check_inputs",
           [](PyGuard& g, const std::vector<at::Tensor>& inputs, std::optional<at::Tensor> mask) {
             py::gil_scoped_release release;
-            return g.engine.check_inputs(inputs, mask.value_or(at::Tensor()));
+            return g.engine->check_inputs(inputs, mask.value_or(at::Tensor()));
           },
           py::arg("inputs"), py::arg("mask") = py::none())
       .def("set_replay",
            [](PyGuard& g, const py::object& fn) {
-             g.engine.set_replay(fn.is_none() ? forensics::Recompute()
-                                              : recompute_of(fn.cast<py::function>()));
+             g.engine->set_replay(fn.is_none() ? forensics::Recompute()
+                                               : recompute_of(fn.cast<py::function>()));
            })
       .def("probe", [](PyGuard& g, const std::string& name,
-                       const at::Tensor& output) { return g.engine.probe(name, output); })
+                       const at::Tensor& output) { return g.engine->probe(name, output); })
       .def("track_buffers",
            [](PyGuard& g, std::vector<at::Tensor> buffers) {
-             g.engine.track_buffers(std::move(buffers));
+             g.engine->track_buffers(std::move(buffers));
            })
       .def(
-          "resume", [](PyGuard& g, const std::string& dir) { return g.engine.resume(dir); },
+          "resume", [](PyGuard& g, const std::string& dir) { return g.engine->resume(dir); },
           Release())
       .def(
-          "commit_pending_checkpoint", [](PyGuard& g) { g.engine.commit_pending_checkpoint(); },
+          "commit_pending_checkpoint", [](PyGuard& g) { g.engine->commit_pending_checkpoint(); },
           Release())
-      .def("record", [](const PyGuard& g) { return record_dict(g.engine.record()); })
-      .def("load_record", [](PyGuard& g, const py::dict& d) { g.engine.load_record(record_of(d)); })
-      .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine.set_data_position(p); })
-      .def_property_readonly("step_count", [](const PyGuard& g) { return g.engine.step_count(); })
+      .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
+      .def("load_record",
+           [](PyGuard& g, const py::dict& d) { g.engine->load_record(record_of(d)); })
+      .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
+      .def_property_readonly("step_count", [](const PyGuard& g) { return g.engine->step_count(); })
       .def_property_readonly("totals",
-                             [](const PyGuard& g) { return totals_dict(g.engine.totals()); })
-      .def_property_readonly("aborted", [](const PyGuard& g) { return g.engine.aborted(); })
-      .def_property_readonly("loss_scale", [](const PyGuard& g) { return g.engine.loss_scale(); })
-      .def_property_readonly("lr_factor", [](const PyGuard& g) { return g.engine.lr_factor(); })
+                             [](const PyGuard& g) { return totals_dict(g.engine->totals()); })
+      .def_property_readonly("aborted", [](const PyGuard& g) { return g.engine->aborted(); })
+      .def_property_readonly("loss_scale", [](const PyGuard& g) { return g.engine->loss_scale(); })
+      .def_property_readonly("lr_factor", [](const PyGuard& g) { return g.engine->lr_factor(); })
       .def_property_readonly("metrics_endpoint",
-                             [](const PyGuard& g) { return g.engine.metrics_endpoint(); })
+                             [](const PyGuard& g) { return g.engine->metrics_endpoint(); })
       .def_property_readonly("data_position",
-                             [](const PyGuard& g) { return g.engine.data_position(); })
+                             [](const PyGuard& g) { return g.engine->data_position(); })
       .def_property_readonly("skipped_ranges",
-                             [](const PyGuard& g) { return g.engine.skipped_ranges(); })
-      .def_property_readonly("rank", [](const PyGuard& g) { return g.engine.rank(); })
-      .def_property_readonly("world_size", [](const PyGuard& g) { return g.engine.world_size(); })
-      .def_property_readonly("collectives", [](const PyGuard& g) { return g.engine.collectives(); })
+                             [](const PyGuard& g) { return g.engine->skipped_ranges(); })
+      .def_property_readonly("rank", [](const PyGuard& g) { return g.engine->rank(); })
+      .def_property_readonly("world_size", [](const PyGuard& g) { return g.engine->world_size(); })
+      .def_property_readonly("collectives",
+                             [](const PyGuard& g) { return g.engine->collectives(); })
       .def_property_readonly("snapshots_held",
-                             [](const PyGuard& g) { return g.engine.snapshots_held(); })
+                             [](const PyGuard& g) { return g.engine->snapshots_held(); })
       .def_property_readonly("checkpoints_written",
-                             [](const PyGuard& g) { return g.engine.checkpoints_written(); })
-      .def("metrics_text", [](const PyGuard& g) { return g.engine.metrics_text(); });
+                             [](const PyGuard& g) { return g.engine->checkpoints_written(); })
+      .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); });
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
   policy::Verdict verdict = engine_.evaluate(input);
   StepDecision out;
-  update_knobs(stats, verdict.signals, &verdict.decision);
+  update_knobs(stats, &verdict.decision);
   out.lr_factor = lr_.factor();
   if (!verdict.decision.has(Action::kLowerLr)) {
     lr_.on_step(verdict.decision.outcome == Outcome::kApplied && !verdict.signals.any());
@@ -50,12 +50,11 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   out.signals = std::move(verdict.signals);
   out.decision = std::move(verdict.decision);
   book_.on_step(step, !out.signals.any());
-  if (out.decision.outcome == Outcome::kRolledBack) settle_rollback(step, agree, &out);
+  if (out.decision.outcome == Outcome::kRolledBack) settle_rollback(agree, &out);
   return out;
 }
 
-void StepController::update_knobs(const GlobalStats& stats, const Signals& signals, Decision* d) {
-  (void)signals;
+void StepController::update_knobs(const GlobalStats& stats, Decision* d) {
   if (scaler_) {
     // GradScaler's rule on every step, then the policy's extra drop.
     const double before = scaler_->scale();
@@ -74,9 +73,7 @@ void StepController::update_knobs(const GlobalStats& stats, const Signals& signa
   }
 }
 
-void StepController::settle_rollback(std::int64_t step, const RollbackAgreement& agree,
-                                     StepDecision* out) {
-  (void)step;
+void StepController::settle_rollback(const RollbackAgreement& agree, StepDecision* out) {
   Decision& d = out->decision;
   const std::int64_t to_step = agree(book_.confirmed_steps());
   const SnapshotBook::Entry* target = to_step > 0 ? book_.at(to_step) : nullptr;

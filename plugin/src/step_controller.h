@@ -18,11 +18,11 @@
 #include <optional>
 #include <vector>
 
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/policy/policy.h"
 #include "csrc/scaling/loss_scaler.h"
 #include "csrc/scaling/lr_controller.h"
-#include "csrc/core/report.h"
 
 namespace stepguard {
 
@@ -113,8 +113,8 @@ class StepController {
   std::uint64_t digest(std::int64_t step) const;
 
  private:
-  void update_knobs(const GlobalStats& stats, const Signals& signals, Decision* d);
-  void settle_rollback(std::int64_t step, const RollbackAgreement& agree, StepDecision* out);
+  void update_knobs(const GlobalStats& stats, Decision* d);
+  void settle_rollback(const RollbackAgreement& agree, StepDecision* out);
   /// After a rollback to a snapshot holding `words`: the detectors, loss scale and LR factor come
   /// back from the snapshot, the rules' history stays, and the rolled-back step's own loss-scale
   /// and LR actions apply on top.

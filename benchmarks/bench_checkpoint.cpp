@@ -134,8 +134,8 @@ int main(int argc, char** argv) {
     const EncodedPayload payload =
         encode_payload(record, recovery.training_tensors(), port.state_bytes(), capture_rng());
     payload_bytes = payload.pieces().size();
-    write_rank_file(dir, disk_step, 0, payload.pieces());
-    commit_checkpoint(dir, disk_step, 1, 2);
+    write_rank_file(dir, "bench", disk_step, 0, payload.pieces());
+    commit_checkpoint(dir, "bench", disk_step, 1, 2);
   };
   write_checkpoint();
   const double t_write = median_seconds(repeat, write_checkpoint);

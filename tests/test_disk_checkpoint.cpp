@@ -40,10 +40,14 @@ std::string payload_for(std::int64_t step, std::size_t bytes = 4096) {
   return p;
 }
 
+constexpr const char* kRun = "run-a";
+
 void write_checkpoint(const std::string& root, std::int64_t step, int world, int keep,
-                      std::size_t bytes = 4096) {
-  for (int r = 0; r < world; ++r) write_rank_file(root, step, r, payload_for(step * 10 + r, bytes));
-  commit_checkpoint(root, step, world, keep);
+                      std::size_t bytes = 4096, const std::string& run = kRun) {
+  for (int r = 0; r < world; ++r) {
+    write_rank_file(root, run, step, r, payload_for(step * 10 + r, bytes));
+  }
+  commit_checkpoint(root, run, step, world, keep);
 }
 
 TEST(DiskCheckpoint, WriteListVerifyAndKeepTheNewest) {
@@ -68,96 +72,124 @@ TEST(DiskCheckpoint, WriteListVerifyAndKeepTheNewest) {
 TEST(DiskCheckpoint, AnIncompleteCheckpointIsIgnoredThenCleanedUp) {
   const std::string root = fresh_dir("incomplete");
   write_checkpoint(root, 10, 1, 3);
-  write_rank_file(root, 20, 0, payload_for(200));  // no manifest: a crash before the commit
+  write_rank_file(root, kRun, 20, 0, payload_for(200));  // pending: a crash before the commit
+  EXPECT_FALSE(fs::exists(step_dir(root, 20)));  // never visible before its commit
   auto reports = verify_all(root);
   ASSERT_EQ(reports.size(), 2u);
   EXPECT_FALSE(reports[1].complete);
-  EXPECT_EQ(reports[1].problems[0], step_dir(root, 20) +
-                                        "/MANIFEST.json: missing (the checkpoint "
-                                        "was never completed)");
+  EXPECT_EQ(reports[1].problems[0],
+            pending_dir(root, kRun, 20) +
+                ": pending (written, never committed: waiting for the next step's confirmation, "
+                "or left by a crash)");
   ASSERT_EQ(list_checkpoints(root).size(), 1u);
   EXPECT_EQ(list_checkpoints(root)[0].step, 10);
+  EXPECT_EQ(list_checkpoints(root)[0].run, kRun);
   write_checkpoint(root, 30, 1, 3);
-  EXPECT_FALSE(fs::exists(step_dir(root, 20)));  // an older incomplete one goes at the commit
+  EXPECT_FALSE(fs::exists(pending_dir(root, kRun, 20)));  // the run's stale one goes at the commit
 }
 
-// Every kind of damage, detected and named.
-TEST(DiskCheckpoint, DamageIsDetectedAndNamed) {
-  struct Damage {
-    const char* name;
-    std::function<void(const std::string&)> apply;
-    std::string expected_suffix;
-  };
-  const std::vector<Damage> cases = {
-      {"truncated", [](const std::string& d) { fs::resize_file(d + "/rank-00001.ckpt", 100); },
-       "/rank-00001.ckpt: 100 bytes, expected 4096 (truncated or overwritten)"},
-      {"flipped byte",
-       [](const std::string& d) {
-         std::fstream f(d + "/rank-00000.ckpt", std::ios::in | std::ios::out | std::ios::binary);
-         f.seekp(1234);
-         char c = 0;
-         f.seekg(1234);
-         f.get(c);
-         f.seekp(1234);
-         f.put(static_cast<char>(c ^ 0x10));
-       },
-       " (corrupted)"},
-      {"missing rank file", [](const std::string& d) { fs::remove(d + "/rank-00001.ckpt"); },
-       "/rank-00001.ckpt: missing"},
-      {"missing record", [](const std::string& d) { fs::remove(d + "/rank-00000.json"); },
-       "/rank-00000.json: missing"},
-      {"garbled manifest",
-       [](const std::string& d) { std::ofstream(d + "/MANIFEST.json") << "{\"format\": "; },
-       "/MANIFEST.json: unreadable manifest"},
-      // A FIFO must not block a reader (it did: open() waited for a writer forever).
-      {"fifo for a rank file",
-       [](const std::string& d) {
-         fs::remove(d + "/rank-00001.ckpt");
-         ASSERT_EQ(::mkfifo((d + "/rank-00001.ckpt").c_str(), 0600), 0);
-       },
-       "/rank-00001.ckpt: a FIFO, not a regular file"},
-      {"fifo for the manifest",
-       [](const std::string& d) {
-         fs::remove(d + "/MANIFEST.json");
-         ASSERT_EQ(::mkfifo((d + "/MANIFEST.json").c_str(), 0600), 0);
-       },
-       "/MANIFEST.json: a FIFO, not a regular file"},
-      {"directory for a record",
-       [](const std::string& d) {
-         fs::remove(d + "/rank-00000.json");
-         fs::create_directory(d + "/rank-00000.json");
-       },
-       "/rank-00000.json: a directory, not a file"},
-      // A huge world size used to loop a billion times (and was truncated to int).
-      {"world size out of range",
-       [](const std::string& d) {
-         std::ofstream(d + "/MANIFEST.json")
-             << R"({"format": 1, "step": 20, "world_size": 99999999999, "writer": "stepguard"})";
-       },
-       "/MANIFEST.json: world_size 99999999999 is out of range (1 to 1048576)"},
-      {"files of another step",
-       [](const std::string& d) {
-         const std::string older = fs::path(d).parent_path().string() + "/step-000000010";
-         for (const char* f : {"/rank-00000.ckpt", "/rank-00000.json"}) {
-           fs::copy_file(older + f, d + f, fs::copy_options::overwrite_existing);
-         }
-       },
-       "/rank-00000.json: belongs to step 10, rank 0, not step 20, rank 0"},
-  };
-  for (const auto& c : cases) {
-    const std::string root = fresh_dir("damage");
-    write_checkpoint(root, 10, 2, 3);
-    write_checkpoint(root, 20, 2, 3);
-    c.apply(step_dir(root, 20));
-    const auto reports = verify_all(root);
-    ASSERT_EQ(reports.size(), 2u) << c.name;
-    EXPECT_TRUE(reports[0].ok()) << c.name;
-    ASSERT_FALSE(reports[1].ok()) << c.name;
-    EXPECT_TRUE(reports[1].complete) << c.name;
-    const std::string& p = reports[1].problems[0];
-    EXPECT_EQ(p.rfind(step_dir(root, 20), 0), 0u) << c.name << ": " << p;
-    EXPECT_NE(p.find(c.expected_suffix), std::string::npos) << c.name << ": " << p;
+// A new run in a directory that holds an older run's checkpoints of higher steps: its own new
+// checkpoints are kept (pruning considers one run only) and the old run's are never touched.
+TEST(DiskCheckpoint, PruningConsidersOnlyTheCommittingRun) {
+  const std::string root = fresh_dir("runs");
+  for (std::int64_t step : {80, 100, 120}) write_checkpoint(root, step, 1, 3, 4096, "old");
+  for (std::int64_t step : {20, 40, 60, 70}) write_checkpoint(root, step, 1, 3, 4096, "new");
+  std::vector<std::pair<std::string, std::int64_t>> seen;
+  for (const auto& e : list_checkpoints(root)) seen.push_back({e.run, e.step});
+  const std::vector<std::pair<std::string, std::int64_t>> expected = {
+      {"new", 40}, {"new", 60}, {"new", 70}, {"old", 80}, {"old", 100}, {"old", 120}};
+  EXPECT_EQ(seen, expected);
+  EXPECT_EQ(runs_under(root), (std::vector<std::string>{"new", "old"}));
+}
+
+// The run went back (resumed from step 40 after 60 turned out unloadable): committing step 50
+// removes the run's checkpoints of later steps, which would otherwise be resumed first.
+TEST(DiskCheckpoint, ACommitSupersedesTheRunsLaterCheckpoints) {
+  const std::string root = fresh_dir("supersede");
+  for (std::int64_t step : {20, 40, 60}) write_checkpoint(root, step, 1, 5);
+  write_checkpoint(root, 50, 1, 5);
+  std::vector<std::int64_t> steps;
+  for (const auto& e : list_checkpoints(root)) steps.push_back(e.step);
+  EXPECT_EQ(steps, (std::vector<std::int64_t>{20, 40, 50}));
+}
+
+// A step directory that already holds a checkpoint (an abandoned timeline's step 60) is never
+// rewritten in place: until the new step 60 is committed the old one stays whole, and after
+// it every file is the new one's.
+TEST(DiskCheckpoint, AStepDirectoryIsNeverRewrittenInPlace) {
+  const std::string root = fresh_dir("rewrite");
+  write_checkpoint(root, 60, 2, 3, 4096);
+  write_rank_file(root, kRun, 60, 0, payload_for(999));
+  write_rank_file(root, kRun, 60, 1, payload_for(998));
+  ASSERT_EQ(list_checkpoints(root).size(), 1u);
+  const CheckpointEntry old = list_checkpoints(root)[0];
+  EXPECT_TRUE(verify_checkpoint(old).ok());
+  EXPECT_EQ(read_rank_file(old, 0), payload_for(600));  // the new bytes are not visible yet
+  commit_checkpoint(root, kRun, 60, 2, 3);
+  const CheckpointEntry now = list_checkpoints(root).at(0);
+  EXPECT_EQ(read_rank_file(now, 0), payload_for(999));
+  EXPECT_EQ(read_rank_file(now, 1), payload_for(998));
+  for (const auto& e : fs::directory_iterator(root)) {
+    EXPECT_EQ(e.path().filename().string().find(".pending."), std::string::npos) << e.path();
+    EXPECT_EQ(e.path().filename().string().find(".trash."), std::string::npos) << e.path();
   }
+}
+
+// A rank file of another run's checkpoint of the same step fails verification.
+TEST(DiskCheckpoint, FilesOfAnotherRunAreNamed) {
+  const std::string a = fresh_dir("run_a");
+  const std::string b = fresh_dir("run_b");
+  write_checkpoint(a, 10, 1, 3, 4096, "one");
+  write_checkpoint(b, 10, 1, 3, 4096, "two");
+  for (const char* f : {"/rank-00000.ckpt", "/rank-00000.json"}) {
+    fs::copy_file(step_dir(b, 10) + f, step_dir(a, 10) + f, fs::copy_options::overwrite_existing);
+  }
+  const VerifyReport v = verify_checkpoint(list_checkpoints(a).at(0));
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.problems[0].find("rank-00000.json: belongs to run 'two', not run 'one'"),
+            std::string::npos)
+      << v.problems[0];
+  EXPECT_THROW(write_rank_file(a, "bad run/../id", 1, 0, "x"), CheckpointError);
+}
+
+// Checkpoints written before run ids (format 1) are still listed, verified and loaded.
+TEST(DiskCheckpoint, FormatOneCheckpointsAreStillRead) {
+  const std::string root = fresh_dir("format1");
+  write_checkpoint(root, 10, 1, 3);
+  const std::string dir = step_dir(root, 10);
+  std::ofstream(dir + "/MANIFEST.json")
+      << R"({"format": 1, "step": 10, "world_size": 1, "writer": "stepguard"})";
+  const auto entries = list_checkpoints(root);
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].run, "");
+  EXPECT_TRUE(verify_checkpoint(entries[0]).ok());
+  EXPECT_EQ(read_rank_file(entries[0], 0), payload_for(100));
+}
+
+// A step directory this user cannot read is a damaged checkpoint, not an incomplete one. As root
+// (which reads everything) the check runs in a child that drops to an unprivileged user.
+TEST(DiskCheckpoint, AnUnreadableStepDirectoryIsBadNotIncomplete) {
+  const std::string root = fresh_dir("unreadable");
+  write_checkpoint(root, 10, 1, 3);
+  ::chmod(step_dir(root, 10).c_str(), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) ::_exit(2);
+    const auto reports = verify_all(root);
+    const bool named = reports.size() == 1 && reports[0].complete && !reports[0].ok() &&
+                       reports[0].problems[0].find("Permission denied") != std::string::npos;
+    if (!named && !reports.empty() && !reports[0].problems.empty()) {
+      std::fprintf(stderr, "got: %s\n", reports[0].problems[0].c_str());
+    }
+    ::_exit(named ? 0 : 1);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ::chmod(step_dir(root, 10).c_str(), 0755);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "cannot drop to an unprivileged user here";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 // A writer SIGKILLed at random points, 30 times: the newest checkpoint that verifies always
@@ -205,7 +237,7 @@ TEST(DiskCheckpoint, CrashTortureNeverLeavesANewestCheckpointThatLoadsWrong) {
 
 TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
   try {
-    write_rank_file("/proc/stepguard-no", 1, 0, "x");
+    write_rank_file("/proc/stepguard-no", kRun, 1, 0, "x");
     FAIL();
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("/proc/stepguard-no/step-000000001"), std::string::npos)
@@ -258,6 +290,54 @@ TEST(GuardResume, ContinuesBitwiseFromTheNewestValidCheckpoint) {
           << "step " << step;
     }
   }
+}
+
+// A new run in a directory that holds another run's checkpoints is refused at its first step
+// (nothing written, nothing pruned); resuming from it continues that run, whose checkpoints
+// then prune as before.
+TEST(GuardResume, ADirectoryOfAnotherRunIsRefusedUnlessResumedFrom) {
+  const std::string dir = fresh_dir("other_run");
+  train_with_checkpoints(dir, 11);  // run id drawn at its first step; 3, 6, 9 visible
+  ASSERT_EQ(runs_under(dir).size(), 1u);
+  const std::string old_run = runs_under(dir)[0];
+  EXPECT_EQ(old_run.size(), 13u) << old_run;
+  for (const std::string& given : {std::string(), std::string("fresh-run")}) {
+    auto model = make_model(99);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    GuardedOptimizer guard(opt,
+                           GuardOptions().checkpoint_dir(dir).checkpoint_every(3).run_id(given));
+    opt.zero_grad();
+    auto loss = loss_of(model, 1);
+    loss.backward();
+    try {
+      guard.step(loss);
+      FAIL() << "a directory of another run was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(e.msg().find("checkpoint_dir " + dir + " holds checkpoints of another run ('" +
+                             old_run + "'"),
+                std::string::npos)
+          << e.msg();
+    }
+  }
+  EXPECT_EQ(list_checkpoints(dir).size(), 3u);
+  // The same run (resumed) goes on writing and pruning its own checkpoints.
+  auto model = make_model(99);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(opt, GuardOptions().checkpoint_dir(dir).checkpoint_every(3));
+  ASSERT_EQ(guard.resume(dir), 9);
+  for (std::int64_t step = 10; step <= 16; ++step) {
+    opt.zero_grad();
+    auto loss = loss_of(model, step);
+    loss.backward();
+    ASSERT_TRUE(guard.step(loss).applied());
+  }
+  std::vector<std::int64_t> steps;
+  for (const auto& e : list_checkpoints(dir)) {
+    steps.push_back(e.step);
+    EXPECT_EQ(e.run, old_run);
+  }
+  EXPECT_EQ(steps, (std::vector<std::int64_t>{9, 12, 15}));
+  EXPECT_THROW(GuardedOptimizer(opt, GuardOptions().run_id("no spaces")), c10::Error);
 }
 
 TEST(GuardResume, ACorruptNewestCheckpointFallsBackToThePreviousOne) {

@@ -15,6 +15,7 @@
 #include <new>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 namespace stepguard {
 namespace checkpoint {
@@ -76,7 +77,7 @@ bool read_whole(const std::string& path, std::string* out, std::string* why) {
 
 // Parses "step-NNNNNNNNN"; -1 when the name is not a step directory.
 std::int64_t step_of_dir_name(const std::string& name) {
-  if (name.rfind("step-", 0) != 0 || name.size() <= 5) return -1;
+  if (name.rfind("step-", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return -1;
   std::int64_t step = 0;
   for (std::size_t i = 5; i < name.size(); ++i) {
     if (name[i] < '0' || name[i] > '9') return -1;
@@ -85,6 +86,17 @@ std::int64_t step_of_dir_name(const std::string& name) {
   return step;
 }
 
+constexpr const char* kPendingTag = ".pending.";
+constexpr const char* kTrashPrefix = ".trash.";
+
+// Parses "step-NNNNNNNNN.pending.RUN"; false when the name is not a pending directory.
+bool parse_pending_name(const std::string& name, std::int64_t* step, std::string* run) {
+  const std::size_t tag = name.find(kPendingTag);
+  if (tag == std::string::npos) return false;
+  *step = step_of_dir_name(name.substr(0, tag));
+  *run = name.substr(tag + std::char_traits<char>::length(kPendingTag));
+  return *step >= 0 && run_id_problem(*run).empty();
+}
 // Reads a manifest; returns false with `problem` set when it is missing or unreadable.
 bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* problem) {
   const std::string path = dir + "/" + kManifest;
@@ -98,10 +110,20 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
   }
   try {
     const auto j = nlohmann::json::parse(text);
-    if (j.at("format").get<int>() != kDiskFormat) {
+    const int format = j.at("format").get<int>();
+    if (format != kDiskFormat && format != kDiskFormatWithoutRun) {
       *problem = path + ": format " + j.at("format").dump() + ", this stepguard reads " +
-                 std::to_string(kDiskFormat);
+                 std::to_string(kDiskFormatWithoutRun) + " and " + std::to_string(kDiskFormat);
       return false;
+    }
+    std::string run;
+    if (format == kDiskFormat) {
+      run = j.at("run").get<std::string>();
+      const std::string bad = run_id_problem(run);
+      if (!bad.empty()) {
+        *problem = path + ": run: " + bad;
+        return false;
+      }
     }
     // Every number read from disk is bounded before anything loops over it.
     const auto step = j.at("step").get<std::int64_t>();
@@ -124,6 +146,7 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
     entry->dir = dir;
     entry->step = step;
     entry->world_size = static_cast<int>(world);
+    entry->run = run;
   } catch (const std::exception& e) {
     *problem = path + ": unreadable manifest (" + e.what() + ")";
     return false;
@@ -132,10 +155,11 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
 }
 
 // The record of one rank file: its size and checksum. Returns false with `problem` set.
-bool check_rank_file(const std::string& dir, std::int64_t step, int rank, std::string* payload,
+bool check_rank_file(const CheckpointEntry& entry, int rank, std::string* payload,
                      std::string* problem, std::int64_t* bytes) {
-  const std::string record_path = dir + "/" + rank_name(rank, "json");
-  const std::string file_path = dir + "/" + rank_name(rank, "ckpt");
+  const std::int64_t step = entry.step;
+  const std::string record_path = entry.dir + "/" + rank_name(rank, "json");
+  const std::string file_path = entry.dir + "/" + rank_name(rank, "ckpt");
   std::string record_text;
   std::string why;
   if (!read_whole(record_path, &record_text, &why)) {
@@ -153,6 +177,12 @@ bool check_rank_file(const std::string& dir, std::int64_t step, int rank, std::s
       *problem = record_path + ": belongs to step " + j.at("step").dump() + ", rank " +
                  j.at("rank").dump() + ", not step " + std::to_string(step) + ", rank " +
                  std::to_string(rank);
+      return false;
+    }
+    // ... and so would a file of another run's checkpoint of the same step.
+    if (!entry.run.empty() && j.value("run", std::string()) != entry.run) {
+      *problem = record_path + ": belongs to run '" + j.value("run", std::string()) +
+                 "', not run '" + entry.run + "'";
       return false;
     }
   } catch (const std::exception& e) {
@@ -177,12 +207,22 @@ bool check_rank_file(const std::string& dir, std::int64_t step, int rank, std::s
   return true;
 }
 
-// Deletes a checkpoint directory so that a crash part-way leaves it incomplete, never damaged:
-// the manifest goes first (durably), then the rest.
-void remove_checkpoint_dir(const std::string& dir) {
+// Deletes a checkpoint directory: first renamed out of sight (atomic, durable), then removed, so a
+// crash part-way leaves a hidden remnant that the next commit clears, never a damaged checkpoint.
+void remove_checkpoint_dir(const std::string& root, const std::string& dir) {
   std::error_code ec;
-  if (fs::remove(fs::path(dir) / kManifest, ec)) fsync_dir(dir);
-  fs::remove_all(dir, ec);
+  if (!fs::exists(dir, ec)) return;
+  const std::string trash = root + "/" + kTrashPrefix + fs::path(dir).filename().string() + "." +
+                            std::to_string(::getpid());
+  fs::remove_all(trash, ec);
+  if (::rename(dir.c_str(), trash.c_str()) != 0) {
+    // Cannot rename (permissions): make it incomplete first, durably, then remove the rest.
+    if (fs::remove(fs::path(dir) / kManifest, ec)) fsync_dir(dir);
+    fs::remove_all(dir, ec);
+    return;
+  }
+  fsync_dir(root);
+  fs::remove_all(trash, ec);
 }
 
 }  // namespace
@@ -251,15 +291,32 @@ std::string step_dir(const std::string& root, std::int64_t step) {
   return root + "/" + name;
 }
 
-void write_rank_file(const std::string& root, std::int64_t step, int rank,
+std::string pending_dir(const std::string& root, const std::string& run, std::int64_t step) {
+  return step_dir(root, step) + kPendingTag + run;
+}
+
+std::string run_id_problem(const std::string& run) {
+  if (run.empty() || run.size() > 64) return "a run id has 1 to 64 characters";
+  for (const char c : run) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return "a run id may hold only letters, digits, '.', '_' and '-'";
+  }
+  return "";
+}
+
+void write_rank_file(const std::string& root, const std::string& run, std::int64_t step, int rank,
                      const std::string& payload) {
   Pieces pieces;
   pieces.add(payload.data(), payload.size());
-  write_rank_file(root, step, rank, pieces);
+  write_rank_file(root, run, step, rank, pieces);
 }
 
-void write_rank_file(const std::string& root, std::int64_t step, int rank, const Pieces& payload) {
-  const std::string dir = step_dir(root, step);
+void write_rank_file(const std::string& root, const std::string& run, std::int64_t step, int rank,
+                     const Pieces& payload) {
+  const std::string bad = run_id_problem(run);
+  if (!bad.empty()) throw CheckpointError(root + ": run id '" + run + "': " + bad);
+  const std::string dir = pending_dir(root, run, step);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw CheckpointError(dir + ": cannot create: " + ec.message());
@@ -267,28 +324,50 @@ void write_rank_file(const std::string& root, std::int64_t step, int rank, const
   write_file_atomically(dir + "/" + rank_name(rank, "ckpt"), payload);
   nlohmann::json record = {{"rank", rank},
                            {"step", step},
+                           {"run", run},
                            {"bytes", static_cast<std::int64_t>(payload.size())},
                            {"xxh3_64", checksum_hex(payload)}};
   write_file_atomically(dir + "/" + rank_name(rank, "json"), record.dump() + "\n");
   fsync_dir(root);
 }
 
-void commit_checkpoint(const std::string& root, std::int64_t step, int world_size, int keep) {
+void commit_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
+                       int world_size, int keep) {
+  const std::string pending = pending_dir(root, run, step);
   const std::string dir = step_dir(root, step);
-  nlohmann::json manifest = {
-      {"format", kDiskFormat}, {"step", step}, {"world_size", world_size}, {"writer", "stepguard"}};
-  write_file_atomically(dir + "/" + kManifest, manifest.dump(2) + "\n");
-  // Only now, with a newer complete checkpoint on disk, may older ones go.
+  nlohmann::json manifest = {{"format", kDiskFormat},
+                             {"run", run},
+                             {"step", step},
+                             {"world_size", world_size},
+                             {"writer", "stepguard"}};
+  write_file_atomically(pending + "/" + kManifest, manifest.dump(2) + "\n");
+  // An older directory of this step (a timeline the run went back from) goes before the new
+  // one takes its name; never rewritten in place.
+  remove_checkpoint_dir(root, dir);
+  errno = 0;
+  if (::rename(pending.c_str(), dir.c_str()) != 0) fail(dir, "cannot move the checkpoint into place");
+  fsync_dir(root);
+  // Only now, with the new checkpoint complete on disk, may this run's older ones go.
   std::vector<std::int64_t> complete;
   std::vector<std::string> stale;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    const std::int64_t s = step_of_dir_name(e.path().filename().string());
-    if (s < 0) continue;
-    if (fs::exists(e.path() / kManifest)) {
-      complete.push_back(s);
-    } else if (s < step) {
-      stale.push_back(e.path().string());  // never completed: a crash or a discarded state
+    const std::string name = e.path().filename().string();
+    std::int64_t s = 0;
+    std::string owner;
+    if (name.rfind(kTrashPrefix, 0) == 0) {
+      stale.push_back(e.path().string());  // a deletion a crash interrupted
+    } else if (parse_pending_name(name, &s, &owner)) {
+      if (owner == run) stale.push_back(e.path().string());  // never committed
+    } else if ((s = step_of_dir_name(name)) >= 0) {
+      CheckpointEntry entry;
+      std::string problem;
+      if (!read_manifest(e.path().string(), &entry, &problem) || entry.run != run) continue;
+      if (s > step) {
+        stale.push_back(e.path().string());  // superseded: the run went back to `step`
+      } else {
+        complete.push_back(s);
+      }
     }
   }
   std::sort(complete.begin(), complete.end());
@@ -296,11 +375,17 @@ void commit_checkpoint(const std::string& root, std::int64_t step, int world_siz
   for (std::size_t i = 0; i + keep_n < complete.size(); ++i) {
     stale.push_back(step_dir(root, complete[i]));
   }
-  for (const auto& d : stale) remove_checkpoint_dir(d);
+  for (const auto& d : stale) {
+    if (fs::path(d).filename().string().rfind(kTrashPrefix, 0) == 0) {
+      fs::remove_all(d, ec);
+    } else {
+      remove_checkpoint_dir(root, d);
+    }
+  }
 }
 
-void discard_checkpoint(const std::string& root, std::int64_t step) {
-  remove_checkpoint_dir(step_dir(root, step));
+void discard_checkpoint(const std::string& root, const std::string& run, std::int64_t step) {
+  remove_checkpoint_dir(root, pending_dir(root, run, step));
 }
 
 std::vector<CheckpointEntry> list_checkpoints(const std::string& root) {
@@ -311,12 +396,20 @@ std::vector<CheckpointEntry> list_checkpoints(const std::string& root) {
   return out;
 }
 
+std::vector<std::string> runs_under(const std::string& root) {
+  std::vector<std::string> runs;
+  for (const auto& e : list_checkpoints(root)) runs.push_back(e.run);
+  std::sort(runs.begin(), runs.end());
+  runs.erase(std::unique(runs.begin(), runs.end()), runs.end());
+  return runs;
+}
+
 VerifyReport verify_checkpoint(const CheckpointEntry& entry) {
   VerifyReport report;
   report.entry = entry;
   for (int rank = 0; rank < entry.world_size; ++rank) {
     std::string payload, problem;
-    if (!check_rank_file(entry.dir, entry.step, rank, &payload, &problem, &report.bytes)) {
+    if (!check_rank_file(entry, rank, &payload, &problem, &report.bytes)) {
       report.problems.push_back(problem);
     }
   }
@@ -324,23 +417,49 @@ VerifyReport verify_checkpoint(const CheckpointEntry& entry) {
 }
 
 std::vector<VerifyReport> verify_all(const std::string& root) {
-  std::vector<std::pair<std::int64_t, std::string>> dirs;
+  struct Found {
+    std::int64_t step;
+    std::string dir;
+    std::string pending_run;  // set for a pending directory
+    bool pending;
+    bool operator<(const Found& o) const { return std::tie(step, dir) < std::tie(o.step, o.dir); }
+  };
+  std::vector<Found> dirs;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return {};
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    const std::int64_t s = step_of_dir_name(e.path().filename().string());
-    if (s >= 0 && e.is_directory(ec)) dirs.push_back({s, e.path().string()});
+    const std::string name = e.path().filename().string();
+    std::int64_t s = step_of_dir_name(name);
+    std::string run;
+    if (s >= 0 && e.is_directory(ec)) {
+      dirs.push_back({s, e.path().string(), "", false});
+    } else if (parse_pending_name(name, &s, &run) && e.is_directory(ec)) {
+      dirs.push_back({s, e.path().string(), run, true});
+    }
   }
   std::sort(dirs.begin(), dirs.end());
   std::vector<VerifyReport> out;
-  for (const auto& [step, dir] : dirs) {
+  for (const auto& found : dirs) {
+    VerifyReport r;
+    r.entry.dir = found.dir;
+    r.entry.step = found.step;
+    if (found.pending) {
+      r.entry.run = found.pending_run;
+      r.complete = false;
+      r.problems.push_back(found.dir +
+                           ": pending (written, never committed: waiting for the next step's "
+                           "confirmation, or left by a crash)");
+      out.push_back(r);
+      continue;
+    }
     CheckpointEntry entry;
     std::string problem;
-    if (!read_manifest(dir, &entry, &problem)) {
-      VerifyReport r;
-      r.entry.dir = dir;
-      r.entry.step = step;
-      r.complete = fs::exists(fs::path(dir) / kManifest, ec);
+    if (!read_manifest(found.dir, &entry, &problem)) {
+      // Only a manifest that does not exist means "never completed"; one that cannot be read
+      // (permissions, a FIFO, a directory) is a damaged checkpoint.
+      const bool never_completed = !fs::exists(fs::path(found.dir) / kManifest, ec) && !ec &&
+                                   ::access(found.dir.c_str(), R_OK | X_OK) == 0;
+      r.complete = !never_completed;
       r.problems.push_back(problem);
       out.push_back(r);
       continue;
@@ -357,7 +476,7 @@ std::string read_rank_file(const CheckpointEntry& entry, int rank) {
     throw CheckpointError(entry.dir + ": no rank " + std::to_string(rank) + " (world size " +
                           std::to_string(entry.world_size) + ")");
   }
-  if (!check_rank_file(entry.dir, entry.step, rank, &payload, &problem, &bytes)) {
+  if (!check_rank_file(entry, rank, &payload, &problem, &bytes)) {
     throw CheckpointError(problem);
   }
   return payload;

@@ -122,11 +122,12 @@ int run_ckpt_command(const std::vector<std::string>& args) {
   }
   const auto reports = stepguard::verify_checkpoints(dir);
   if (args[0] == "ls") {
-    std::printf("%-12s %-6s %-12s %s\n", "step", "ranks", "bytes", "state");
+    std::printf("%-12s %-6s %-12s %-16s %s\n", "step", "ranks", "bytes", "run", "state");
     for (const auto& r : reports) {
       std::string state = r.ok() ? "valid" : !r.complete ? "incomplete" : "BAD";
-      std::printf("%-12" PRId64 " %-6d %-12" PRId64 " %s  %s\n", r.step, r.world_size, r.bytes,
-                  state.c_str(), r.dir.c_str());
+      const std::string run = r.run.empty() ? "-" : r.run;
+      std::printf("%-12" PRId64 " %-6d %-12" PRId64 " %-16s %s  %s\n", r.step, r.world_size,
+                  r.bytes, run.c_str(), state.c_str(), r.dir.c_str());
     }
     if (reports.empty()) std::printf("(no checkpoints in %s)\n", dir.c_str());
     return 0;
@@ -135,11 +136,12 @@ int run_ckpt_command(const std::vector<std::string>& args) {
   for (const auto& r : reports) {
     if (r.ok()) {
       ++valid;
-      std::cout << r.dir << ": ok (step " << r.step << ", " << r.world_size << " rank"
-                << (r.world_size > 1 ? "s" : "") << ", " << r.bytes << " bytes)\n";
+      std::cout << r.dir << ": ok (step " << r.step << ", run " << (r.run.empty() ? "-" : r.run)
+                << ", " << r.world_size << " rank" << (r.world_size > 1 ? "s" : "") << ", "
+                << r.bytes << " bytes)\n";
     } else if (!r.complete) {
-      // No manifest: never completed (a crash while writing, or a discarded state). Never
-      // loaded; not an error.
+      // Never committed (pending, a crash while writing, or a discarded state). Never loaded;
+      // not an error. An unreadable directory or manifest is not this: it is bad.
       ++incomplete;
       std::cout << r.dir << ": incomplete, ignored (" << r.problems.front() << ")\n";
     } else {

@@ -97,7 +97,7 @@ std::unique_ptr<PyGuard> make_guard(py::object port, const std::string& policy_f
                                     const std::string& run_name, bool loss_scaling,
                                     bool sharded_gradients, double collective_timeout,
                                     std::int64_t max_consecutive_bad_steps, bool zero_grad_on_skip,
-                                    std::int64_t max_blamed_tensors) {
+                                    std::int64_t max_blamed_tensors, const std::string& run_id) {
   TORCH_CHECK(std::isfinite(collective_timeout) && collective_timeout > 0,
               "stepguard: collective_timeout must be a positive number of seconds, got ",
               collective_timeout);
@@ -117,7 +117,8 @@ std::unique_ptr<PyGuard> make_guard(py::object port, const std::string& policy_f
       .collective_timeout_ms(static_cast<std::int64_t>(std::ceil(collective_timeout * 1000.0)))
       .max_consecutive_bad_steps(max_consecutive_bad_steps)
       .zero_grad_on_skip(zero_grad_on_skip)
-      .max_blamed_tensors(max_blamed_tensors);
+      .max_blamed_tensors(max_blamed_tensors)
+      .run_id(run_id);
   if (!process_group.is_none()) {
     o.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
   }
@@ -175,7 +176,7 @@ void bind_guard(py::module_& m) {
            py::arg("run_name") = "stepguard", py::arg("loss_scaling") = false,
            py::arg("sharded_gradients") = false, py::arg("collective_timeout") = 300.0,
            py::arg("max_consecutive_bad_steps") = 0, py::arg("zero_grad_on_skip") = true,
-           py::arg("max_blamed_tensors") = 8)
+           py::arg("max_blamed_tensors") = 8, py::arg("run_id") = "")
       .def(
           "step", [](PyGuard& g, const at::Tensor& loss) { return g.engine->step(loss); },
           py::arg("loss"), Release())

@@ -6,7 +6,10 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <filesystem>
+#include <functional>
 #include <limits>
+#include <random>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 
@@ -36,6 +39,22 @@ std::vector<NamedTensor> model_part(const std::vector<NamedTensor>& tensors) {
   return out;
 }
 
+// Run ids travel through gather_values as exact doubles: at most 52 bits.
+constexpr std::int64_t kRunBits = (std::int64_t{1} << 52) - 1;
+
+std::string run_hex(std::int64_t v) {
+  char hex[16];
+  std::snprintf(hex, sizeof hex, "%013" PRIx64, static_cast<std::uint64_t>(v));
+  return hex;
+}
+
+bool same_dir(const std::string& a, const std::string& b) {
+  std::error_code ea, eb;
+  const auto ca = std::filesystem::weakly_canonical(a, ea);
+  const auto cb = std::filesystem::weakly_canonical(b, eb);
+  return (ea || eb) ? a == b : ca == cb;
+}
+
 }  // namespace
 
 Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config)
@@ -45,6 +64,47 @@ Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, Recover
         std::make_unique<checkpoint::SnapshotRing>(static_cast<std::size_t>(config_.snapshot_keep));
   }
   if (config_.checkpoint_dir.empty()) config_.disk_every = 0;
+  if (!config_.run_id.empty()) {
+    const std::string bad = checkpoint::run_id_problem(config_.run_id);
+    TORCH_CHECK(bad.empty(), "stepguard: option run_id '", config_.run_id, "': ", bad);
+  }
+}
+
+void Recovery::claim_checkpoint_dir(std::int64_t step) {
+  if (claimed_ || config_.disk_every <= 0) return;
+  claimed_ = true;
+  // A run id given or adopted by resume() is checked for equality across ranks; otherwise
+  // rank 0's random one is everyone's.
+  const bool chosen = !run_.empty() || !config_.run_id.empty();
+  if (run_.empty()) run_ = config_.run_id;
+  std::string refusal;
+  if (resumed_from_.empty() || !same_dir(config_.checkpoint_dir, resumed_from_)) {
+    for (const std::string& other : checkpoint::runs_under(config_.checkpoint_dir)) {
+      if (chosen && other == run_) continue;
+      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
+                " holds checkpoints of another run ('" + (other.empty() ? "unnamed" : other) +
+                "'; see `stepguard ckpt ls`): resume from it (resume() / --resume), give this "
+                "run that run's id (run_id), or use another directory. Nothing was written.";
+      break;
+    }
+  }
+  std::int64_t mine = 0;
+  if (chosen) {
+    mine = static_cast<std::int64_t>(std::hash<std::string>{}(run_) & kRunBits);
+  } else {
+    std::random_device device_entropy;  // never the training RNG: runs stay reproducible
+    mine = ((static_cast<std::int64_t>(device_entropy()) << 32) ^ device_entropy()) & kRunBits;
+  }
+  const auto all = consensus::gather_values(consensus_, refusal.empty() ? mine : -1, step, device());
+  TORCH_CHECK(refusal.empty(), refusal);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    TORCH_CHECK(all[r] >= 0, "stepguard: rank ", r, " refused checkpoint_dir ",
+                config_.checkpoint_dir, " (it holds another run's checkpoints there; see rank ",
+                r, "'s log)");
+    TORCH_CHECK(!chosen || all[r] == all[0], "stepguard: the ranks were given different run ids ",
+                "(rank 0 and rank ", r, " differ); give every rank the same run_id");
+  }
+  if (!chosen) run_ = run_hex(all[0]);
 }
 
 at::Device Recovery::device() const {
@@ -157,7 +217,7 @@ void Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
   const auto start = Clock::now();
   const checkpoint::EncodedPayload payload = checkpoint::encode_payload(
       record, training_tensors(), port_.state_bytes(), checkpoint::capture_rng());
-  checkpoint::write_rank_file(config_.checkpoint_dir, record.step, consensus_.rank(),
+  checkpoint::write_rank_file(config_.checkpoint_dir, run_, record.step, consensus_.rank(),
                               payload.pieces());
   pending_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
   pending_step_ = record.step;
@@ -170,10 +230,10 @@ std::int64_t Recovery::settle_pending(std::int64_t step, bool clean) {
   // Rank 0 writes the manifest: every rank finished that step before this step's collective.
   if (consensus_.rank() == 0) {
     if (confirm) {
-      checkpoint::commit_checkpoint(config_.checkpoint_dir, pending, consensus_.world_size(),
-                                    config_.disk_keep);
+      checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, pending,
+                                    consensus_.world_size(), config_.disk_keep);
     } else {
-      checkpoint::discard_checkpoint(config_.checkpoint_dir, pending);
+      checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, pending);
     }
   }
   pending_step_ = 0;
@@ -183,8 +243,8 @@ std::int64_t Recovery::settle_pending(std::int64_t step, bool clean) {
 std::int64_t Recovery::commit_pending() {
   if (pending_step_ == 0) return 0;
   if (consensus_.rank() == 0) {
-    checkpoint::commit_checkpoint(config_.checkpoint_dir, pending_step_, consensus_.world_size(),
-                                  config_.disk_keep);
+    checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, pending_step_,
+                                  consensus_.world_size(), config_.disk_keep);
   }
   const std::int64_t step = pending_step_;
   pending_step_ = 0;
@@ -240,9 +300,27 @@ bool Recovery::load_agreed(const std::vector<checkpoint::CheckpointEntry>& entri
   return false;
 }
 
+std::vector<checkpoint::CheckpointEntry> Recovery::resumable_entries(const std::string& dir) const {
+  // One run's checkpoints only: the given run id's, or the only run's in the directory.
+  std::vector<checkpoint::CheckpointEntry> entries = checkpoint::list_checkpoints(dir);
+  std::string run = config_.run_id;
+  if (run.empty()) {
+    const auto runs = checkpoint::runs_under(dir);
+    std::string names;
+    for (const auto& r : runs) names += (names.empty() ? "'" : ", '") + r + "'";
+    TORCH_CHECK(runs.size() <= 1, "stepguard: ", dir, " holds checkpoints of several runs (",
+                names, "); say which to resume with run_id");
+    if (!runs.empty()) run = runs.front();
+  }
+  entries.erase(std::remove_if(entries.begin(), entries.end(),
+                               [&](const checkpoint::CheckpointEntry& e) { return e.run != run; }),
+                entries.end());
+  return entries;
+}
+
 std::optional<checkpoint::GuardRecord> Recovery::resume(
     const std::string& dir, const std::function<void(const checkpoint::GuardRecord&)>& check) {
-  const auto entries = checkpoint::list_checkpoints(dir);
+  const auto entries = resumable_entries(dir);
   std::int64_t bound = std::numeric_limits<std::int64_t>::max();
   for (std::size_t round = 0; round <= entries.size(); ++round) {
     // This rank's newest valid checkpoint below the bound, then the newest all ranks hold.
@@ -259,6 +337,10 @@ std::optional<checkpoint::GuardRecord> Recovery::resume(
               checkpoint::step_dir(dir, agreed) + "/rank " + std::to_string(consensus_.rank()));
       if (ring_) ring_->clear();
       pending_step_ = 0;
+      resumed_from_ = dir;
+      for (const auto& e : entries) {
+        if (e.step == agreed && !e.run.empty()) run_ = e.run;  // the run goes on
+      }
       return loaded->record;
     }
     bound = agreed;  // some rank could not load it: try an older one

@@ -29,6 +29,7 @@ struct RecoveryConfig {
   std::string checkpoint_dir;      ///< empty: no disk checkpoints
   std::int64_t disk_every = 0;
   int disk_keep = 3;
+  std::string run_id;  ///< the run its checkpoints belong to; empty: chosen at the first step
 };
 
 /// A rollback that cannot happen: the run must stop (the message says why).
@@ -64,6 +65,12 @@ class Recovery {
   std::int64_t snapshot_bytes() const noexcept { return ring_ ? ring_->bytes() : 0; }
 
   // Disk checkpoints.
+  /// Before the first step: agrees on the run id (the given one, the one resumed, or rank 0's
+  /// random one) and refuses (c10::Error, on every rank) a checkpoint directory that holds
+  /// another run's checkpoints unless this run resumed from it. Does nothing without checkpoints.
+  void claim_checkpoint_dir(std::int64_t step);
+  /// The run id of this run's checkpoints ("" before claim_checkpoint_dir or resume).
+  const std::string& run_id() const noexcept { return run_; }
   bool disk_due(std::int64_t step, bool applied) const noexcept;
   /// Writes this rank's file of `step`; it stays pending until settle_pending().
   void write_checkpoint(const checkpoint::GuardRecord& record);
@@ -87,6 +94,7 @@ class Recovery {
                         const checkpoint::RngState& rng, const std::string& source) const;
   void restore(const std::vector<NamedTensor>& saved, const std::string& opaque,
                const checkpoint::RngState& rng, const std::string& source);
+  std::vector<checkpoint::CheckpointEntry> resumable_entries(const std::string& dir) const;
   std::int64_t newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,
                                std::int64_t bound) const;
   bool load_agreed(const std::vector<checkpoint::CheckpointEntry>& entries, std::int64_t step,
@@ -99,6 +107,9 @@ class Recovery {
   RecoveryConfig config_;
   std::vector<at::Tensor> buffers_;
   std::unique_ptr<checkpoint::SnapshotRing> ring_;
+  std::string run_;                ///< this run's id in its checkpoints
+  std::string resumed_from_;       ///< the directory resume() loaded from
+  bool claimed_ = false;
   std::int64_t pending_step_ = 0;  ///< written, waiting for the next step's confirmation
   double pending_seconds_ = 0.0;
 };

@@ -40,6 +40,7 @@ RecoveryConfig recovery_config(const GuardOptions& o, const EngineConfig& c) {
   r.checkpoint_dir = o.checkpoint_dir();
   r.disk_every = c.disk_every;
   r.disk_keep = static_cast<int>(c.policy.checkpoint.disk_keep);
+  r.run_id = o.run_id();
   return r;
 }
 
@@ -75,6 +76,7 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
   TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
               "); step() refuses to run after an abort");
   port_.refresh();
+  recovery_.claim_checkpoint_dir(step_ + 1);
   TORCH_CHECK(loss.defined(), "stepguard: step(loss) got an undefined loss tensor");
   TORCH_CHECK(loss.numel() == 1, "stepguard: loss must be a scalar (one element), got shape ",
               loss.sizes());

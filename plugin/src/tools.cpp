@@ -26,8 +26,8 @@ std::string explain_policy_file(const std::string& path) {
 std::vector<CheckpointStatus> verify_checkpoints(const std::string& root) {
   std::vector<CheckpointStatus> out;
   for (const auto& r : checkpoint::verify_all(root)) {
-    out.push_back(CheckpointStatus{r.entry.dir, r.entry.step, r.entry.world_size, r.bytes,
-                                   r.complete, r.problems});
+    out.push_back(CheckpointStatus{r.entry.dir, r.entry.step, r.entry.world_size, r.entry.run,
+                                   r.bytes, r.complete, r.problems});
   }
   return out;
 }

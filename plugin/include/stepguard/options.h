@@ -39,6 +39,12 @@ struct GuardOptions {
   /// `checkpoint.disk_every`). A checkpoint becomes visible (its manifest is written) only when the
   /// next step is clean, as RAM snapshots are confirmed.
   TORCH_ARG(std::int64_t, checkpoint_every) = 0;
+  /// The run this run's checkpoints belong to (1 to 64 of [A-Za-z0-9._-], the same on every
+  /// rank). Empty: resume() adopts the id of the checkpoint it loads, else rank 0 draws one at the
+  /// first step. Pruning and resume consider only one run's checkpoints, and the first step
+  /// refuses a checkpoint_dir that holds another run's checkpoints unless this run resumed from
+  /// it.
+  TORCH_ARG(std::string, run_id) = "";
   /// Where incident reports go (incident-step-NNNNNNNNN.json and .md per incident, plus the
   /// batch given to check_inputs as .batch.pt); empty writes none. Each rank writes its own
   /// (rank-<r>- prefix when there are several).

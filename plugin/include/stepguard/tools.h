@@ -23,8 +23,9 @@ struct CheckpointStatus {
   std::string dir;  ///< DIR/step-NNNNNNNNN
   std::int64_t step = 0;
   int world_size = 0;
+  std::string run;                    ///< the run it belongs to ("" before run ids)
   std::int64_t bytes = 0;             ///< payload bytes over all ranks
-  bool complete = true;               ///< false: no manifest (never completed; never loaded)
+  bool complete = true;               ///< false: never committed (pending or no manifest)
   std::vector<std::string> problems;  ///< one line each, naming the file; empty when valid
   bool ok() const noexcept { return problems.empty(); }
 };

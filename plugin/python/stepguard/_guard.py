@@ -12,6 +12,7 @@ _OPTIONS = (
     "trace_path", "trace_every_step", "checkpoint_dir", "checkpoint_every", "incident_dir",
     "metrics_port", "metrics_bind_address", "run_name", "loss_scaling", "sharded_gradients",
     "collective_timeout", "max_consecutive_bad_steps", "zero_grad_on_skip", "max_blamed_tensors",
+    "run_id",
 )
 
 
@@ -35,7 +36,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         Other keywords mirror the C++ ``GuardOptions``: trace_path, trace_every_step,
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
         run_name, loss_scaling, sharded_gradients, collective_timeout (seconds),
-        max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors.
+        max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
+        checkpoints belong to).
 
     Not thread-safe: one training thread drives one guard.
     """

@@ -11,20 +11,11 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <poll.h>
-
-#include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <sstream>
-#include <thread>
+
+#include "csrc/telemetry/http_endpoint.h"
 #endif
 
 namespace stepguard {
@@ -32,87 +23,6 @@ namespace telemetry {
 
 #if defined(STEPGUARD_WITH_METRICS)
 namespace {
-
-// A minimal HTTP endpoint for /metrics on one thread. prometheus-cpp's own exposer (civetweb)
-// cannot start its threads inside a process that has loaded Debian's LibTorch ("Cannot create
-// threads"), so stepguard serves the registry itself; scrapes are rare and small.
-class MetricsServer {
- public:
-  MetricsServer(const std::string& address, int port, std::function<std::string()> render)
-      : render_(std::move(render)) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd_ < 0) throw std::runtime_error(std::string("socket(): ") + std::strerror(errno));
-    const int one = 1;
-    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
-      ::close(fd_);
-      throw std::runtime_error("'" + address + "' is not an IPv4 address");
-    }
-    socklen_t len = sizeof addr;
-    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::listen(fd_, 16) != 0 ||
-        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd_);
-      throw std::runtime_error(why);
-    }
-    port_ = ntohs(addr.sin_port);
-    thread_ = std::thread([this] { serve(); });
-  }
-  ~MetricsServer() {
-    stop_ = true;
-    thread_.join();
-    ::close(fd_);
-  }
-  int port() const noexcept { return port_; }
-
- private:
-  void serve() {
-    while (!stop_) {
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      const int client = ::accept(fd_, nullptr, nullptr);
-      if (client < 0) continue;
-      answer(client);
-      ::close(client);
-    }
-  }
-  void answer(int client) {
-    timeval timeout{2, 0};
-    ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-    ::setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-    std::string request;
-    char buf[2048];
-    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
-      const ssize_t n = ::recv(client, buf, sizeof buf, 0);
-      if (n <= 0) return;
-      request.append(buf, static_cast<std::size_t>(n));
-    }
-    const bool metrics =
-        request.rfind("GET /metrics ", 0) == 0 || request.rfind("GET /metrics?", 0) == 0;
-    const std::string body = metrics ? render_() : "not found; try /metrics\n";
-    std::string response = std::string("HTTP/1.1 ") + (metrics ? "200 OK" : "404 Not Found") +
-                           "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8"
-                           "\r\nContent-Length: " +
-                           std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
-    std::size_t sent = 0;
-    while (sent < response.size()) {
-      const ssize_t n =
-          ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-      if (n <= 0) return;
-      sent += static_cast<std::size_t>(n);
-    }
-  }
-
-  std::function<std::string()> render_;
-  int fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
 
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -122,7 +32,7 @@ double unix_seconds() {
 
 struct Metrics::State {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
-  std::unique_ptr<MetricsServer> server;
+  std::unique_ptr<HttpEndpoint> server;
   std::string endpoint;
 
   std::map<Outcome, prometheus::Counter*> steps;
@@ -239,8 +149,8 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
 void Metrics::serve(const MetricsConfig& config) {
   State& s = *state_;
   try {
-    s.server = std::make_unique<MetricsServer>(config.bind_address, config.port,
-                                               [this] { return serialize(); });
+    s.server = std::make_unique<HttpEndpoint>(config.bind_address, config.port,
+                                              [this] { return serialize(); });
   } catch (const std::exception& e) {
     throw std::runtime_error("stepguard: cannot serve metrics on " + config.bind_address + ":" +
                              std::to_string(config.port) + ": " + e.what());

@@ -39,10 +39,38 @@ TEST(EmaZScore, DefaultsAreZSixAfterAHundredSteps) {
   const EmaZScoreConfig c;
   EXPECT_EQ(c.threshold, 6.0);
   EXPECT_EQ(c.warmup, 100);
-  EmaZScore d;
+  EmaZScoreConfig no_early;
+  no_early.early_factor = 0;
+  EmaZScore d(no_early);
   for (int i = 0; i < 99; ++i) d.observe(1.0 + 0.01 * (i % 2));
   EXPECT_FALSE(d.observe(1e6).spike);  // the 100th value is still warm-up
   EXPECT_TRUE(d.observe(1e6).spike);
+}
+
+// A run that blows up in its first steps: the z-score is still warming up, the early ratio
+// against the (bias-corrected) running mean catches the gross rise; ordinary early training
+// (a falling loss, a noisy grad norm) raises nothing.
+TEST(EmaZScore, GrossSpikesAreCaughtDuringTheWarmUp) {
+  EmaZScore d;  // defaults: warm-up 100, early factor 10 after 3 values
+  for (int i = 0; i < 59; ++i) {
+    const double loss = 4.2 - 1.3 * i / 59.0 + 0.2 * ((i * 7) % 3 - 1);  // 4.2 falling to 2.9
+    ASSERT_FALSE(d.observe(loss).spike) << i;
+  }
+  EXPECT_NEAR(d.state().mean, 3.55, 0.05);  // the plain mean, not the first value's weight
+  const SpikeVerdict v = d.observe(56.9);   // the LR spike: 20x the current loss
+  EXPECT_TRUE(v.spike);
+  EXPECT_TRUE(v.early);
+  EXPECT_EQ(d.state().count, 59);  // a spike does not move the level
+  EXPECT_FALSE(d.observe(3.0).spike);
+
+  // Before early_after values the level means nothing: nothing is flagged.
+  EmaZScore fresh;
+  EXPECT_FALSE(fresh.observe(1.0).spike);
+  EXPECT_FALSE(fresh.observe(100.0).spike);
+  // A series that is not positive has no ratio.
+  EmaZScore negative;
+  for (int i = 0; i < 5; ++i) negative.observe(-1.0);
+  EXPECT_FALSE(negative.observe(50.0).spike);
 }
 
 TEST(RatioRule, FiresAboveKTimesTheEarlyMaximum) {
@@ -57,6 +85,9 @@ TEST(RatioRule, FiresAboveKTimesTheEarlyMaximum) {
 }
 
 TEST(Detectors, BadConfigIsRefused) {
+  EmaZScoreConfig bad_early;
+  bad_early.early_factor = 0.5;
+  EXPECT_THROW(EmaZScore{bad_early}, std::invalid_argument);
   EXPECT_THROW(EmaZScore(EmaZScoreConfig{0.0, 1, 0.5}), std::invalid_argument);
   EXPECT_THROW(EmaZScore(EmaZScoreConfig{6.0, 1, 1.0}), std::invalid_argument);
   EXPECT_THROW(RatioRule(RatioRuleConfig{1.0, 3}), std::invalid_argument);

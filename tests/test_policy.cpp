@@ -82,11 +82,16 @@ const Case kCases[] = {
      "  - {on: grad_norm_spike, action: clip}\n",
      "ccccGc",
      {"apply", "apply", "apply", "apply", "apply+clip", "apply"}},
-    {"warm-up: no spike before `warmup` observations",
+    {"warm-up: no z-score spike before `warmup` observations",
+     "version: 1\ndetectors:\n  loss_spike: {z: 3, warmup: 4, decay: 0.5, early_factor: 0}\n"
+     "rules:\n  - {on: loss_spike, action: skip_batch}\n",
+     "cccS",
+     {"apply", "apply", "apply", "apply"}},
+    {"warm-up: a gross rise is caught by the early ratio from the 4th observation",
      "version: 1\ndetectors:\n  loss_spike: {z: 3, warmup: 4, decay: 0.5}\nrules:\n"
      "  - {on: loss_spike, action: skip_batch}\n",
      "cccS",
-     {"apply", "apply", "apply", "apply"}},
+     {"apply", "apply", "apply", "skip_batch"}},
     {"a signal no rule acts on is an alert",
      "version: 1\ndetectors:\n  loss_spike: {z: 3, warmup: 4, decay: 0.5}\n",
      "ccccS",

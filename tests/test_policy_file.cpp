@@ -280,6 +280,23 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
                  "p.yaml:3:63: 'consecutive' must be a whole number in [1, 1000000000], got '0'"}));
 }
 
+TEST(PolicyFile, TheEarlySpikeRatioIsReadAndChecked) {
+  PolicyConfig c;
+  ASSERT_TRUE(parse_policy("version: 1\ndetectors:\n  loss_spike: {early_factor: 4, "
+                           "early_after: 8}\n",
+                           "p.yaml", &c)
+                  .empty());
+  EXPECT_EQ(c.detectors.loss_spike.ema.early_factor, 4);
+  EXPECT_EQ(c.detectors.loss_spike.ema.early_after, 8);
+  EXPECT_EQ(c.detectors.grad_norm_spike.ema.early_factor, 30);  // its default, on
+  EXPECT_EQ(issues_of("version: 1\ndetectors:\n  loss_spike: {early_factor: 0.5}\n"),
+            std::vector<std::string>(
+                {"p.yaml:3:30: 'early_factor' must be 0 (off) or greater than 1, got '0.5'"}));
+  EXPECT_EQ(issues_of("version: 1\ndetectors:\n  loss_spike: {early_after: 0}\n"),
+            std::vector<std::string>({"p.yaml:3:29: 'early_after' must be a whole number in "
+                                      "[1, 1000000000], got '0'"}));
+}
+
 TEST(PolicyFile, ContradictionsAreReported) {
   // A window smaller than its count.
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - on: nonfinite\n    within: {steps: 3, count: 5}\n"

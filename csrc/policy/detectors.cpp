@@ -15,6 +15,10 @@ EmaZScore::EmaZScore(EmaZScoreConfig config) : config_(config) {
   if (!(config_.decay > 0 && config_.decay < 1)) {
     throw std::invalid_argument("stepguard: decay must be in (0, 1)");
   }
+  if (!(config_.early_factor == 0 || config_.early_factor > 1)) {
+    throw std::invalid_argument("stepguard: early_factor must be 0 (off) or > 1");
+  }
+  if (config_.early_after < 1) throw std::invalid_argument("stepguard: early_after must be >= 1");
 }
 
 SpikeVerdict EmaZScore::observe(double x) {
@@ -25,14 +29,22 @@ SpikeVerdict EmaZScore::observe(double x) {
     const double diff = x - state_.mean;
     // A constant series has no spread: any rise is infinitely many deviations away.
     v.z = sd > 0 ? diff / sd : (diff > 0 ? std::numeric_limits<double>::infinity() : 0.0);
-    v.spike = state_.count >= config_.warmup && v.z > config_.threshold;
+    if (state_.count >= config_.warmup) {
+      v.spike = v.z > config_.threshold;
+    } else if (config_.early_factor > 0 && state_.count >= config_.early_after &&
+               state_.mean > 0 && x > config_.early_factor * state_.mean) {
+      v.spike = v.early = true;
+    }
   }
   if (v.spike) return v;  // spiky values do not update the averages
   if (state_.count == 0) {
     state_.mean = x;
     state_.variance = 0.0;
   } else {
-    const double alpha = 1.0 - config_.decay;
+    // Bias-corrected: the plain running mean and variance until 1 / alpha values are in, so the
+    // first value does not dominate the level the warm-up ratio and the z-score start from.
+    const double alpha =
+        std::max(1.0 - config_.decay, 1.0 / static_cast<double>(state_.count + 1));
     const double delta = x - state_.mean;
     state_.mean += alpha * delta;
     state_.variance = (1.0 - alpha) * (state_.variance + alpha * delta * delta);

@@ -2,7 +2,11 @@
  * Spike detectors on a scalar series (the loss or the grad norm), fed the agreed global value once
  * per step, so every rank sees the same verdict:
  * - EmaZScore: z = (x - EMA mean) / EMA std, a spike when z > threshold after a warm-up; a spiky
- *   value does not update the averages, so one spike cannot hide the next.
+ *   value does not update the averages, so one spike cannot hide the next. The averages are
+ *   bias-corrected (the plain mean and variance until 1 / (1 - decay) values are in), and during
+ *   the warm-up a gross rise is caught by a ratio instead: x > early_factor * the running mean
+ *   once early_after values are in (positive series only), so a run that blows up in its first
+ *   steps is not waved through while the z-score warms up.
  * - RatioRule (Megatron's check): x > k * the largest value seen in the first N steps.
  * Non-finite values are the non-finite detector's business: they are ignored here.
  *
@@ -19,6 +23,8 @@ struct EmaZScoreConfig {
   double threshold = 6.0;
   std::int64_t warmup = 100;  ///< observations before a spike can be reported
   double decay = 0.99;        ///< EMA decay per observation (alpha = 1 - decay)
+  double early_factor = 10.0;    ///< during the warm-up: a spike above this x the mean; 0: off
+  std::int64_t early_after = 3;  ///< observations before the early ratio applies
 };
 
 struct EmaZScoreState {
@@ -33,6 +39,7 @@ struct EmaZScoreState {
 struct SpikeVerdict {
   bool spike = false;
   double z = 0.0;  ///< 0 before the first observation or when the series is constant
+  bool early = false;  ///< caught by the warm-up ratio (x / mean > early_factor), not by z
 };
 
 class EmaZScore {

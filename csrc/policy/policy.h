@@ -46,9 +46,17 @@ struct RatioSettings {
   RatioRuleConfig ratio;
 };
 
+/// The grad norm's early ratio is looser than the loss's: early in training a single batch can
+/// lift the grad norm 10-15x its running mean and settle at once (the loss moves 2x).
+constexpr double kGradNormEarlyFactor = 30.0;
+
 struct DetectorSettings {
   SpikeSettings loss_spike;
-  SpikeSettings grad_norm_spike;
+  SpikeSettings grad_norm_spike{false, [] {
+                                  EmaZScoreConfig c;
+                                  c.early_factor = kGradNormEarlyFactor;
+                                  return c;
+                                }()};
   RatioSettings loss_ratio;
 };
 

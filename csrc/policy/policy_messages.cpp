@@ -100,6 +100,10 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
     out << "  - " << what << " spike: more than " << s.ema.threshold
         << " standard deviations above its moving average (decay " << s.ema.decay << "), after "
         << s.ema.warmup << " steps of warm-up; spikes do not move the average\n";
+    if (s.ema.early_factor > 0 && s.ema.warmup > s.ema.early_after) {
+      out << "    during the warm-up, from step " << s.ema.early_after + 1 << ": a " << what
+          << " above " << s.ema.early_factor << "x its running mean\n";
+    }
   };
   if (d.loss_spike.enabled) spike("loss", d.loss_spike);
   if (d.grad_norm_spike.enabled) spike("grad-norm", d.grad_norm_spike);

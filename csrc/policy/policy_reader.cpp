@@ -40,7 +40,8 @@ const std::vector<std::string> kLossScaleKeys = {
 const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps", "max_skips",
                                              "max_rollbacks", "loss_scale_floor"};
 const std::vector<std::string> kDetectorKeys = {"loss_spike", "grad_norm_spike", "loss_ratio"};
-const std::vector<std::string> kSpikeKeys = {"enabled", "z", "warmup", "decay"};
+const std::vector<std::string> kSpikeKeys = {"enabled", "z",           "warmup",
+                                             "decay",   "early_factor", "early_after"};
 const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
 const std::vector<std::string> kRuleKeys = {"name",       "on",       "consecutive", "within",
                                             "after_step", "cooldown", "action"};
@@ -277,6 +278,18 @@ class Reader {
     if (const YAML::Node n = node["decay"]; n) {
       check_.number(n, "decay", 0, 1, true, true, &s->ema.decay);
     }
+    if (const YAML::Node n = node["early_factor"]; n) {
+      double f = 0;
+      if (check_.number(n, "early_factor", 0, 1e6, false, false, &f)) {
+        if (f > 0 && f <= 1) {
+          check_.issue(n.Mark(), "'early_factor' must be 0 (off) or greater than 1, got '" +
+                                     n.Scalar() + "'");
+        } else {
+          s->ema.early_factor = f;
+        }
+      }
+    }
+    count(node, "early_after", 1, &s->ema.early_after);
   }
 
   void budget(const YAML::Node& node, const std::string& name, Budget* b,

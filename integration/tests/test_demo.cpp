@@ -407,6 +407,30 @@ std::vector<nlohmann::json> json_lines(const std::string& text) {
 // The default policy sees the loss spike, rolls back to the last confirmed snapshot, skips 20
 // batches and halves the LR for a while; training ends finite and learned. The same trace
 // replayed offline through the same policy gives the same decision on every step.
+// Early training is where runs blow up: an LR spike at step 60, long before the z-score's warm-up
+// of 100 steps ends, is caught by the early ratio and rolled back to the snapshot of step 50.
+TEST(DefaultPolicy, AnEarlyLrSpikeIsCaughtBeforeTheZScoreWarmsUp) {
+  const std::string summary = temp_path("early.json");
+  const std::string trace = temp_path("early.jsonl");
+  const ProcessResult r = run_stepguard("demo --steps 120 --inject lr_spike@60 --summary-json '" +
+                                        summary + "' --trace '" + trace + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["rollbacks"], 1);
+  EXPECT_EQ(s["params_finite"], true);
+  ASSERT_EQ(s["incidents"].size(), 1u) << s["incidents"].dump();
+  const auto& inc = s["incidents"][0];
+  EXPECT_EQ(inc["step"], 61);
+  EXPECT_EQ(inc["signal"], "loss_spike");
+  EXPECT_EQ(inc["action"], "rollback");
+  EXPECT_EQ(inc["cause"], "divergence");
+  const auto live = json_lines(slurp(trace));
+  ASSERT_EQ(live.size(), 120u);
+  EXPECT_EQ(live[60]["outcome"], "rolled_back");
+  EXPECT_EQ(live[60]["rolled_back_to"], 50);
+  for (std::size_t i = 0; i < 60; ++i) EXPECT_EQ(live[i]["outcome"], "applied") << i + 1;
+}
+
 TEST(DefaultPolicy, LrSpikeIsCaughtRolledBackAndReplayAgrees) {
   const std::string summary = temp_path("s.json");
   const std::string trace = temp_path("trace.jsonl");

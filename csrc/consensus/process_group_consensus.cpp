@@ -10,10 +10,53 @@ namespace stepguard {
 namespace consensus {
 
 namespace {
+using Clock = std::chrono::steady_clock;
 constexpr auto kCheckInGrace = std::chrono::seconds(5);
+// A collective that runs longer than this starts looking for failures reported by other ranks.
+constexpr auto kQuiet = std::chrono::milliseconds(1000);
+constexpr auto kLookEvery = std::chrono::milliseconds(500);
 
 std::string check_in_key(std::int64_t step, int rank) {
   return "stepguard/failed_step/" + std::to_string(step) + "/" + std::to_string(rank);
+}
+std::string failures_key(std::int64_t step) {
+  return "stepguard/failed_step/" + std::to_string(step) + "/count";
+}
+
+// Waits for `work` until it completes, its deadline passes, or another rank has reported a
+// failure of `step` in the store; throws on the two latter and rethrows the work's own error.
+template <class WorkPtr>
+void wait_for(const WorkPtr& work, c10d::Store* store, std::chrono::milliseconds timeout,
+              std::int64_t step) {
+  const auto deadline = Clock::now() + timeout;
+  auto slice = std::chrono::duration_cast<std::chrono::milliseconds>(std::min<Clock::duration>(kQuiet, timeout));
+  while (true) {
+    try {
+      if (work->wait(slice)) return;
+      throw std::runtime_error("the collective was aborted");
+    } catch (const std::exception&) {
+      if (work->isCompleted()) throw;  // the backend's own failure
+    }
+    // Still running: a slow step, or a peer that is gone.
+    if (store != nullptr) {
+      bool reported = false;
+      try {
+        reported = store->check({failures_key(step)});
+      } catch (const std::exception&) {
+        // The store is not needed for the step itself; the deadline still holds.
+      }
+      if (reported) {
+        throw std::runtime_error("another rank reported that this step's collective failed");
+      }
+    }
+    const auto left = deadline - Clock::now();
+    if (left <= Clock::duration::zero()) {
+      throw std::runtime_error("no answer within the deadline");
+    }
+    slice = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::min<Clock::duration>(kLookEvery, left));
+    if (slice.count() < 1) slice = std::chrono::milliseconds(1);
+  }
 }
 }  // namespace
 
@@ -31,19 +74,22 @@ ProcessGroupConsensus::ProcessGroupConsensus(c10::intrusive_ptr<c10d::ProcessGro
 
 void ProcessGroupConsensus::do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) {
   std::vector<at::Tensor> tensors{buffer};
+  all_reduce_tensors(tensors, step, "all-reduce");
+}
+
+void ProcessGroupConsensus::all_reduce_tensors(std::vector<at::Tensor>& tensors, std::int64_t step,
+                                               const std::string& what) {
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.timeout = timeout_;
   try {
     auto work = group_->allreduce(tensors, options);
-    if (!work->wait(timeout_)) {
-      throw std::runtime_error("the collective was aborted");
-    }
+    wait_for(work, store_.get(), timeout_, step);
   } catch (const std::exception& e) {
     std::string note;
     std::vector<int> missing = find_missing_ranks(step, &note);
     std::ostringstream msg;
-    msg << "stepguard: rank " << rank_ << ": the step " << step << " all-reduce over " << backend_
+    msg << "stepguard: rank " << rank_ << ": the step " << step << " " << what << " over " << backend_
         << " (" << world_size_ << " ranks, deadline " << timeout_.count() << " ms) failed";
     if (!missing.empty()) {
       msg << "; missing rank" << (missing.size() > 1 ? "s" : "");
@@ -67,7 +113,9 @@ std::vector<int> ProcessGroupConsensus::find_missing_ranks(std::int64_t step, st
   try {
     store_->setTimeout(grace);
     store_->set(check_in_key(step, rank_), std::vector<uint8_t>{1});
-    const auto deadline = std::chrono::steady_clock::now() + grace;
+    // Ranks still waiting in this step's collective see the count and check in too.
+    store_->add(failures_key(step), 1);
+    const auto deadline = Clock::now() + grace;
     while (true) {
       std::vector<int> absent;
       for (int r = 0; r < world_size_; ++r) {
@@ -75,7 +123,7 @@ std::vector<int> ProcessGroupConsensus::find_missing_ranks(std::int64_t step, st
       }
       missing = std::move(absent);
       polled = true;
-      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      if (missing.empty() || Clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   } catch (const std::exception&) {

@@ -3,6 +3,14 @@
  * share the process group a training job already has. One all-reduce per step, with a deadline:
  * a dead or stuck rank makes the survivors fail with an error that names the step and, when the
  * rendezvous store can tell, the missing ranks, instead of hanging forever.
+ *
+ * Naming the dead exactly: a rank whose collective fails (its neighbours in the ring see a reset
+ * at once; the others would wait out the deadline) checks in under the step in the store and
+ * raises a failure count there. A rank still waiting looks at that count once its collective has
+ * run longer than a second (every half second after), gives up when it is set, and checks in
+ * too; so every live rank checks in within about a second of the first failure, and the ranks
+ * that have not checked in after the grace are the dead ones. A clean step never touches the
+ * store.
  */
 #pragma once
 
@@ -47,6 +55,12 @@ class ProcessGroupConsensus final : public Consensus {
   int world_size() const noexcept override { return world_size_; }
   const char* backend_name() const noexcept override { return backend_.c_str(); }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Sums `tensors` across the ranks (any dtype the backend takes) with the same deadline and the
+  /// same naming of missing ranks on failure (ConsensusError). `what` names the collective in
+  /// the message ("gradient all-reduce").
+  void all_reduce_tensors(std::vector<at::Tensor>& tensors, std::int64_t step,
+                          const std::string& what);
 
  protected:
   void do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) override;

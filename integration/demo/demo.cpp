@@ -83,14 +83,15 @@ struct World {
 
 // Averages all gradients over the group in one flat all-reduce, as data-parallel training does.
 void average_gradients(const std::vector<torch::Tensor>& params, const World& world,
-                       std::int64_t timeout_s) {
+                       std::int64_t step, std::int64_t timeout_s) {
   if (world.size == 1) return;
   std::vector<torch::Tensor> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad().view(-1));
   }
   std::vector<torch::Tensor> flat{torch::cat(grads)};
-  world.group.group->allreduce(flat)->wait(std::chrono::seconds(timeout_s));
+  // Named failures: a dead rank is named by the survivors, not left to a raw Gloo timeout.
+  all_reduce_sum(world.group, flat, step, std::chrono::seconds(timeout_s), "gradient all-reduce");
   flat[0].div_(world.size);
   std::int64_t offset = 0;
   for (auto& g : grads) {
@@ -345,15 +346,20 @@ int run_demo(const DemoOptions& o) {
 
     adamw.zero_grad();
     auto loss = forward_backward(ReplayMode::kAsIs, true);
+    if (injected(o, FaultKind::kKillEarly, step, world.rank)) {
+      // Dies before the gradient average: the survivors fail in the loop's own collective.
+      progress.note("[rank " + std::to_string(world.rank) + "] injected kill_early at step " +
+                    std::to_string(step));
+      std::fflush(nullptr);
+      raise(SIGKILL);
+    }
     try {
-      average_gradients(params, world, o.collective_timeout_s);
+      average_gradients(params, world, step, o.collective_timeout_s);
     } catch (const std::exception& e) {
+      // The message names this rank, the step and the ranks that are gone.
       std::string cause = e.what();
       if (const auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);
-      std::fprintf(stderr,
-                   "\n[rank %d] stepguard demo: error: step %" PRId64
-                   ": the gradient all-reduce failed (%s)\n",
-                   world.rank, step, cause.c_str());
+      std::fprintf(stderr, "\n[rank %d] %s\n", world.rank, cause.c_str());
       std::fflush(nullptr);
       std::_Exit(1);
     }

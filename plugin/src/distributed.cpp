@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "csrc/consensus/process_group_consensus.h"
+
 #include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
@@ -126,6 +128,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
 #else
   return gloo;
 #endif
+}
+
+void all_reduce_sum(const ProcessGroupHandle& handle, std::vector<at::Tensor>& tensors,
+                    std::int64_t step, std::chrono::milliseconds timeout, const std::string& what) {
+  if (!handle.group) throw std::invalid_argument("stepguard: all_reduce_sum needs a process group");
+  consensus::ProcessGroupConsensus collective(handle.group, timeout, handle.store);
+  collective.all_reduce_tensors(tensors, step, what);
 }
 
 }  // namespace stepguard

@@ -9,7 +9,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace stepguard {
 
@@ -48,5 +50,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
     std::chrono::milliseconds timeout, const std::string& hostname_or_interface,
     bool is_interface = false);
+
+/// Sums `tensors` in place over `handle.group`, as a data-parallel loop averages its gradients,
+/// with the guard's failure handling: it gives up after `timeout`, or as soon as another rank
+/// reports that this step failed, and throws std::runtime_error naming this rank, the step,
+/// `what` and the ranks that are gone (the store tells which live ranks checked in). Without it
+/// a dead peer surfaces as the backend's raw timeout, naming addresses instead of ranks.
+void all_reduce_sum(const ProcessGroupHandle& handle, std::vector<at::Tensor>& tensors,
+                    std::int64_t step, std::chrono::milliseconds timeout,
+                    const std::string& what = "all-reduce");
 
 }  // namespace stepguard

@@ -280,6 +280,15 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
                  "p.yaml:3:63: 'consecutive' must be a whole number in [1, 1000000000], got '0'"}));
 }
 
+// yaml-cpp's own message for this is "bad file".
+TEST(PolicyFile, DeepNestingIsNamed) {
+  const auto issues = issues_of("version: 1\nrules: " + std::string(5000, '[') +
+                                std::string(5000, ']') + "\n");
+  ASSERT_EQ(issues.size(), 1u);
+  EXPECT_EQ(issues[0].rfind("p.yaml:2:", 0), 0u) << issues[0];
+  EXPECT_NE(issues[0].find(": nested too deeply ("), std::string::npos) << issues[0];
+}
+
 TEST(PolicyFile, TheEarlySpikeRatioIsReadAndChecked) {
   PolicyConfig c;
   ASSERT_TRUE(parse_policy("version: 1\ndetectors:\n  loss_spike: {early_factor: 4, "

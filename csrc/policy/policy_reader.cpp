@@ -2,6 +2,7 @@
 // values go, and the file and text entry points. Whether a value or key is acceptable is decided
 // in policy_validation.cpp (Checker and the semantic checks); text is worded in
 // policy_messages.cpp.
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -472,6 +473,11 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
   YAML::Node root;
   try {
     root = YAML::Load(text);
+  } catch (const YAML::DeepRecursion& e) {
+    // yaml-cpp's own message for this is "bad file".
+    check.issue(e.mark, "nested too deeply (" + std::to_string(e.depth()) +
+                            " levels); a policy is a few levels deep (configs/policies/README.md)");
+    return check.take();
   } catch (const YAML::Exception& e) {
     check.issue(e.mark, "YAML syntax error: " + e.msg);
     return check.take();

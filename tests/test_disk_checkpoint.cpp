@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/checkpoint/payload.h"
 #include "tests/support/model_fixture.h"
 
 namespace stepguard {
@@ -159,6 +160,47 @@ TEST(GuardResume, NothingValidChangesNothing) {
   for (std::size_t i = 0; i < before.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(model->parameters()[i], before[i]));
   }
+}
+
+// A checkpoint whose optimizer state has another shape than the live optimizer's, with valid
+// checksums: refused before anything changes, naming the tensor (it used to load, and the first
+// step failed with a raw torch error).
+TEST(GuardResume, AWrongOptimizerStateShapeIsRefusedBeforeAnythingChanges) {
+  const std::string dir = fresh_dir("state_src");
+  train_with_checkpoints(dir, 11);  // checkpoints 3, 6, 9
+  DecodedPayload p = decode_payload(read_rank_file(list_checkpoints(dir).back(), 0), "test");
+  std::string reshaped;
+  for (auto& t : p.tensors) {
+    if (reshaped.empty() && t.name.rfind("optimizer.", 0) == 0 && t.tensor.numel() > 1) {
+      t.tensor = torch::zeros({t.tensor.numel() + 1}, t.tensor.options());
+      reshaped = t.name;
+    }
+  }
+  ASSERT_FALSE(reshaped.empty());
+  const std::string bad = fresh_dir("state_bad");
+  const EncodedPayload encoded = encode_payload(p.record, p.tensors, p.opaque, p.rng);
+  write_rank_file(bad, "tampered", 9, 0, encoded.pieces());
+  commit_checkpoint(bad, "tampered", 9, 1, 3);
+  ASSERT_TRUE(verify_checkpoint(list_checkpoints(bad).at(0)).ok());  // checksums are fine
+
+  auto model = make_model(99);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(opt);
+  const auto before = clone_all(model->parameters());
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(guard.resume(bad), 0);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("cannot resume from " + step_dir(bad, 9)), std::string::npos) << err;
+  EXPECT_NE(err.find(reshaped.substr(std::string("optimizer.").size())), std::string::npos)
+      << err;
+  EXPECT_EQ(guard.step_count(), 0);
+  for (std::size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(model->parameters()[i], before[i])) << i;
+  }
+  opt.zero_grad();
+  auto loss = loss_of(model, 1);
+  loss.backward();
+  EXPECT_TRUE(guard.step(loss).applied());  // training goes on from scratch, no raw error
 }
 
 TEST(GuardResume, ACheckpointIsDiscardedWhenTheNextStepIsBad) {

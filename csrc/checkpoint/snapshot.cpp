@@ -1,11 +1,14 @@
 #include "csrc/checkpoint/snapshot.h"
 
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <xxhash.h>
 
 #include <algorithm>
 #include <unordered_map>
+#include <vector>
 
 namespace stepguard {
 namespace checkpoint {
@@ -13,10 +16,26 @@ namespace checkpoint {
 namespace {
 
 // A host copy of `src` that shares nothing with it, refilling `offered` when it matches (a full
-// ring costs a memcpy per tensor, no allocation).
-at::Tensor host_copy(const at::Tensor& offered, const at::Tensor& src) {
+// ring costs a memcpy per tensor, no allocation). A dense CUDA tensor goes to pinned memory by a
+// non-blocking copy on its device's current stream and is complete only after
+// PendingCopies::wait(); every other tensor is copied synchronously, as always.
+at::Tensor host_copy(const at::Tensor& offered, const at::Tensor& src,
+                     std::vector<c10::Device>* pending) {
   if (!src.defined()) return src;
   const at::Tensor s = src.detach();
+  if (s.is_cuda() && s.layout() == at::kStrided) {
+    // Pinned: a copy into pageable memory is staged and waits for the stream, once per tensor.
+    at::Tensor dst = offered;
+    if (!(dst.defined() && dst.sizes() == s.sizes() && dst.scalar_type() == s.scalar_type() &&
+          dst.is_contiguous() && dst.is_pinned())) {
+      dst = at::empty(s.sizes(), at::TensorOptions().dtype(s.scalar_type()).pinned_memory(true));
+    }
+    dst.copy_(s, /*non_blocking=*/true);
+    if (std::find(pending->begin(), pending->end(), s.device()) == pending->end()) {
+      pending->push_back(s.device());
+    }
+    return dst;
+  }
   if (offered.defined() && offered.sizes() == s.sizes() &&
       offered.scalar_type() == s.scalar_type() && offered.is_contiguous()) {
     offered.copy_(s);
@@ -37,6 +56,33 @@ std::uint64_t checksum_of(const Snapshot& s) {
   XXH3_freeState(h);
   return out;
 }
+
+// Waits once per device for the non-blocking copies host_copy() enqueued on its current stream
+// (also when take() is left by an exception, so no copy still writes into a buffer that goes back
+// to the allocator or the ring). Through the generic c10 interface: libc10 only.
+class PendingCopies {
+ public:
+  PendingCopies() = default;
+  PendingCopies(const PendingCopies&) = delete;
+  PendingCopies& operator=(const PendingCopies&) = delete;
+  ~PendingCopies() {
+    try {
+      wait();
+    } catch (...) {  // a destructor must not throw; the CUDA error resurfaces at the next call
+    }
+  }
+  std::vector<c10::Device>* devices() { return &devices_; }
+  void wait() {
+    while (!devices_.empty()) {
+      const c10::Device d = devices_.back();
+      devices_.pop_back();
+      c10::impl::VirtualGuardImpl(d.type()).getStream(d).synchronize();
+    }
+  }
+
+ private:
+  std::vector<c10::Device> devices_;
+};
 
 }  // namespace
 
@@ -59,12 +105,15 @@ void SnapshotRing::take(std::int64_t step, const std::vector<NamedTensor>& tenso
   s.guard = std::move(guard_state);
   s.opaque = std::move(opaque);
   s.tensors.reserve(tensors.size());
+  PendingCopies pending;  // declared after `old` and `s`: waits before their buffers can go
   for (const auto& t : tensors) {
     auto it = old_index.find(t.name);
     const at::Tensor offered =
         it != old_index.end() ? old.tensors[it->second].tensor : at::Tensor();
-    s.tensors.push_back({t.name, host_copy(offered, t.tensor)});
+    s.tensors.push_back({t.name, host_copy(offered, t.tensor, pending.devices())});
   }
+  // The one synchronization of a snapshot of CUDA tensors; the checksum reads the copies after it.
+  pending.wait();
   s.rng = capture_rng();
   s.bytes = bytes_of(s.tensors) + static_cast<std::int64_t>(s.opaque.size());
   s.checksum = checksum_of(s);

@@ -8,8 +8,11 @@
  * copies, keyed by step, and keeps exactly the steps the book keeps.
  *
  * Copies live in host memory; a full ring refills its oldest snapshot's buffers (no allocation
- * per snapshot). Not here: writing a snapshot back (the engine's recovery does it through the
- * optimizer port), disk checkpoints. Not thread-safe: the training thread owns the ring.
+ * per snapshot). Copies of CUDA tensors go to pinned host memory by non-blocking copies on each
+ * device's current PyTorch stream, with one synchronization per snapshot (not one per tensor)
+ * before the checksum is computed; copies of CPU tensors are plain synchronous copies. Not here:
+ * writing a snapshot back (the engine's recovery does it through the optimizer port), disk
+ * checkpoints. Not thread-safe: the training thread owns the ring.
  */
 #pragma once
 
@@ -42,7 +45,9 @@ class SnapshotRing {
   /// Keeps at most `keep` (>= 1) snapshots.
   explicit SnapshotRing(std::size_t keep);
 
-  /// Copies the state after `step`. Drops the oldest beyond `keep`.
+  /// Copies the state after `step`. Drops the oldest beyond `keep`. CUDA tensors are read on
+  /// their device's current stream (the stream that produced them); returns once every copy is
+  /// complete.
   void take(std::int64_t step, const std::vector<NamedTensor>& tensors, std::string opaque,
             std::vector<std::int64_t> guard_state);
   /// The snapshot of `step`, or nullptr.

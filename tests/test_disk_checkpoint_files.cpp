@@ -252,6 +252,24 @@ TEST(DiskCheckpoint, CrashTortureNeverLeavesANewestCheckpointThatLoadsWrong) {
   EXPECT_FALSE(list_checkpoints(root).empty());
 }
 
+// A rank whose write failed left no file: the commit refuses, and nothing becomes visible.
+TEST(DiskCheckpoint, ACommitWithARankFileMissingIsRefused) {
+  const std::string root = fresh_dir("missing_rank");
+  write_checkpoint(root, 10, 2, 3);
+  write_rank_file(root, kRun, 20, 0, payload_for(200));  // rank 1 never wrote
+  try {
+    commit_checkpoint(root, kRun, 20, 2, 3);
+    FAIL() << "committed without rank 1";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(pending_dir(root, kRun, 20) +
+                                         ": rank 1's file is missing or incomplete"),
+              std::string::npos)
+        << e.what();
+  }
+  ASSERT_EQ(list_checkpoints(root).size(), 1u);
+  EXPECT_EQ(list_checkpoints(root)[0].step, 10);
+}
+
 TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
   try {
     write_rank_file("/proc/stepguard-no", kRun, 1, 0, "x");

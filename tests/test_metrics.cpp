@@ -115,7 +115,34 @@ TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
   EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 2);       // steps 2 and 4
   EXPECT_EQ(value_of(text, "stepguard_last_checkpoint_step"), 4);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_write_duration_seconds_count"), 2);
+  EXPECT_EQ(value_of(text, "stepguard_checkpoint_interval_steps"), 2);
+  EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 0);
   std::filesystem::remove_all(dir);
+}
+
+// A checkpoint that cannot be written (here: a directory nobody can create, even root) is
+// logged and counted; training goes on.
+TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
+  auto p = torch::zeros({4}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(
+      sgd, GuardOptions().metrics_port(0).checkpoint_dir("/proc/stepguard-no").checkpoint_every(2));
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 5; ++i) {
+    sgd.zero_grad();
+    auto loss = (p - 1.0).pow(2).sum();
+    loss.backward();
+    EXPECT_TRUE(guard.step(loss).applied()) << i;
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("step 2: writing the disk checkpoint failed (/proc/stepguard-no/"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("training goes on"), std::string::npos) << err;
+  const std::string text = guard.metrics_text();
+  EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 2);  // steps 2 and 4
+  EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 0);
+  EXPECT_EQ(guard.checkpoints_written(), 0);
 }
 
 TEST(Metrics, NoLabelNamesAStepOrBatch) {

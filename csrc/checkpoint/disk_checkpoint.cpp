@@ -335,6 +335,26 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
                        int world_size, int keep) {
   const std::string pending = pending_dir(root, run, step);
   const std::string dir = step_dir(root, step);
+  // Every rank's file must be there, whole, before the checkpoint may become visible (a rank
+  // whose write failed left none; its record names the size). Checksums are the reader's job.
+  for (int rank = 0; rank < world_size; ++rank) {
+    const std::string record_path = pending + "/" + rank_name(rank, "json");
+    std::string text, why;
+    std::int64_t expected = -1;
+    if (read_whole(record_path, &text, &why)) {
+      try {
+        expected = nlohmann::json::parse(text).at("bytes").get<std::int64_t>();
+      } catch (const std::exception&) {
+      }
+    }
+    std::error_code ec;
+    const auto size = fs::file_size(pending + "/" + rank_name(rank, "ckpt"), ec);
+    if (expected < 0 || ec || static_cast<std::int64_t>(size) != expected) {
+      errno = 0;
+      fail(pending, "rank " + std::to_string(rank) +
+                        "'s file is missing or incomplete; the checkpoint is not committed");
+    }
+  }
   nlohmann::json manifest = {{"format", kDiskFormat},
                              {"run", run},
                              {"step", step},
@@ -345,7 +365,8 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
   // one takes its name; never rewritten in place.
   remove_checkpoint_dir(root, dir);
   errno = 0;
-  if (::rename(pending.c_str(), dir.c_str()) != 0) fail(dir, "cannot move the checkpoint into place");
+  if (::rename(pending.c_str(), dir.c_str()) != 0)
+    fail(dir, "cannot move the checkpoint into place");
   fsync_dir(root);
   // Only now, with the new checkpoint complete on disk, may this run's older ones go.
   std::vector<std::int64_t> complete;

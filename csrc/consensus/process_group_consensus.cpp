@@ -29,7 +29,8 @@ template <class WorkPtr>
 void wait_for(const WorkPtr& work, c10d::Store* store, std::chrono::milliseconds timeout,
               std::int64_t step) {
   const auto deadline = Clock::now() + timeout;
-  auto slice = std::chrono::duration_cast<std::chrono::milliseconds>(std::min<Clock::duration>(kQuiet, timeout));
+  auto slice = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::min<Clock::duration>(kQuiet, timeout));
   while (true) {
     try {
       if (work->wait(slice)) return;
@@ -89,8 +90,9 @@ void ProcessGroupConsensus::all_reduce_tensors(std::vector<at::Tensor>& tensors,
     std::string note;
     std::vector<int> missing = find_missing_ranks(step, &note);
     std::ostringstream msg;
-    msg << "stepguard: rank " << rank_ << ": the step " << step << " " << what << " over " << backend_
-        << " (" << world_size_ << " ranks, deadline " << timeout_.count() << " ms) failed";
+    msg << "stepguard: rank " << rank_ << ": the step " << step << " " << what << " over "
+        << backend_ << " (" << world_size_ << " ranks, deadline " << timeout_.count()
+        << " ms) failed";
     if (!missing.empty()) {
       msg << "; missing rank" << (missing.size() > 1 ? "s" : "");
       for (std::size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : " ") << missing[i];

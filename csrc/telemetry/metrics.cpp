@@ -11,9 +11,11 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <unistd.h>
 #include <chrono>
 #include <cmath>
 #include <sstream>
+#include <string>
 
 #include "csrc/telemetry/http_endpoint.h"
 #endif
@@ -23,6 +25,13 @@ namespace telemetry {
 
 #if defined(STEPGUARD_WITH_METRICS)
 namespace {
+
+std::string host_label(const MetricsConfig& config) {
+  if (!config.host.empty()) return config.host;
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown";
+  return name;
+}
 
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -58,6 +67,7 @@ struct Metrics::State {
   prometheus::Counter* checkpoints = nullptr;
   prometheus::Gauge* last_checkpoint_step = nullptr;
   prometheus::Gauge* last_checkpoint_time = nullptr;
+  prometheus::Counter* checkpoint_failures = nullptr;
   prometheus::Histogram* checkpoint_write_seconds = nullptr;
   prometheus::Histogram* inspect_seconds = nullptr;
   prometheus::Histogram* consensus_seconds = nullptr;
@@ -65,8 +75,8 @@ struct Metrics::State {
 
 Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()) {
   State& s = *state_;
-  const std::map<std::string, std::string> constant = {{"run", config.run},
-                                                       {"rank", std::to_string(config.rank)}};
+  const std::map<std::string, std::string> constant = {
+      {"run", config.run}, {"rank", std::to_string(config.rank)}, {"host", host_label(config)}};
   auto& reg = *s.registry;
   auto counter = [&](const char* name,
                      const char* help) -> prometheus::Family<prometheus::Counter>& {
@@ -118,6 +128,12 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
            .Add({});
   s.last_checkpoint_step =
       gauge("stepguard_last_checkpoint_step", "Step of the newest visible disk checkpoint.");
+  s.checkpoint_failures = &counter("stepguard_checkpoint_failures_total",
+                                   "Disk checkpoints that could not be written or committed.")
+                               .Add({});
+  gauge("stepguard_checkpoint_interval_steps",
+        "Disk checkpoint cadence in steps (0: no disk checkpoints).")
+      ->Set(static_cast<double>(config.checkpoint_every));
   s.last_checkpoint_time = gauge("stepguard_last_checkpoint_timestamp_seconds",
                                  "Unix time the newest disk checkpoint became visible.");
   const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
@@ -204,6 +220,8 @@ void Metrics::record_checkpoint(std::int64_t step, double write_seconds) {
   state_->checkpoint_write_seconds->Observe(write_seconds);
 }
 
+void Metrics::record_checkpoint_failure() { state_->checkpoint_failures->Increment(); }
+
 void Metrics::record_abort() {
   state_->aborts->Increment();
   state_->aborted->Set(1);
@@ -229,6 +247,7 @@ void Metrics::record_abort() {}
 void Metrics::record_snapshot(std::int64_t) {}
 void Metrics::record_cause(Cause) {}
 void Metrics::record_checkpoint(std::int64_t, double) {}
+void Metrics::record_checkpoint_failure() {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }
 

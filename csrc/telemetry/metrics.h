@@ -14,8 +14,8 @@
 #include <memory>
 #include <string>
 
-#include "csrc/core/stats.h"
 #include "csrc/core/report.h"
+#include "csrc/core/stats.h"
 
 namespace stepguard {
 namespace telemetry {
@@ -27,6 +27,10 @@ struct MetricsConfig {
   /// Constant labels on every series.
   std::string run = "stepguard";
   int rank = 0;
+  /// The machine, so that a page names it (default: this host's name).
+  std::string host;
+  /// Disk checkpoint cadence in steps (0: none), for the stale-checkpoint alert.
+  std::int64_t checkpoint_every = 0;
   /// Floor of the loss scale (0 without loss scaling or floor), for the at-floor alert.
   double loss_scale_min = 0.0;
   /// Labels of stepguard_build_info.
@@ -54,6 +58,8 @@ class Metrics {
   void record_snapshot(std::int64_t bytes_held);
   /// A disk checkpoint of `step` became visible; `write_seconds` is what writing it took.
   void record_checkpoint(std::int64_t step, double write_seconds);
+  /// A disk checkpoint could not be written or committed (training went on).
+  void record_checkpoint_failure();
   /// "address:port" where /metrics is served.
   std::string endpoint() const;
   /// The current exposition text, as a scrape would see it.

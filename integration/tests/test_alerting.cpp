@@ -300,9 +300,9 @@ TEST(Telemetry, NonFiniteStepsReachTheTicketReceiverWithTheirLabels) {
              ::testing::TempDir() + "/sg_e2e_demo.log");
   // The event the deadline counts from: Prometheus has scraped the faulty counter. Reaching it is
   // a matter of progress only (a loaded machine trains slower), so its bound is generous.
-  ASSERT_TRUE(wait_until(
-      [&] { return stack.query("stepguard_nonfinite_steps_total{run=\"e2e\"}") >= 1; },
-      std::chrono::seconds(600)))
+  ASSERT_TRUE(
+      wait_until([&] { return stack.query("stepguard_nonfinite_steps_total{run=\"e2e\"}") >= 1; },
+                 std::chrono::seconds(600)))
       << demo.log() << stack.logs();
   nlohmann::json alert;
   std::string path;
@@ -333,6 +333,56 @@ TEST(Telemetry, NonFiniteStepsReachTheTicketReceiverWithTheirLabels) {
   EXPECT_NE(alert["annotations"]["summary"].get<std::string>().find("Run e2e"), std::string::npos);
   // Nothing paged: two skipped steps are a ticket, not a burst.
   for (const auto& [p, body] : receiver.posts()) EXPECT_NE(p, "/page") << body;
+}
+
+// A fault that does not come back when its batch is replayed: the machine is the suspect, and
+// on-call is paged with the host and rank to drain.
+TEST(Telemetry, AHardwareSuspectPagesNamingTheHost) {
+  WebhookReceiver receiver;
+  const int demo_port = free_port();
+  AlertingStack stack("hardware", demo_port, receiver.port());
+  ASSERT_TRUE(stack.ready()) << stack.logs();
+  // The fault late enough that Prometheus has scraped the cause counters at zero first.
+  Child demo(demo_args(demo_port, "hw", "--steps 150 --inject transient_nan@100 --linger 40"),
+             ::testing::TempDir() + "/sg_hw_demo.log");
+  ASSERT_TRUE(wait_until(
+      [&] {
+        return stack.query(
+                   "stepguard_incident_causes_total{run=\"hw\",cause=\"hardware_suspect\"}") >= 1;
+      },
+      std::chrono::seconds(600)))
+      << demo.log() << stack.logs();
+  nlohmann::json alert;
+  std::string path;
+  const bool arrived = wait_until(
+      [&] {
+        for (const auto& [p, body] : receiver.posts()) {
+          const auto j = nlohmann::json::parse(body, nullptr, false);
+          if (j.is_discarded()) continue;
+          for (const auto& a : j["alerts"]) {
+            if (a["labels"]["alertname"] == "StepguardHardwareSuspect") {
+              alert = a;
+              path = p;
+              return true;
+            }
+          }
+        }
+        return false;
+      },
+      std::chrono::seconds(60));
+  ASSERT_TRUE(arrived) << "no page within 60 s of the cause being scraped\n"
+                       << demo.log() << stack.logs();
+  EXPECT_EQ(path, "/page");
+  EXPECT_EQ(alert["labels"]["severity"], "page");
+  EXPECT_EQ(alert["labels"]["run"], "hw");
+  EXPECT_EQ(alert["labels"]["rank"], "0");
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  EXPECT_EQ(alert["labels"]["host"], std::string(host));
+  EXPECT_NE(
+      alert["annotations"]["description"].get<std::string>().find(std::string("drain ") + host),
+      std::string::npos)
+      << alert.dump();
 }
 
 TEST(Telemetry, ACleanRunRaisesNoAlert) {

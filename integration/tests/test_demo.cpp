@@ -310,7 +310,8 @@ void killed_rank_is_named(const std::string& kind, const std::string& collective
   while (!done && lines() < 4) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   const auto event = std::chrono::steady_clock::now();
   runner.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - event).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - event).count();
   EXPECT_EQ(r.status, 1) << r.err;
   // Well under the 30 s deadline: a second to learn of the failure, 5 s of check-in grace.
   EXPECT_LT(seconds, 20.0) << r.err;

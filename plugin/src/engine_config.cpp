@@ -84,11 +84,13 @@ EngineConfig resolve_config(const GuardOptions& o) {
 }
 
 std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank,
-                                                 double loss_scale_floor) {
+                                                 double loss_scale_floor,
+                                                 std::int64_t checkpoint_every) {
   if (o.metrics_port() < 0) return nullptr;
 #if !defined(STEPGUARD_WITH_METRICS)
   (void)rank;
   (void)loss_scale_floor;
+  (void)checkpoint_every;
   TORCH_CHECK(false,
               "stepguard: metrics_port is set but this build has no metrics "
               "(configured with STEPGUARD_WITH_METRICS=OFF)");
@@ -99,6 +101,7 @@ std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank
   mc.run = o.run_name();
   mc.rank = rank;
   mc.loss_scale_min = loss_scale_floor;
+  mc.checkpoint_every = o.checkpoint_dir().empty() ? 0 : checkpoint_every;
   const int nccl = consensus::nccl_version();
   mc.build_labels = {{"version", version()},
                      {"libtorch", TORCH_VERSION},

@@ -32,7 +32,8 @@ EngineConfig resolve_config(const GuardOptions& options);
 /// The Prometheus endpoint the options ask for (labelled with `rank`), or null. Throws c10::Error
 /// naming the address when it cannot be served.
 std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& options, int rank,
-                                                 double loss_scale_floor);
+                                                 double loss_scale_floor,
+                                                 std::int64_t checkpoint_every);
 
 /// The JSONL trace the options ask for, or null. Throws c10::Error naming trace_path.
 std::unique_ptr<telemetry::EventLog> open_trace(const GuardOptions& options);

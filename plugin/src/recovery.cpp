@@ -90,17 +90,18 @@ void Recovery::claim_checkpoint_dir(std::int64_t step) {
   }
   std::int64_t mine = 0;
   if (chosen) {
-    mine = static_cast<std::int64_t>(std::hash<std::string>{}(run_) & kRunBits);
+    mine = static_cast<std::int64_t>(std::hash<std::string>{}(run_)&kRunBits);
   } else {
     std::random_device device_entropy;  // never the training RNG: runs stay reproducible
     mine = ((static_cast<std::int64_t>(device_entropy()) << 32) ^ device_entropy()) & kRunBits;
   }
-  const auto all = consensus::gather_values(consensus_, refusal.empty() ? mine : -1, step, device());
+  const auto all =
+      consensus::gather_values(consensus_, refusal.empty() ? mine : -1, step, device());
   TORCH_CHECK(refusal.empty(), refusal);
   for (std::size_t r = 0; r < all.size(); ++r) {
     TORCH_CHECK(all[r] >= 0, "stepguard: rank ", r, " refused checkpoint_dir ",
-                config_.checkpoint_dir, " (it holds another run's checkpoints there; see rank ",
-                r, "'s log)");
+                config_.checkpoint_dir, " (it holds another run's checkpoints there; see rank ", r,
+                "'s log)");
     TORCH_CHECK(!chosen || all[r] == all[0], "stepguard: the ranks were given different run ids ",
                 "(rank 0 and rank ", r, " differ); give every rank the same run_id");
   }
@@ -215,39 +216,82 @@ bool Recovery::disk_due(std::int64_t step, bool applied) const noexcept {
 void Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const checkpoint::EncodedPayload payload = checkpoint::encode_payload(
-      record, training_tensors(), port_.state_bytes(), checkpoint::capture_rng());
-  checkpoint::write_rank_file(config_.checkpoint_dir, run_, record.step, consensus_.rank(),
-                              payload.pieces());
+  pending_step_ = record.step;  // settled at the next step either way
+  pending_failed_ = false;
+  try {
+    const checkpoint::EncodedPayload payload = checkpoint::encode_payload(
+        record, training_tensors(), port_.state_bytes(), checkpoint::capture_rng());
+    checkpoint::write_rank_file(config_.checkpoint_dir, run_, record.step, consensus_.rank(),
+                                payload.pieces());
+  } catch (const std::exception& e) {
+    ++checkpoint_failures_;
+    pending_failed_ = true;
+    std::fprintf(stderr,
+                 "stepguard: rank %d: step %" PRId64
+                 ": writing the disk checkpoint failed (%s); training goes on, the last good "
+                 "checkpoint stays\n",
+                 consensus_.rank(), record.step, e.what());
+  }
   pending_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
-  pending_step_ = record.step;
+}
+
+bool Recovery::commit(std::int64_t step) {
+  try {
+    checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, step, consensus_.world_size(),
+                                  config_.disk_keep);
+    return true;
+  } catch (const std::exception& e) {
+    ++checkpoint_failures_;
+    std::fprintf(stderr,
+                 "stepguard: step %" PRId64
+                 ": committing the disk checkpoint failed (%s); it is discarded, the last good "
+                 "checkpoint stays\n",
+                 step, e.what());
+    discard(step);
+    return false;
+  }
+}
+
+void Recovery::discard(std::int64_t step) noexcept {
+  try {
+    checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, step);
+  } catch (const std::exception& e) {
+    // What is left is pending and never loaded; the next commit clears it.
+    std::fprintf(stderr, "stepguard: step %" PRId64 ": removing a pending checkpoint failed (%s)\n",
+                 step, e.what());
+  }
 }
 
 std::int64_t Recovery::settle_pending(std::int64_t step, bool clean) {
   if (pending_step_ == 0) return 0;
   const std::int64_t pending = pending_step_;
-  const bool confirm = pending == step - 1 && clean;
+  pending_step_ = 0;
+  bool confirm = pending == step - 1 && clean;
   // Rank 0 writes the manifest: every rank finished that step before this step's collective.
   if (consensus_.rank() == 0) {
-    if (confirm) {
-      checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, pending,
-                                    consensus_.world_size(), config_.disk_keep);
+    if (confirm && pending_failed_) {
+      confirm = false;  // counted when the write failed
+      discard(pending);
+    } else if (confirm) {
+      confirm = commit(pending);
     } else {
-      checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, pending);
+      discard(pending);
     }
   }
-  pending_step_ = 0;
   return confirm ? pending : 0;
 }
 
 std::int64_t Recovery::commit_pending() {
   if (pending_step_ == 0) return 0;
-  if (consensus_.rank() == 0) {
-    checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, pending_step_,
-                                  consensus_.world_size(), config_.disk_keep);
-  }
   const std::int64_t step = pending_step_;
   pending_step_ = 0;
+  if (consensus_.rank() == 0) {
+    if (pending_failed_) {
+      discard(step);
+      return 0;
+    }
+    if (!commit(step)) return 0;
+  }
   return step;
 }
 
@@ -308,8 +352,8 @@ std::vector<checkpoint::CheckpointEntry> Recovery::resumable_entries(const std::
     const auto runs = checkpoint::runs_under(dir);
     std::string names;
     for (const auto& r : runs) names += (names.empty() ? "'" : ", '") + r + "'";
-    TORCH_CHECK(runs.size() <= 1, "stepguard: ", dir, " holds checkpoints of several runs (",
-                names, "); say which to resume with run_id");
+    TORCH_CHECK(runs.size() <= 1, "stepguard: ", dir, " holds checkpoints of several runs (", names,
+                "); say which to resume with run_id");
     if (!runs.empty()) run = runs.front();
   }
   entries.erase(std::remove_if(entries.begin(), entries.end(),

@@ -72,14 +72,18 @@ class Recovery {
   /// The run id of this run's checkpoints ("" before claim_checkpoint_dir or resume).
   const std::string& run_id() const noexcept { return run_; }
   bool disk_due(std::int64_t step, bool applied) const noexcept;
-  /// Writes this rank's file of `step`; it stays pending until settle_pending().
+  /// Writes this rank's file of `step`; it stays pending until settle_pending(). A write that
+  /// fails (disk full, permissions) is logged and counted, never thrown: training goes on, the
+  /// commit finds the file missing and discards the checkpoint, the last good one stays.
   void write_checkpoint(const checkpoint::GuardRecord& record);
   /// After step `step`: the checkpoint written after the step before becomes visible when
   /// `clean` (rank 0 writes the manifest), is removed otherwise. Returns the step made visible, or
-  /// 0.
+  /// 0 (also when the commit failed: logged and counted).
   std::int64_t settle_pending(std::int64_t step, bool clean);
   /// Makes the pending checkpoint visible now (end of a run). Returns its step, or 0.
   std::int64_t commit_pending();
+  /// Checkpoint writes or commits that failed on this rank so far.
+  std::int64_t checkpoint_failures() const noexcept { return checkpoint_failures_; }
   double pending_write_seconds() const noexcept { return pending_seconds_; }
 
   /// Restores the newest checkpoint under `dir` that every rank holds intact and that
@@ -107,10 +111,14 @@ class Recovery {
   RecoveryConfig config_;
   std::vector<at::Tensor> buffers_;
   std::unique_ptr<checkpoint::SnapshotRing> ring_;
-  std::string run_;                ///< this run's id in its checkpoints
-  std::string resumed_from_;       ///< the directory resume() loaded from
+  std::string run_;           ///< this run's id in its checkpoints
+  std::string resumed_from_;  ///< the directory resume() loaded from
   bool claimed_ = false;
   std::int64_t pending_step_ = 0;  ///< written, waiting for the next step's confirmation
+  std::int64_t checkpoint_failures_ = 0;
+  bool pending_failed_ = false;  ///< this rank could not write the pending checkpoint
+  bool commit(std::int64_t step);
+  void discard(std::int64_t step) noexcept;
   double pending_seconds_ = 0.0;
 };
 

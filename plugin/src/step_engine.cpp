@@ -56,7 +56,8 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
       consensus_(make_consensus(options_)),
       controller_(make_controller(config_)),
       recovery_(*consensus_, port_, recovery_config(options_, config_)) {
-  metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor());
+  metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor(),
+                          config_.disk_every);
   event_log_ = open_trace(options_);
 }
 
@@ -195,6 +196,7 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
   const bool applied = decided.decision.outcome == Outcome::kApplied;
   // The disk checkpoint written after the previous step becomes visible only if this step is
   // clean.
+  const std::int64_t failures_before = recovery_.checkpoint_failures();
   if (const std::int64_t committed = recovery_.settle_pending(step, !decided.signals.any())) {
     ++checkpoints_written_;
     if (metrics_) metrics_->record_checkpoint(committed, recovery_.pending_write_seconds());
@@ -206,6 +208,11 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
   }
   recovery_.keep_snapshots(controller_.snapshots().steps());
   if (recovery_.disk_due(step, applied)) recovery_.write_checkpoint(guard_record(step));
+  if (metrics_) {
+    for (auto n = failures_before; n < recovery_.checkpoint_failures(); ++n) {
+      metrics_->record_checkpoint_failure();
+    }
+  }
 }
 
 void StepEngine::abort_with(const std::string& reason) {
@@ -310,9 +317,13 @@ void StepEngine::set_data_position(std::int64_t position) {
 
 void StepEngine::commit_pending_checkpoint() {
   if (aborted_) return;
+  const std::int64_t failures_before = recovery_.checkpoint_failures();
   if (const std::int64_t step = recovery_.commit_pending()) {
     ++checkpoints_written_;
     if (metrics_) metrics_->record_checkpoint(step, recovery_.pending_write_seconds());
+  }
+  if (metrics_ && recovery_.checkpoint_failures() > failures_before) {
+    metrics_->record_checkpoint_failure();
   }
 }
 

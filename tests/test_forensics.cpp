@@ -4,7 +4,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace stepguard {
 namespace {
@@ -79,7 +83,9 @@ TEST(Forensics, ProbesNameTheFirstNonFiniteGradientInBackwardOrder) {
 TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   auto w = torch::ones({4}, torch::requires_grad());
   torch::optim::SGD sgd({w}, torch::optim::SGDOptions(0.1));
-  GuardedOptimizer guard(sgd);
+  const std::string dir = ::testing::TempDir() + "/sg_forensics_quiet";
+  std::filesystem::remove_all(dir);
+  GuardedOptimizer guard(sgd, GuardOptions().incident_dir(dir));
   bool first = true;
   auto compute = [&]() {
     auto loss = (w * 3.0).pow(2).sum();
@@ -110,13 +116,26 @@ TEST(Forensics, ReplayTellsTransientFromReproducibleFaults) {
   sgd.zero_grad();
   auto l = (torch::log(w - 1.0) * 0.0).sum();
   l.backward();
+  // Anomaly mode's warnings (glog's "Logging before InitGoogleLogging", the forward traceback)
+  // go into the report, never to the terminal.
+  ::testing::internal::CaptureStderr();
   r = guard.step(l);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("anomaly_mode"), std::string::npos) << err;
+  EXPECT_EQ(err.find("InitGoogleLogging"), std::string::npos) << err;
+  EXPECT_EQ(err.find("Traceback"), std::string::npos) << err;
   ASSERT_TRUE(r.incident.has_value());
   EXPECT_STREQ(to_string(r.incident->cause), "forward");
   bool named = false;
   for (const auto& e : r.incident->evidence)
     named = named || e.rfind("anomaly mode names ", 0) == 0;
   EXPECT_TRUE(named) << r.incident->evidence.front();
+  std::ifstream in(dir + "/incident-step-000000003.json");
+  std::stringstream report;
+  report << in.rdbuf();
+  const auto j = nlohmann::json::parse(report.str());
+  EXPECT_NE(j["replay"].value("traceback", "").find("Error detected in"), std::string::npos)
+      << j["replay"].dump();
 }
 
 // Dropout-like randomness: replays draw exactly what the original forward drew, and the training's

@@ -51,6 +51,9 @@ struct Evidence {
   ReplayResult fp32 = ReplayResult::kNotRun;   ///< the batch again in fp32
   std::string anomaly_op;  ///< the op anomaly mode named for the first NaN in backward
   std::string anomaly_message;
+  /// What anomaly mode said while replaying (its warnings: the forward traceback of the op that
+  /// produced the first NaN), captured instead of printed; at most a few KB.
+  std::string anomaly_traceback;
   // Probes (optional): the first probed output that was non-finite in forward (call order), and
   // the first probed output whose gradient was non-finite (backward order).
   std::string first_bad_forward;

@@ -52,6 +52,7 @@ Json incident_json(const Incident& incident, int rank, const std::vector<Action>
                  {"fp32", replay_word(evidence.fp32)},
                  {"anomaly_op", evidence.anomaly_op}};
   if (!evidence.anomaly_message.empty()) r["replay"]["message"] = evidence.anomaly_message;
+  if (!evidence.anomaly_traceback.empty()) r["replay"]["traceback"] = evidence.anomaly_traceback;
   if (!evidence.nonfinite_params.empty()) r["nonfinite_params"] = evidence.nonfinite_params;
   if (!evidence.first_bad_forward.empty() || !evidence.first_bad_backward.empty()) {
     r["probes"] = {{"first_bad_forward", evidence.first_bad_forward},

@@ -1,6 +1,8 @@
 #include "csrc/forensics/replays.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/version.h>
 
 #include <string>
 
@@ -8,6 +10,37 @@ namespace stepguard {
 namespace forensics {
 
 namespace {
+
+#if TORCH_VERSION_MAJOR >= 2
+using WarningHandlerGuard = c10::WarningUtils::WarningHandlerGuard;
+#else
+using WarningHandlerGuard = c10::Warning::WarningHandlerGuard;
+#endif
+
+// What anomaly mode warns while a replay runs ("enabled only for debugging", then the forward
+// traceback of the op that produced the NaN): kept for the report instead of reaching the
+// terminal through glog (with its "Logging before InitGoogleLogging" line and raw stack frames).
+class CapturedWarnings final : public c10::WarningHandler {
+ public:
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override { keep(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    keep(msg);
+  }
+#endif
+  const std::string& text() const noexcept { return text_; }
+
+ private:
+  static constexpr std::size_t kMaxBytes = 4096;
+  void keep(const std::string& msg) {
+    if (msg.find("should be enabled only for debugging") != std::string::npos) return;
+    if (text_.size() >= kMaxBytes) return;
+    if (!text_.empty()) text_ += "\n";
+    text_ += msg.substr(0, kMaxBytes - text_.size());
+  }
+  std::string text_;
+};
 
 // Anomaly mode reports the first backward function that returned NaN by throwing; its message
 // names it as "Function 'MulBackward0' returned nan values ...".
@@ -36,8 +69,16 @@ ReplayResult replay_once(const Recompute& recompute, const std::function<void()>
   try {
     at::Tensor loss;
     if (mode == ReplayMode::kAnomaly) {
-      torch::autograd::DetectAnomalyGuard anomaly;
-      loss = recompute(mode);
+      CapturedWarnings captured;
+      try {
+        WarningHandlerGuard quiet(&captured);
+        torch::autograd::DetectAnomalyGuard anomaly;
+        loss = recompute(mode);
+      } catch (...) {
+        ev->anomaly_traceback = captured.text();
+        throw;
+      }
+      ev->anomaly_traceback = captured.text();
     } else {
       loss = recompute(mode);
     }

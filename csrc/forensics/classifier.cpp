@@ -62,8 +62,13 @@ Found bad_data(const Evidence& e) {
 // 3. Weights: a NaN in a parameter makes every forward pass NaN.
 Found broken_weights(const Evidence& e) {
   if (e.nonfinite_params.empty()) return {};
+  std::vector<std::string> evidence = {"parameters hold NaN/Inf before the step: " +
+                                       join(e.nonfinite_params)};
+  if (!e.first_bad_forward.empty()) {
+    evidence.push_back("the first non-finite output in forward order: " + e.first_bad_forward);
+  }
   return diagnosis(
-      Cause::kForward, {"parameters hold NaN/Inf before the step: " + join(e.nonfinite_params)},
+      Cause::kForward, std::move(evidence),
       {"roll back to a snapshot from before the weights broke (policy action rollback)",
        "find the update that wrote them: look at the grad norm and loss scale history below"});
 }

@@ -242,6 +242,11 @@ int run_demo(const DemoOptions& o) {
   }
   stepguard::GuardedOptimizer guard(adamw, named, guard_options);
   guard.track_buffers(model->named_buffers());
+  if (o.probe) {
+    model->set_probe([&guard](const std::string& name, const torch::Tensor& output) {
+      return guard.probe(name, output);
+    });
+  }
 
   if (lead) {
     std::int64_t num_params = 0;
@@ -441,6 +446,7 @@ int run_demo(const DemoOptions& o) {
   }
 
   guard.set_replay({});  // it refers to the loop's locals
+  model->set_probe({});  // so does the probe
 
   // Summary. Hashes and outcome digests come from every rank: equal values mean the replicas
   // stayed bitwise identical and decided identically on every step.

@@ -111,7 +111,7 @@ const char* demo_usage() noexcept {
          "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
          "DIR]\n"
          "                      [--checkpoint-dir DIR] [--checkpoint-every N] [--resume DIR]\n"
-         "                      [--incident-dir DIR]\n"
+         "                      [--incident-dir DIR] [--probe]\n"
          "\n"
          "Trains a small character-level transformer on /usr/share/common-licenses under\n"
          "stepguard, injecting the faults asked for, and prints a summary.\n"
@@ -124,6 +124,8 @@ const char* demo_usage() noexcept {
          "--max-bad-steps N runs the plain ladder instead: skip, abort after N in a row.\n"
          "--checkpoint-dir DIR writes a checkpoint every N steps (default 50); --resume DIR\n"
          "continues from the newest valid one there (and keeps writing there).\n"
+         "--probe wraps every block's output and the logits in forensics probes: an incident\n"
+         "names the first bad block forward and backward (one device read per probe and step).\n"
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 
@@ -243,6 +245,9 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
       if (!take_value()) return std::nullopt;
       if (!parse_int(value, 0, 65535, &n)) return bad("expected a TCP port in [0, 65535]");
       o.metrics_port = static_cast<int>(n);
+    } else if (flag == "--probe") {
+      if (has_inline_value) return bad("takes no value");
+      o.probe = true;
     } else if (flag == "--linger") {
       if (!take_value()) return std::nullopt;
       if (!parse_int(value, 0, 86400, &n)) return bad("expected whole seconds in [0, 86400]");

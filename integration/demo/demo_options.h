@@ -65,7 +65,8 @@ struct DemoOptions {
   int metrics_port = -1;          ///< -1 none; 0 any free port; P: rank r serves on P + local rank
   std::int64_t linger_s = 0;      ///< keep serving metrics this long after training ends
   std::string run_name = "demo";  ///< the `run` label on metrics
-  bool fp16 = false;  ///< --precision fp16: loss scaling, gradients stored in fp16 after backward
+  bool fp16 = false;   ///< --precision fp16: loss scaling, gradients stored in fp16 after backward
+  bool probe = false;  ///< --probe: forensics probes on every block's output and the logits
   std::vector<std::string> raw_args;  ///< the arguments as given, for launching ranks
 };
 

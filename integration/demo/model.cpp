@@ -69,8 +69,14 @@ torch::Tensor CharTransformerImpl::embed(const torch::Tensor& tokens, std::int64
 
 torch::Tensor CharTransformerImpl::forward_embedded(const torch::Tensor& embedded) {
   torch::Tensor x = embedded;
-  for (const auto& block : *blocks_) x = block->as<Block>()->forward(x);
-  return head_->forward(ln_final_->forward(x));
+  std::size_t i = 0;
+  for (const auto& block : *blocks_) {
+    x = block->as<Block>()->forward(x);
+    if (probe_) x = probe_("blocks." + std::to_string(i), x);
+    ++i;
+  }
+  auto logits = head_->forward(ln_final_->forward(x));
+  return probe_ ? probe_("head", logits) : logits;
 }
 
 torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens, std::int64_t poison_row) {

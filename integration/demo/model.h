@@ -7,6 +7,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <string>
+
 namespace stepguard {
 namespace demo {
 
@@ -41,8 +44,13 @@ class CharTransformerImpl : public torch::nn::Module {
   /// network, checked by guard.check_inputs), and the logits from them.
   torch::Tensor embed(const torch::Tensor& tokens, std::int64_t poison_row = -1);
   torch::Tensor forward_embedded(const torch::Tensor& x);
+  /// Wraps each block's output ("blocks.<i>") and the logits ("head") in forward_embedded, e.g.
+  /// with GuardedOptimizer::probe, so forensics can name the first bad block. Empty: none.
+  using Probe = std::function<torch::Tensor(const std::string&, const torch::Tensor&)>;
+  void set_probe(Probe probe) { probe_ = std::move(probe); }
 
  private:
+  Probe probe_;
   ModelConfig config_;
   torch::nn::Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};

@@ -605,6 +605,31 @@ TEST(Checkpoints, ResumeAfterAKillMatchesAnUninterruptedRun) {
 }
 
 // Every injected fault class gets the cause the debugging order gives it, with a report on disk.
+// --probe: the report names the first block whose output went bad (the corrupted weight sits in
+// blocks.0), as probes do in a user's model.
+TEST(Forensics, ProbesNameTheFirstBadBlockInTheDemo) {
+  const std::string summary = temp_path("probe.json");
+  const ProcessResult r = run_stepguard(
+      "demo --steps 8 --probe --inject corrupt_weights@5 "
+      "--summary-json '" +
+      summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto s = read_json(summary);
+  ASSERT_FALSE(s["incidents"].empty());
+  const auto& inc = s["incidents"][0];
+  EXPECT_EQ(inc["step"], 5);
+  EXPECT_EQ(inc["cause"], "forward");
+  bool named = false;
+  for (const auto& e : inc["evidence"]) {
+    named =
+        named || e.get<std::string>() == "the first non-finite output in forward order: blocks.0";
+  }
+  EXPECT_TRUE(named) << inc["evidence"].dump();
+  const ProcessResult bad = run_stepguard("demo --probe=yes");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("--probe 'yes': takes no value"), std::string::npos) << bad.err;
+}
+
 TEST(Forensics, EachInjectedFaultIsClassifiedAndReported) {
   const std::string dir = temp_path("incidents");
   std::filesystem::remove_all(dir);

@@ -245,6 +245,25 @@ class AlertingStack {
     if (j.is_discarded() || j["data"]["result"].empty()) return std::nan("");
     return std::stod(j["data"]["result"][0]["value"][1].get<std::string>());
   }
+  // How many series an instant query returns (-1 when the query fails).
+  long series(const std::string& promql) {
+    int status = 0;
+    std::string q;
+    for (char c : promql) {
+      if (std::isalnum(static_cast<unsigned char>(c)) || c == '_') {
+        q += c;
+      } else {
+        char hex[4];
+        std::snprintf(hex, sizeof hex, "%%%02X", static_cast<unsigned char>(c));
+        q += hex;
+      }
+    }
+    const std::string body = http_get("127.0.0.1", prom_port_, "/api/v1/query?query=" + q, &status);
+    if (status != 200) return -1;
+    const auto j = nlohmann::json::parse(body, nullptr, false);
+    if (j.is_discarded() || j.value("status", "") != "success") return -1;
+    return static_cast<long>(j["data"]["result"].size());
+  }
   std::size_t active_alerts() {
     int status = 0;
     const std::string body = http_get("127.0.0.1", prom_port_, "/api/v1/alerts", &status);
@@ -383,6 +402,39 @@ TEST(Telemetry, AHardwareSuspectPagesNamingTheHost) {
       alert["annotations"]["description"].get<std::string>().find(std::string("drain ") + host),
       std::string::npos)
       << alert.dump();
+}
+
+// Every query of the shipped Grafana dashboard, with its variables filled in, parses and returns
+// data from the real Prometheus scraping a live demo (with checkpoints and a fault).
+TEST(Telemetry, EveryDashboardQueryReturnsData) {
+  const auto dashboard = nlohmann::json::parse(
+      slurp(std::string(STEPGUARD_SOURCE_DIR) + "/configs/grafana/stepguard.json"));
+  std::vector<std::string> queries;
+  for (const auto& panel : dashboard["panels"]) {
+    for (const auto& target : panel["targets"]) queries.push_back(target["expr"]);
+  }
+  ASSERT_GE(queries.size(), 15u);
+  WebhookReceiver receiver;
+  const int demo_port = free_port();
+  AlertingStack stack("dashboard", demo_port, receiver.port());
+  ASSERT_TRUE(stack.ready()) << stack.logs();
+  const std::string ckpt = ::testing::TempDir() + "/sg_dashboard_ckpt";
+  fs::remove_all(ckpt);
+  Child demo(demo_args(demo_port, "dash",
+                       "--steps 40 --inject nan_grad@5 --checkpoint-dir " + ckpt +
+                           " --checkpoint-every 10 --linger 60"),
+             ::testing::TempDir() + "/sg_dashboard_demo.log");
+  // The event: Prometheus has seen the whole run (rates need two samples after it).
+  ASSERT_TRUE(wait_until([&] { return stack.query("stepguard_last_step{run=\"dash\"}") >= 40; },
+                         std::chrono::seconds(600)))
+      << demo.log() << stack.logs();
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  for (std::string q : queries) {
+    q = std::regex_replace(q, std::regex("\\$run"), "dash");
+    q = std::regex_replace(q, std::regex("\\$rank"), ".*");
+    q = std::regex_replace(q, std::regex("\\$__rate_interval"), "1m");
+    EXPECT_GT(stack.series(q), 0) << q << "\n" << stack.logs();
+  }
 }
 
 TEST(Telemetry, ACleanRunRaisesNoAlert) {

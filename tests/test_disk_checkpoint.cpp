@@ -11,6 +11,7 @@
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/checkpoint/payload.h"
+#include "tests/support/fresh_dir.h"
 #include "tests/support/model_fixture.h"
 
 namespace stepguard {
@@ -18,13 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace checkpoint;
-
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/sg_ckpt_" + name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 // Trains `steps` steps through a guard that checkpoints every 3 steps into `dir`; returns the
 // parameters after every step.
@@ -191,8 +185,7 @@ TEST(GuardResume, AWrongOptimizerStateShapeIsRefusedBeforeAnythingChanges) {
   EXPECT_EQ(guard.resume(bad), 0);
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("cannot resume from " + step_dir(bad, 9)), std::string::npos) << err;
-  EXPECT_NE(err.find(reshaped.substr(std::string("optimizer.").size())), std::string::npos)
-      << err;
+  EXPECT_NE(err.find(reshaped.substr(std::string("optimizer.").size())), std::string::npos) << err;
   EXPECT_EQ(guard.step_count(), 0);
   for (std::size_t i = 0; i < before.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(model->parameters()[i], before[i])) << i;

@@ -21,19 +21,13 @@
 #include <vector>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "tests/support/fresh_dir.h"
 
 namespace stepguard {
 namespace {
 
 namespace fs = std::filesystem;
 using namespace checkpoint;
-
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/sg_ckpt_" + name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 // A payload whose every byte depends on the step, so a mix-up shows.
 std::string payload_for(std::int64_t step, std::size_t bytes = 4096) {

@@ -282,8 +282,8 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
 
 // yaml-cpp's own message for this is "bad file".
 TEST(PolicyFile, DeepNestingIsNamed) {
-  const auto issues = issues_of("version: 1\nrules: " + std::string(5000, '[') +
-                                std::string(5000, ']') + "\n");
+  const auto issues =
+      issues_of("version: 1\nrules: " + std::string(5000, '[') + std::string(5000, ']') + "\n");
   ASSERT_EQ(issues.size(), 1u);
   EXPECT_EQ(issues[0].rfind("p.yaml:2:", 0), 0u) << issues[0];
   EXPECT_NE(issues[0].find(": nested too deeply ("), std::string::npos) << issues[0];

@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "csrc/forensics/classifier.h"
 #include "csrc/core/report.h"
+#include "csrc/forensics/classifier.h"
 
 namespace stepguard {
 namespace forensics {

@@ -13,8 +13,8 @@
 #include <functional>
 #include <vector>
 
-#include "csrc/forensics/classifier.h"
 #include "csrc/core/vocabulary.h"
+#include "csrc/forensics/classifier.h"
 
 namespace stepguard {
 namespace forensics {

@@ -11,9 +11,9 @@
 
 #include <vector>
 
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/inspect/element_ops.h"
-#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace inspect {

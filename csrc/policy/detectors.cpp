@@ -31,8 +31,8 @@ SpikeVerdict EmaZScore::observe(double x) {
     v.z = sd > 0 ? diff / sd : (diff > 0 ? std::numeric_limits<double>::infinity() : 0.0);
     if (state_.count >= config_.warmup) {
       v.spike = v.z > config_.threshold;
-    } else if (config_.early_factor > 0 && state_.count >= config_.early_after &&
-               state_.mean > 0 && x > config_.early_factor * state_.mean) {
+    } else if (config_.early_factor > 0 && state_.count >= config_.early_after && state_.mean > 0 &&
+               x > config_.early_factor * state_.mean) {
       v.spike = v.early = true;
     }
   }
@@ -43,8 +43,7 @@ SpikeVerdict EmaZScore::observe(double x) {
   } else {
     // Bias-corrected: the plain running mean and variance until 1 / alpha values are in, so the
     // first value does not dominate the level the warm-up ratio and the z-score start from.
-    const double alpha =
-        std::max(1.0 - config_.decay, 1.0 / static_cast<double>(state_.count + 1));
+    const double alpha = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(state_.count + 1));
     const double delta = x - state_.mean;
     state_.mean += alpha * delta;
     state_.variance = (1.0 - alpha) * (state_.variance + alpha * delta * delta);

@@ -21,8 +21,8 @@ namespace policy {
 
 struct EmaZScoreConfig {
   double threshold = 6.0;
-  std::int64_t warmup = 100;  ///< observations before a spike can be reported
-  double decay = 0.99;        ///< EMA decay per observation (alpha = 1 - decay)
+  std::int64_t warmup = 100;     ///< observations before a spike can be reported
+  double decay = 0.99;           ///< EMA decay per observation (alpha = 1 - decay)
   double early_factor = 10.0;    ///< during the warm-up: a spike above this x the mean; 0: off
   std::int64_t early_after = 3;  ///< observations before the early ratio applies
 };
@@ -38,7 +38,7 @@ struct EmaZScoreState {
 
 struct SpikeVerdict {
   bool spike = false;
-  double z = 0.0;  ///< 0 before the first observation or when the series is constant
+  double z = 0.0;      ///< 0 before the first observation or when the series is constant
   bool early = false;  ///< caught by the warm-up ratio (x / mean > early_factor), not by z
 };
 

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/policy/detectors.h"
-#include "csrc/core/report.h"
 
 namespace stepguard {
 namespace policy {

@@ -41,8 +41,8 @@ const std::vector<std::string> kLossScaleKeys = {
 const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps", "max_skips",
                                              "max_rollbacks", "loss_scale_floor"};
 const std::vector<std::string> kDetectorKeys = {"loss_spike", "grad_norm_spike", "loss_ratio"};
-const std::vector<std::string> kSpikeKeys = {"enabled", "z",           "warmup",
-                                             "decay",   "early_factor", "early_after"};
+const std::vector<std::string> kSpikeKeys = {"enabled",      "z",          "warmup", "decay",
+                                             "early_factor", "early_after"};
 const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
 const std::vector<std::string> kRuleKeys = {"name",       "on",       "consecutive", "within",
                                             "after_step", "cooldown", "action"};

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/stats.h"
 #include "csrc/core/report.h"
+#include "csrc/core/stats.h"
 
 namespace stepguard {
 namespace telemetry {

@@ -226,8 +226,8 @@ class AlertingStack {
         [&] { return http_ok(prom_port_, "/-/ready") && http_ok(am_port_, "/-/ready"); },
         std::chrono::seconds(60));
   }
-  // The value of an instant query's first result, or NaN.
-  double query(const std::string& promql) {
+  // The answer to an instant query (discarded when Prometheus refused it).
+  nlohmann::json instant_query(const std::string& promql) {
     int status = 0;
     std::string q;
     for (char c : promql) {
@@ -240,27 +240,18 @@ class AlertingStack {
       }
     }
     const std::string body = http_get("127.0.0.1", prom_port_, "/api/v1/query?query=" + q, &status);
-    if (status != 200) return std::nan("");
-    const auto j = nlohmann::json::parse(body, nullptr, false);
+    if (status != 200) return nlohmann::json::value_t::discarded;
+    return nlohmann::json::parse(body, nullptr, false);
+  }
+  // The value of an instant query's first result, or NaN.
+  double query(const std::string& promql) {
+    const nlohmann::json j = instant_query(promql);
     if (j.is_discarded() || j["data"]["result"].empty()) return std::nan("");
     return std::stod(j["data"]["result"][0]["value"][1].get<std::string>());
   }
   // How many series an instant query returns (-1 when the query fails).
   long series(const std::string& promql) {
-    int status = 0;
-    std::string q;
-    for (char c : promql) {
-      if (std::isalnum(static_cast<unsigned char>(c)) || c == '_') {
-        q += c;
-      } else {
-        char hex[4];
-        std::snprintf(hex, sizeof hex, "%%%02X", static_cast<unsigned char>(c));
-        q += hex;
-      }
-    }
-    const std::string body = http_get("127.0.0.1", prom_port_, "/api/v1/query?query=" + q, &status);
-    if (status != 200) return -1;
-    const auto j = nlohmann::json::parse(body, nullptr, false);
+    const nlohmann::json j = instant_query(promql);
     if (j.is_discarded() || j.value("status", "") != "success") return -1;
     return static_cast<long>(j["data"]["result"].size());
   }
@@ -279,6 +270,28 @@ class AlertingStack {
   std::unique_ptr<Child> alertmanager_;
   std::unique_ptr<Child> prometheus_;
 };
+
+// Waits up to 60 s (rule evaluation, Alertmanager's group wait, the webhook) for `name` to reach
+// the receiver; fills the alert and the receiver path it came to.
+bool wait_for_alert(WebhookReceiver& receiver, const std::string& name, nlohmann::json* alert,
+                    std::string* path) {
+  return wait_until(
+      [&] {
+        for (const auto& [p, body] : receiver.posts()) {
+          const auto j = nlohmann::json::parse(body, nullptr, false);
+          if (j.is_discarded()) continue;
+          for (const auto& a : j["alerts"]) {
+            if (a["labels"]["alertname"] == name) {
+              *alert = a;
+              *path = p;
+              return true;
+            }
+          }
+        }
+        return false;
+      },
+      std::chrono::seconds(60));
+}
 
 std::vector<std::string> demo_args(int port, const std::string& run, const std::string& extra) {
   std::vector<std::string> args = {STEPGUARD_BIN,        "demo",       "--metrics-port",
@@ -325,22 +338,7 @@ TEST(Telemetry, NonFiniteStepsReachTheTicketReceiverWithTheirLabels) {
       << demo.log() << stack.logs();
   nlohmann::json alert;
   std::string path;
-  const bool arrived = wait_until(
-      [&] {
-        for (const auto& [p, body] : receiver.posts()) {
-          const auto j = nlohmann::json::parse(body, nullptr, false);
-          if (j.is_discarded()) continue;
-          for (const auto& a : j["alerts"]) {
-            if (a["labels"]["alertname"] == "StepguardNonFiniteSteps") {
-              alert = a;
-              path = p;
-              return true;
-            }
-          }
-        }
-        return false;
-      },
-      std::chrono::seconds(60));  // rule evaluation (1 s), Alertmanager's group wait, the webhook
+  const bool arrived = wait_for_alert(receiver, "StepguardNonFiniteSteps", &alert, &path);
   ASSERT_TRUE(arrived) << "no alert reached the receiver within 60 s of the fault being scraped\n"
                        << demo.log() << stack.logs();
   EXPECT_EQ(path, "/ticket");  // severity=ticket routes to the ticket receiver
@@ -373,22 +371,7 @@ TEST(Telemetry, AHardwareSuspectPagesNamingTheHost) {
       << demo.log() << stack.logs();
   nlohmann::json alert;
   std::string path;
-  const bool arrived = wait_until(
-      [&] {
-        for (const auto& [p, body] : receiver.posts()) {
-          const auto j = nlohmann::json::parse(body, nullptr, false);
-          if (j.is_discarded()) continue;
-          for (const auto& a : j["alerts"]) {
-            if (a["labels"]["alertname"] == "StepguardHardwareSuspect") {
-              alert = a;
-              path = p;
-              return true;
-            }
-          }
-        }
-        return false;
-      },
-      std::chrono::seconds(60));
+  const bool arrived = wait_for_alert(receiver, "StepguardHardwareSuspect", &alert, &path);
   ASSERT_TRUE(arrived) << "no page within 60 s of the cause being scraped\n"
                        << demo.log() << stack.logs();
   EXPECT_EQ(path, "/page");

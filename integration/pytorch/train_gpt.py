@@ -169,9 +169,14 @@ def main(argv):
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    group = None
+    group = store = None
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+        # The job's store (env://, as torchrun sets it up) is shared with the guard: a step whose
+        # collective fails then names the ranks that are gone (a dead node's ranks, say).
+        timeout = datetime.timedelta(seconds=args.collective_timeout)
+        store = next(dist.rendezvous("env://", timeout=timeout))[0]
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world, timeout=timeout)
         group = dist.group.WORLD
     torch.manual_seed(args.seed)
     tokens, vocab = load_corpus(args.corpus_dir)
@@ -182,6 +187,7 @@ def main(argv):
     guard = stepguard.GuardedOptimizer(
         optimizer, raw.named_parameters(), policy=args.policy or DEFAULT_POLICY,
         process_group=group, trace_path=rank_path(args.trace or "", rank, world),
+        store=dist.PrefixStore("stepguard", store) if store is not None else None,
         incident_dir=args.incident_dir or "", checkpoint_dir=args.checkpoint_dir or "",
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
         metrics_port=args.metrics_port + int(os.environ.get("LOCAL_RANK", "0"))
@@ -229,11 +235,11 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
                 g["lr"] *= 1000.0
         poison = 0 if injected(args, "nan_input", step, rank) else -1
 
-        def forward_backward(mode, check):
+        def forward_backward(mode, check, net):
             x = raw.embed(x_tokens, poison)
             if check:
                 guard.check_inputs([x])
-            logits = model(x) if world > 1 else raw(x)
+            logits = net(x)
             loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
             if injected(args, "nan_loss", step, rank):
                 loss = loss * float("nan")
@@ -252,14 +258,16 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
 
         def replay(mode):
             guard.zero_grad()
+            # The plain module: only the ranks a fault came from replay, and DDP's forward
+            # broadcasts buffers (a collective) even under no_sync().
             with model.no_sync() if world > 1 else _null():
-                loss = forward_backward(mode, False)
+                loss = forward_backward(mode, False, raw)
             inject_gradient_faults()  # deterministic faults come back; a transient one does not
             return loss
 
         guard.set_replay(replay)
         guard.zero_grad()
-        loss = forward_backward("as_is", True)
+        loss = forward_backward("as_is", True, model)
         inject_gradient_faults()
         if injected(args, "transient_nan", step, rank):
             with torch.no_grad():

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "csrc/consensus/process_group_consensus.h"
+#include "csrc/consensus/step_buffer.h"
 
 namespace stepguard {
 namespace {
@@ -74,14 +75,31 @@ TEST(ProcessGroupConsensus, SumsAcrossRanksInOneCollective) {
   }
 }
 
-// Each rank trains its own replica; faults hit one rank at a time, after gradient averaging.
-TEST(ProcessGroupConsensus, RankLocalFaultsGiveTheSameDecisionOnEveryRank) {
-  const int world = 4, steps = 12;
-  Group g = make_group(world, std::chrono::seconds(30));
-  std::vector<std::vector<Outcome>> outcomes(world);
-  std::vector<std::vector<std::vector<int>>> faulty(world);
-  std::vector<std::vector<torch::Tensor>> params(world);
-  std::vector<std::int64_t> collectives(world);
+// The fault matrix at several world sizes: each rank trains its own replica; faults hit one rank
+// at a time, after the gradient average (rank-local gradients), before it (a NaN loss that the
+// average spreads to every rank), and in the weights (a finite drift of one replica). Every rank
+// must decide the same, name the rank the fault came from and agree on its cause, and the step
+// collective must carry the same number of bytes at every world size.
+class FaultMatrix : public ::testing::TestWithParam<int> {};
+
+TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
+  const int world = GetParam(), steps = 12;
+  const int last = world - 1, middle = world / 2;
+  Group g = make_group(world, std::chrono::seconds(60));
+  struct Seen {
+    std::vector<Outcome> outcomes;
+    std::vector<std::vector<int>> ranks;
+    std::vector<Cause> causes;
+    std::vector<std::vector<RankCause>> rank_causes;
+    std::vector<std::vector<Signal>> signals;
+    std::int64_t collectives = 0, first_step_bytes = 0, step_buffer_bytes = 0;
+    std::vector<torch::Tensor> params_at_10;
+  };
+  std::vector<Seen> seen(world);
+  const std::string policy =
+      "version: 1\n"
+      "detectors:\n  replica_divergence: {every: 4}\n"
+      "rules:\n  - {name: skip-nonfinite, on: nonfinite, action: skip_batch}\n";
   run_ranks(world, [&](int r) {
     torch::nn::Linear model(6, 2);
     {
@@ -91,14 +109,19 @@ TEST(ProcessGroupConsensus, RankLocalFaultsGiveTheSameDecisionOnEveryRank) {
       model->bias.copy_(torch::tensor({0.1f, -0.2f}));
     }
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
-    GuardedOptimizer guard(adam, model->named_parameters(),
-                           GuardOptions().process_group(g.ranks[r]).store(g.store));
-    EXPECT_EQ(guard.rank(), r);
-    EXPECT_EQ(guard.world_size(), world);
+    GuardedOptimizer guard(
+        adam, model->named_parameters(),
+        GuardOptions().process_group(g.ranks[r]).store(g.store).policy_yaml(policy));
+    Seen& me = seen[r];
     for (int step = 1; step <= steps; ++step) {
       adam.zero_grad();
+      if (step == 11 && r == last) {
+        torch::NoGradGuard no_grad;
+        model->weight[0][0] += 0.25;  // a finite drift: this replica no longer equals the others
+      }
       auto x = torch::full({4, 6}, 0.1 * (r + 1) * step);
       auto loss = model->forward(x).pow(2).mean();
+      if (step == 9 && r == middle) loss = loss * std::numeric_limits<float>::quiet_NaN();
       loss.backward();
       // Average gradients with the group, as data-parallel training does (not counted by the
       // guard: those are the loop's collectives).
@@ -107,30 +130,68 @@ TEST(ProcessGroupConsensus, RankLocalFaultsGiveTheSameDecisionOnEveryRank) {
         g.ranks[r]->allreduce(t)->wait();
         p.mutable_grad().div_(world);
       }
-      if ((step == 3 && r == 2) || (step == 7 && r == 1)) {
+      if ((step == 3 && r == last) || (step == 5 && r == 1)) {
         model->weight.mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
       }
-      if (step == 9 && r == 3) loss = loss * std::numeric_limits<float>::infinity();
+      if (step == 7 && r == 0) loss = loss * std::numeric_limits<float>::infinity();
+      const std::int64_t bytes_before = guard.collective_bytes();
       const StepReport report = guard.step(loss);
-      outcomes[r].push_back(report.outcome);
-      faulty[r].push_back(report.incident ? report.incident->ranks : std::vector<int>{});
+      if (step == 1) me.first_step_bytes = guard.collective_bytes() - bytes_before;
+      me.outcomes.push_back(report.outcome);
+      me.ranks.push_back(report.incident ? report.incident->ranks : std::vector<int>{});
+      me.causes.push_back(report.incident ? report.incident->cause : Cause::kUnknown);
+      me.rank_causes.push_back(report.incident ? report.incident->rank_causes
+                                               : std::vector<RankCause>{});
+      me.signals.push_back(report.incident ? std::vector<Signal>{report.incident->signal}
+                                           : std::vector<Signal>{});
+      if (step == 10) {
+        for (const auto& p : model->parameters()) me.params_at_10.push_back(p.detach().clone());
+      }
     }
-    collectives[r] = guard.collectives();
-    for (const auto& p : model->parameters()) params[r].push_back(p.detach().clone());
+    me.collectives = guard.collectives();
+    me.step_buffer_bytes = guard.step_buffer_bytes();
   });
   std::vector<Outcome> expected(steps, Outcome::kApplied);
-  expected[2] = expected[6] = expected[8] = Outcome::kSkipped;
+  expected[2] = expected[4] = expected[6] = expected[8] = Outcome::kSkipped;
+  auto causes_of = [](const std::vector<RankCause>& v) {
+    std::vector<std::pair<int, Cause>> out;
+    for (const auto& c : v) out.push_back({c.rank, c.cause});
+    return out;
+  };
+  using Causes = std::vector<std::pair<int, Cause>>;
   for (int r = 0; r < world; ++r) {
-    EXPECT_EQ(outcomes[r], expected) << "rank " << r;
-    EXPECT_EQ(faulty[r][2], std::vector<int>({2})) << "rank " << r;
-    EXPECT_EQ(faulty[r][6], std::vector<int>({1})) << "rank " << r;
-    EXPECT_EQ(faulty[r][8], std::vector<int>({3})) << "rank " << r;
-    EXPECT_EQ(collectives[r], steps);  // exactly one guard collective per step
-    for (std::size_t i = 0; i < params[r].size(); ++i) {
-      EXPECT_TRUE(torch::equal(params[r][i], params[0][i])) << "rank " << r << " param " << i;
+    const Seen& me = seen[r];
+    SCOPED_TRACE("world " + std::to_string(world) + ", rank " + std::to_string(r));
+    EXPECT_EQ(me.outcomes, expected);
+    EXPECT_EQ(me.ranks[2], std::vector<int>({last}));
+    EXPECT_EQ(me.ranks[4], std::vector<int>({1}));
+    EXPECT_EQ(me.ranks[6], std::vector<int>({0}));
+    // The NaN loss of one rank reached every rank's gradients; the origin is still that rank,
+    // and its cause is the forward pass, not a clean replay read as hardware.
+    EXPECT_EQ(me.ranks[8], std::vector<int>({middle}));
+    EXPECT_EQ(me.causes[8], Cause::kForward);
+    EXPECT_EQ(causes_of(me.rank_causes[8]), (Causes{{middle, Cause::kForward}}));
+    EXPECT_EQ(causes_of(me.rank_causes[2]), (Causes{{last, Cause::kBackward}}));
+    // The drifted replica is named at the next replica check (step 12), as hardware.
+    EXPECT_EQ(me.signals[11], std::vector<Signal>({Signal::kReplicaDivergence}));
+    EXPECT_EQ(me.ranks[11], std::vector<int>({last}));
+    EXPECT_EQ(causes_of(me.rank_causes[11]), (Causes{{last, Cause::kHardwareSuspect}}));
+    // One collective per step; two more on each of the five incident steps.
+    EXPECT_EQ(me.collectives, steps + 2 * 5);
+    // The step's payload does not grow with the job.
+    EXPECT_EQ(me.first_step_bytes, consensus::StepBuffer::bytes());
+    EXPECT_EQ(me.step_buffer_bytes, consensus::StepBuffer::bytes());
+    EXPECT_LE(me.step_buffer_bytes, 1024);
+    for (std::size_t i = 0; i < me.params_at_10.size(); ++i) {
+      EXPECT_TRUE(torch::equal(me.params_at_10[i], seen[0].params_at_10[i])) << "param " << i;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, FaultMatrix, ::testing::Values(2, 4, 16),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::to_string(info.param) + "Ranks";
+                         });
 
 TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
   const int world = 3;

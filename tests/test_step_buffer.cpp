@@ -10,61 +10,150 @@ namespace stepguard {
 namespace consensus {
 namespace {
 
-TEST(StepBuffer, TwoSlotsPerRankAfterTheFixedSlots) {
-  EXPECT_EQ(step_slot::kFixed, inspect_slot::kCount + 3);
-  EXPECT_EQ(step_slot::size(1), 7 + 2);
-  EXPECT_EQ(step_slot::size(1024), 7 + 2048);
-  EXPECT_EQ(step_slot::rank_fault(3), 10);
-  EXPECT_EQ(step_slot::rank_digest(4, 3), 14);
-  EXPECT_EQ(step_slot::rank_digest(4, 3) + 1, step_slot::size(4));
+TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
+  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 6 + 4 * step_slot::kChunks + 1);
+  EXPECT_LE(StepBuffer::bytes(), 1024);
+  for (int world : {1, 2, 4, 16, 16384}) {
+    StepBuffer b(0, world, at::kCPU);
+    EXPECT_EQ(b.tensor().numel(), step_slot::kSize) << world;
+    EXPECT_EQ(b.tensor().numel() * 8, StepBuffer::bytes());
+  }
   // The largest digest is an integer fp64 holds exactly.
   const double d = static_cast<double>(step_slot::kDigestMask);
   EXPECT_EQ(static_cast<std::uint64_t>(d), step_slot::kDigestMask);
   EXPECT_EQ(mask_digest(~std::uint64_t{0}), step_slot::kDigestMask);
 }
 
-TEST(StepBuffer, PacksTheLossFaultFlagAndDigestOfItsRank) {
+TEST(StepBuffer, PacksTheLossCountsDigestChunksAndItsRow) {
   StepBuffer b(1, 3, at::kCPU);
   b.inspection_block().copy_(at::tensor({2.0, 0.0, 9.0, 0.0}, at::kDouble));
-  b.pack(at::tensor(1.5f), 12345);
+  const std::uint64_t digest = 0x0003000200010005ULL;
+  b.pack(at::tensor(1.5f), digest, LocalEvidence{true, false});
   const at::Tensor t = b.tensor();
-  ASSERT_EQ(t.numel(), step_slot::size(3));
+  ASSERT_EQ(t.numel(), step_slot::kSize);
   EXPECT_EQ(t[step_slot::kLossSum].item<double>(), 1.5);
   EXPECT_EQ(t[step_slot::kLossNonfinite].item<double>(), 0.0);
   EXPECT_EQ(t[step_slot::kRanksReporting].item<double>(), 1.0);
-  EXPECT_EQ(t[step_slot::rank_fault(0)].item<double>(), 0.0);
-  EXPECT_EQ(t[step_slot::rank_fault(1)].item<double>(), 1.0);  // two NaN gradient elements
-  EXPECT_EQ(t[step_slot::rank_digest(3, 1)].item<double>(), 12345.0);
-  EXPECT_EQ(t[step_slot::rank_digest(3, 0)].item<double>(), 0.0);
+  EXPECT_EQ(t[step_slot::kFaultyRanks].item<double>(), 1.0);  // two NaN gradient elements
+  EXPECT_EQ(t[step_slot::kInputRanks].item<double>(), 1.0);
+  EXPECT_EQ(t[step_slot::kProbeRanks].item<double>(), 0.0);
+  const double chunks[] = {5, 1, 2, 3};
+  for (int c = 0; c < step_slot::kChunks; ++c) {
+    EXPECT_EQ(t[step_slot::kDigest + c].item<double>(), chunks[c]);
+    EXPECT_EQ(t[step_slot::kDigest + step_slot::kChunks + c].item<double>(), chunks[c] * chunks[c]);
+  }
+  EXPECT_EQ(t[step_slot::kFingerprintChecked].item<double>(), 0.0);
+  const at::Tensor row = b.rank_row();
+  EXPECT_EQ(row[row_slot::kGradFault].item<double>(), 1.0);
+  EXPECT_EQ(row[row_slot::kLossBad].item<double>(), 0.0);
+  EXPECT_EQ(row[row_slot::kInputsBad].item<double>(), 1.0);
+  EXPECT_EQ(row[row_slot::kDigest].item<double>(), static_cast<double>(digest));
+  EXPECT_EQ(row[row_slot::kFingerprint].item<double>(), 0.0);
 }
 
-// Three ranks' buffers summed by hand, as the all-reduce would.
-TEST(StepBuffer, UnpacksTheSumAndNamesTheDivergedRank) {
+// Three ranks' buffers and rows summed by hand, as the all-reduces would.
+TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   at::Tensor sum;
+  std::vector<double> rows;
   const double losses[] = {1.0, 3.0, NAN};
   const std::uint64_t digests[] = {7, 7, 8};
   for (int r = 0; r < 3; ++r) {
     StepBuffer b(r, 3, at::kCPU);
     b.inspection_block().copy_(at::tensor({0.0, r == 0 ? 1.0 : 0.0, 4.0, 0.0}, at::kDouble));
-    b.pack(at::tensor(losses[r], at::kDouble), digests[r]);
+    b.pack(at::tensor(losses[r], at::kDouble), digests[r], LocalEvidence{});
     sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    for (int i = 0; i < row_slot::kSize; ++i) rows.push_back(b.rank_row()[i].item<double>());
   }
   StepBuffer agreed(0, 3, at::kCPU);
   agreed.tensor().copy_(sum);
-  const GlobalStats g = agreed.unpack(5, /*sharded_gradients=*/false);
+  GlobalStats g = agreed.unpack(5, /*sharded_gradients=*/false);
   EXPECT_EQ(g.inf_count, 1);
   EXPECT_EQ(g.loss_nonfinite_ranks, 1);
   EXPECT_EQ(g.loss, 2.0);         // mean of the finite losses
   EXPECT_EQ(g.sum_squares, 4.0);  // replicated gradients count once: 12 / 3
   EXPECT_EQ(g.grad_norm, 2.0);
+  EXPECT_EQ(g.faulty_rank_count, 2);
+  EXPECT_TRUE(g.state_differs);
+  EXPECT_FALSE(g.replica_checked);
+  EXPECT_TRUE(g.faulty_ranks.empty());  // not named before the rows are gathered
+  ASSERT_TRUE(needs_rank_detail(g));
+  fill_rank_detail(rows, 3, &g);
   EXPECT_EQ(g.faulty_ranks, std::vector<int>({0, 2}));
   EXPECT_EQ(g.desynced_ranks, std::vector<int>({2}));
+  EXPECT_EQ(g.origin_ranks, std::vector<int>({2}));  // the NaN loss was rank 2's own
   EXPECT_EQ(agreed.unpack(5, /*sharded_gradients=*/true).sum_squares, 12.0);
+}
+
+// Any difference in any 16-bit chunk shows, including values whose sums agree.
+TEST(StepBuffer, DigestsThatDifferAreSeenFromTheSumsAlone) {
+  auto agreed = [](const std::vector<std::uint64_t>& digests) {
+    at::Tensor sum;
+    const int world = static_cast<int>(digests.size());
+    for (int r = 0; r < world; ++r) {
+      StepBuffer b(r, world, at::kCPU);
+      b.pack(at::tensor(1.0), digests[static_cast<std::size_t>(r)], LocalEvidence{});
+      sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    }
+    StepBuffer out(0, world, at::kCPU);
+    out.tensor().copy_(sum);
+    return out.unpack(1, false);
+  };
+  EXPECT_FALSE(agreed({42, 42, 42, 42}).state_differs);
+  EXPECT_FALSE(needs_rank_detail(agreed({~0ULL, ~0ULL})));
+  EXPECT_TRUE(agreed({1, 3, 2, 2}).state_differs);  // the same sum, 8, as 2+2+2+2
+  EXPECT_TRUE(agreed({1ULL << 63, 1ULL << 62}).state_differs);
+  std::vector<std::uint64_t> many(16384, 0xDEADBEEFCAFEF00DULL);
+  EXPECT_FALSE(agreed(many).state_differs);
+  many[9000] ^= 1ULL << 40;
+  EXPECT_TRUE(agreed(many).state_differs);
+}
+
+TEST(StepBuffer, TheFingerprintSeesAFiniteChangeOfOneElement) {
+  std::vector<at::Tensor> params = {at::randn({64, 32}), at::randn({32}),
+                                    at::randn({16}).to(at::kBFloat16), at::arange(4)};
+  const std::int64_t base = parameter_fingerprint(params).item<std::int64_t>();
+  EXPECT_EQ(parameter_fingerprint(params).item<std::int64_t>(), base);
+  std::vector<at::Tensor> copy;
+  for (const auto& p : params) copy.push_back(p.clone());
+  EXPECT_EQ(parameter_fingerprint(copy).item<std::int64_t>(), base);
+  copy[0][3][7] += 1e-3;
+  EXPECT_NE(parameter_fingerprint(copy).item<std::int64_t>(), base);
+  copy[0][3][7] -= 1e-3;
+  copy[2][5] = 2.0;
+  EXPECT_NE(parameter_fingerprint(copy).item<std::int64_t>(), base);
+  // The same tensors in another order are another model.
+  EXPECT_NE(parameter_fingerprint({params[1], params[0]}).item<std::int64_t>(),
+            parameter_fingerprint({params[0], params[1]}).item<std::int64_t>());
+}
+
+TEST(StepBuffer, ADivergedReplicaIsNamedAsTheOrigin) {
+  std::vector<at::Tensor> params = {at::randn({8, 8})};
+  at::Tensor sum;
+  std::vector<double> rows;
+  for (int r = 0; r < 4; ++r) {
+    std::vector<at::Tensor> mine = {params[0].clone()};
+    if (r == 2) mine[0][1][1] += 0.5;
+    StepBuffer b(r, 4, at::kCPU);
+    b.pack(at::tensor(1.0), 9, LocalEvidence{}, parameter_fingerprint(mine));
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    for (int i = 0; i < row_slot::kSize; ++i) rows.push_back(b.rank_row()[i].item<double>());
+  }
+  StepBuffer agreed(0, 4, at::kCPU);
+  agreed.tensor().copy_(sum);
+  GlobalStats g = agreed.unpack(100, false);
+  EXPECT_TRUE(g.replica_checked);
+  EXPECT_TRUE(g.replica_differs);
+  EXPECT_FALSE(g.state_differs);
+  ASSERT_TRUE(needs_rank_detail(g));
+  fill_rank_detail(rows, 4, &g);
+  EXPECT_EQ(g.diverged_replicas, std::vector<int>({2}));
+  EXPECT_EQ(g.origin_ranks, std::vector<int>({2}));
+  EXPECT_TRUE(g.faulty_ranks.empty());
 }
 
 TEST(StepBuffer, AMissingRankIsAClearError) {
   StepBuffer b(0, 2, at::kCPU);
-  b.pack(at::tensor(1.0), 1);  // only this rank's contribution: 1 of 2 reported
+  b.pack(at::tensor(1.0), 1, LocalEvidence{});  // only this rank's contribution: 1 of 2
   try {
     b.unpack(9, false);
     FAIL() << "expected an error";

@@ -11,6 +11,7 @@ void Consensus::all_reduce_sum(at::Tensor& buffer, std::int64_t step) {
               "stepguard: consensus buffer must be a contiguous 1-D float64 tensor (step ", step,
               ")");
   ++collectives_;
+  bytes_ += buffer.numel() * static_cast<std::int64_t>(sizeof(double));
   do_all_reduce_sum(buffer, step);
 }
 

@@ -36,12 +36,15 @@ class Consensus {
 
   /// Collectives issued so far by this instance.
   std::int64_t collectives() const noexcept { return collectives_; }
+  /// Bytes those collectives carried (each buffer's size, counted once per collective).
+  std::int64_t bytes() const noexcept { return bytes_; }
 
  protected:
   virtual void do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) = 0;
 
  private:
   std::int64_t collectives_ = 0;
+  std::int64_t bytes_ = 0;
 };
 
 /// Every rank's `value`, in rank order, through one sum all-reduce of a buffer on `device`

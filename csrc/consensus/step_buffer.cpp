@@ -11,19 +11,34 @@ namespace consensus {
 
 namespace {
 
-// The ranks whose digest differs from the majority; ties go to the lower rank's digest. Every
-// rank sees the same buffer, so every rank names the same outliers.
-std::vector<int> digest_outliers(const double* s, int world_size) {
+constexpr std::uint64_t kChunkMask = 0xFFFF;
+
+std::uint64_t exact(double v) { return static_cast<std::uint64_t>(v); }
+
+// Every rank contributed the same value to a chunk exactly when world * sum(c^2) == sum(c)^2
+// (Cauchy-Schwarz with equality). The sums are integers below 2^53, so the test is exact.
+bool chunks_differ(const double* s, int first, int world) {
+  for (int c = 0; c < step_slot::kChunks; ++c) {
+    const unsigned __int128 sum = exact(s[first + c]);
+    const unsigned __int128 squares = exact(s[first + step_slot::kChunks + c]);
+    if (static_cast<unsigned __int128>(world) * squares != sum * sum) return true;
+  }
+  return false;
+}
+
+// The ranks whose value in column `col` differs from the majority; ties go to the lower rank's
+// value. Every rank sees the same rows, so every rank names the same outliers.
+std::vector<int> outliers(const std::vector<double>& rows, int world, int col) {
+  auto at = [&](int r) { return rows[static_cast<std::size_t>(r) * row_slot::kSize + col]; };
   std::map<double, int> votes;
-  for (int r = 0; r < world_size; ++r) ++votes[s[step_slot::rank_digest(world_size, r)]];
-  double majority = s[step_slot::rank_digest(world_size, 0)];
-  for (int r = 0; r < world_size; ++r) {
-    const double d = s[step_slot::rank_digest(world_size, r)];
-    if (votes[d] > votes[majority]) majority = d;
+  for (int r = 0; r < world; ++r) ++votes[at(r)];
+  double majority = at(0);
+  for (int r = 0; r < world; ++r) {
+    if (votes[at(r)] > votes[majority]) majority = at(r);
   }
   std::vector<int> out;
-  for (int r = 0; r < world_size; ++r) {
-    if (s[step_slot::rank_digest(world_size, r)] != majority) out.push_back(r);
+  for (int r = 0; r < world; ++r) {
+    if (at(r) != majority) out.push_back(r);
   }
   return out;
 }
@@ -33,8 +48,8 @@ std::vector<int> digest_outliers(const double* s, int world_size) {
 StepBuffer::StepBuffer(int rank, int world_size, const at::Device& device)
     : rank_(rank),
       world_size_(world_size),
-      buffer_(at::zeros({step_slot::size(world_size)},
-                        at::TensorOptions().dtype(at::kDouble).device(device))) {
+      buffer_(at::zeros({step_slot::kSize}, at::TensorOptions().dtype(at::kDouble).device(device))),
+      row_(at::zeros({row_slot::kSize}, buffer_.options())) {
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "stepguard: rank ", rank,
               " is not in a world of ", world_size);
 }
@@ -43,19 +58,42 @@ at::Tensor StepBuffer::inspection_block() const {
   return buffer_.narrow(0, step_slot::kInspection, inspect_slot::kCount);
 }
 
-void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest) {
+void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
+                      const std::optional<at::Tensor>& fingerprint) {
   const at::Tensor l = loss.detach().reshape({}).to(buffer_.options());
   const at::Tensor finite = at::isfinite(l);
   buffer_.select(0, step_slot::kLossSum).copy_(at::where(finite, l, at::zeros_like(l)));
   buffer_.select(0, step_slot::kLossNonfinite).copy_(finite.logical_not());
   buffer_.select(0, step_slot::kRanksReporting).fill_(1.0);
   const int block = step_slot::kInspection;
-  const at::Tensor bad = buffer_.select(0, block + inspect_slot::kNanCount) +
-                         buffer_.select(0, block + inspect_slot::kInfCount) +
-                         buffer_.select(0, step_slot::kLossNonfinite);
-  buffer_.select(0, step_slot::rank_fault(rank_)).copy_(bad > 0);
-  buffer_.select(0, step_slot::rank_digest(world_size_, rank_))
-      .fill_(static_cast<double>(mask_digest(digest)));
+  const at::Tensor grads_bad = (buffer_.select(0, block + inspect_slot::kNanCount) +
+                                buffer_.select(0, block + inspect_slot::kInfCount)) > 0;
+  const at::Tensor faulty = grads_bad.logical_or(finite.logical_not());
+  buffer_.select(0, step_slot::kFaultyRanks).copy_(faulty);
+  buffer_.select(0, step_slot::kInputRanks).fill_(evidence.inputs_bad ? 1.0 : 0.0);
+  buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
+  for (int c = 0; c < step_slot::kChunks; ++c) {
+    const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
+    buffer_.select(0, step_slot::kDigest + c).fill_(chunk);
+    buffer_.select(0, step_slot::kDigest + step_slot::kChunks + c).fill_(chunk * chunk);
+  }
+  row_.select(0, row_slot::kGradFault).copy_(grads_bad);
+  row_.select(0, row_slot::kLossBad).copy_(finite.logical_not());
+  row_.select(0, row_slot::kInputsBad).fill_(evidence.inputs_bad ? 1.0 : 0.0);
+  row_.select(0, row_slot::kProbeBad).fill_(evidence.probe_bad ? 1.0 : 0.0);
+  row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
+  if (!fingerprint) return;
+  const at::Tensor h = fingerprint->to(buffer_.device());
+  for (int c = 0; c < step_slot::kChunks; ++c) {
+    const at::Tensor shifted = c == 0 ? h : at::div(h, std::int64_t{1} << (16 * c), "floor");
+    const at::Tensor chunk = at::remainder(shifted, std::int64_t{65536}).to(at::kDouble);
+    buffer_.select(0, step_slot::kFingerprint + c).copy_(chunk);
+    buffer_.select(0, step_slot::kFingerprint + step_slot::kChunks + c).copy_(chunk * chunk);
+  }
+  buffer_.select(0, step_slot::kFingerprintChecked).fill_(1.0);
+  const auto masked = at::remainder(h, static_cast<std::int64_t>(step_slot::kDigestMask) + 1);
+  // 0 means "not taken": a fingerprint that masks to 0 reads as 1.
+  row_.select(0, row_slot::kFingerprint).copy_(at::clamp_min(masked, 1).to(at::kDouble));
 }
 
 GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const {
@@ -80,11 +118,92 @@ GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const 
   const std::int64_t finite_ranks = world - g.loss_nonfinite_ranks;
   g.loss = finite_ranks > 0 ? s[step_slot::kLossSum] / static_cast<double>(finite_ranks)
                             : std::numeric_limits<double>::quiet_NaN();
-  for (int r = 0; r < world; ++r) {
-    if (s[step_slot::rank_fault(r)] > 0.0) g.faulty_ranks.push_back(r);
-  }
-  g.desynced_ranks = digest_outliers(s, world);
+  g.faulty_rank_count = static_cast<std::int64_t>(s[step_slot::kFaultyRanks]);
+  g.input_bad_ranks = static_cast<std::int64_t>(s[step_slot::kInputRanks]);
+  g.probe_bad_ranks = static_cast<std::int64_t>(s[step_slot::kProbeRanks]);
+  g.state_differs = chunks_differ(s, step_slot::kDigest, world);
+  const double checked = s[step_slot::kFingerprintChecked];
+  g.replica_checked = checked == world;
+  g.replica_differs =
+      checked > 0 && (checked != world || chunks_differ(s, step_slot::kFingerprint, world));
   return g;
+}
+
+bool needs_rank_detail(const GlobalStats& g) noexcept {
+  return g.faulty_rank_count > 0 || g.loss_nonfinite_ranks > 0 || g.input_bad_ranks > 0 ||
+         g.probe_bad_ranks > 0 || g.state_differs || g.replica_differs;
+}
+
+std::vector<double> gather_rank_rows(Consensus& consensus, const at::Tensor& row,
+                                     std::int64_t step) {
+  const int world = consensus.world_size();
+  const std::int64_t width = row.numel();
+  if (world == 1) {
+    const at::Tensor host = row.to(at::kCPU, at::kDouble).contiguous();
+    return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + width);
+  }
+  at::Tensor rows = at::zeros({world * width}, row.options().dtype(at::kDouble));
+  rows.narrow(0, consensus.rank() * width, width).copy_(row);
+  consensus.all_reduce_sum(rows, step);
+  const at::Tensor host = rows.to(at::kCPU);
+  return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + world * width);
+}
+
+void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g) {
+  TORCH_CHECK(rows.size() == static_cast<std::size_t>(world) * row_slot::kSize,
+              "stepguard: ", rows.size(), " rank-row slots for ", world, " ranks");
+  auto at = [&](int r, int col) {
+    return rows[static_cast<std::size_t>(r) * row_slot::kSize + col];
+  };
+  g->ranks_named = true;
+  g->faulty_ranks.clear();
+  g->origin_ranks.clear();
+  for (int r = 0; r < world; ++r) {
+    if (at(r, row_slot::kGradFault) > 0 || at(r, row_slot::kLossBad) > 0) {
+      g->faulty_ranks.push_back(r);
+    }
+    if (at(r, row_slot::kLossBad) > 0 || at(r, row_slot::kInputsBad) > 0 ||
+        at(r, row_slot::kProbeBad) > 0) {
+      g->origin_ranks.push_back(r);
+    }
+  }
+  if (g->origin_ranks.empty()) g->origin_ranks = g->faulty_ranks;
+  g->desynced_ranks =
+      g->state_differs ? outliers(rows, world, row_slot::kDigest) : std::vector<int>();
+  g->diverged_replicas =
+      g->replica_differs ? outliers(rows, world, row_slot::kFingerprint) : std::vector<int>();
+  // A finite step where one replica drifted: the fault is that replica's.
+  if (g->origin_ranks.empty()) g->origin_ranks = g->diverged_replicas;
+}
+
+at::Tensor parameter_fingerprint(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> sums;
+  at::Device device = at::kCPU;
+  for (const at::Tensor& p : params) {
+    if (!p.defined() || !at::isFloatingType(p.scalar_type())) continue;
+    device = p.device();
+    at::ScalarType bits;
+    switch (p.element_size()) {
+      case 2:
+        bits = at::kShort;
+        break;
+      case 4:
+        bits = at::kInt;
+        break;
+      case 8:
+        bits = at::kLong;
+        break;
+      default:
+        continue;
+    }
+    sums.push_back(at::sum(p.detach().view(bits), at::kLong));
+  }
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  if (sums.empty()) return at::zeros({}, opts);
+  // Odd, position-dependent multipliers: the same bits in another tensor give another value.
+  const at::Tensor position = at::arange(static_cast<std::int64_t>(sums.size()), opts);
+  const at::Tensor weight = (position * 2 + 1) * std::int64_t{0x5851F42D4C957F2D};
+  return (at::stack(sums) * weight).sum();
 }
 
 }  // namespace consensus

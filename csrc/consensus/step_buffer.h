@@ -1,13 +1,18 @@
 /*
- * The per-step buffer: the one fp64 tensor that ONE sum all-reduce carries across ranks each step.
- * This file is its only owner: it names the slots, packs what a rank contributes (inspection's
- * block, the loss, its fault flag and state digest), and unpacks the sums into GlobalStats, with
- * the majority vote over the digests.
+ * The per-step buffer: the one fp64 tensor that ONE sum all-reduce carries across ranks each step,
+ * and the per-rank rows gathered on the rare step that needs them. This file is their only owner:
+ * it names the slots, packs what a rank contributes, and unpacks the sums into GlobalStats.
  *
- * Layout: inspection's block (stepguard::inspect_slot, written by inspection through
- * inspection_block()), then the loss sum, the count of ranks with a non-finite loss, the count of
- * ranks reporting, then world_size fault flags and world_size digests. Counts are exact in fp64 up
- * to 2^53; digests are masked to 52 bits so every rank reads them back exactly.
+ * The step buffer has a FIXED size, whatever the number of ranks (kSize slots, 8 bytes each):
+ *   inspection's block (stepguard::inspect_slot, written through inspection_block()),
+ *   the loss sum, the counts of ranks with a non-finite loss, reporting, with non-finite
+ *   gradients, with bad inputs (check_inputs) and with a non-finite probe,
+ *   the guard-state digest and the parameter fingerprint, each split into four 16-bit chunks
+ *   carried as a sum and a sum of squares: the ranks agree exactly when
+ *   world * sum(c^2) == sum(c)^2 for every chunk (exact: every term is an integer below 2^53).
+ * Which ranks are faulty and which replica diverged are found only when a count or a chunk says
+ * something is off: then rank_row() is gathered from every rank (gather_rank_rows(), one more
+ * collective, world_size x kRowSize slots) and fill_rank_detail() names them.
  *
  * Not here: running the collective (consensus.h) or what the numbers mean (policy). Not
  * thread-safe: one per step, on the training thread.
@@ -17,7 +22,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
+#include "csrc/consensus/consensus.h"
 #include "csrc/core/stats.h"
 
 namespace stepguard {
@@ -28,16 +36,35 @@ constexpr int kInspection = 0;                                ///< inspection's 
 constexpr int kLossSum = kInspection + inspect_slot::kCount;  ///< sum of the finite local losses
 constexpr int kLossNonfinite = kLossSum + 1;                  ///< ranks whose loss is NaN/Inf
 constexpr int kRanksReporting = kLossNonfinite + 1;           ///< each rank adds 1
-constexpr int kFixed = kRanksReporting + 1;                   ///< number of fixed slots
-/// Rank r's fault flag (1 when it saw a non-finite gradient or loss).
-constexpr int rank_fault(int rank) noexcept { return kFixed + rank; }
-/// Rank r's state digest.
-constexpr int rank_digest(int world_size, int rank) noexcept { return kFixed + world_size + rank; }
-/// Length of the buffer for `world_size` ranks.
-constexpr int size(int world_size) noexcept { return kFixed + 2 * world_size; }
-/// Digests are masked to the integers fp64 holds exactly.
+constexpr int kFaultyRanks = kRanksReporting + 1;    ///< ranks with a non-finite gradient or loss
+constexpr int kInputRanks = kFaultyRanks + 1;        ///< ranks whose check_inputs() failed
+constexpr int kProbeRanks = kInputRanks + 1;         ///< ranks with a non-finite probe
+constexpr int kChunks = 4;                           ///< 16-bit chunks of a 64-bit digest
+constexpr int kDigest = kProbeRanks + 1;             ///< guard state: kChunks sums, kChunks squares
+constexpr int kFingerprint = kDigest + 2 * kChunks;  ///< parameters: the same, 0 when not checked
+constexpr int kFingerprintChecked = kFingerprint + 2 * kChunks;  ///< ranks that fingerprinted
+constexpr int kSize = kFingerprintChecked + 1;                   ///< slots, at any world size
+/// Digests are masked to the integers fp64 holds exactly in a rank row.
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace step_slot
+
+/// One rank's row of the incident-step gather.
+namespace row_slot {
+constexpr int kGradFault = 0;    ///< this rank's gradients held NaN/Inf
+constexpr int kLossBad = 1;      ///< this rank's loss was NaN/Inf (before any gradient average)
+constexpr int kInputsBad = 2;    ///< this rank's check_inputs() failed
+constexpr int kProbeBad = 3;     ///< a probe on this rank saw a non-finite value or gradient
+constexpr int kDigest = 4;       ///< guard-state digest, masked to 52 bits
+constexpr int kFingerprint = 5;  ///< parameter fingerprint, masked to 52 bits (0 = not taken)
+constexpr int kSize = 6;
+}  // namespace row_slot
+
+/// What this rank knows on the host before the collective: rank-local evidence that exists
+/// before the gradients are averaged.
+struct LocalEvidence {
+  bool inputs_bad = false;
+  bool probe_bad = false;
+};
 
 class StepBuffer {
  public:
@@ -46,27 +73,54 @@ class StepBuffer {
 
   /// The block inspection writes (inspect_slot order), a view into the buffer.
   at::Tensor inspection_block() const;
-  /// Adds this rank's loss, fault flag and state digest (masked to 52 bits). Device ops only:
-  /// nothing is read back before the collective. Call after inspection has written its block.
-  void pack(const at::Tensor& loss, std::uint64_t digest);
+  /// Adds this rank's loss, fault flag, evidence, state digest and (on a replica-check step) the
+  /// parameter fingerprint (an int64 scalar on the device, parameter_fingerprint()). Device ops
+  /// only: nothing is read back before the collective. Call after inspection wrote its block.
+  void pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
+            const std::optional<at::Tensor>& fingerprint = std::nullopt);
   /// The whole buffer, for the collective.
   at::Tensor& tensor() noexcept { return buffer_; }
-  /// After the sum: the one read to the host, into the agreed statistics. Throws c10::Error
-  /// naming `step` when not every rank reported. `sharded_gradients`: the ranks hold parts of the
-  /// gradients, so their sums of squares add up; otherwise they hold the same averaged gradient
-  /// and it counts once.
+  /// After the sum: the one read to the host, into the agreed statistics (counts; the per-rank
+  /// lists stay empty until fill_rank_detail()). Throws c10::Error naming `step` when not every
+  /// rank reported. `sharded_gradients`: the ranks hold parts of the gradients, so their sums of
+  /// squares add up; otherwise they hold the same averaged gradient and it counts once.
   GlobalStats unpack(std::int64_t step, bool sharded_gradients) const;
+  /// This rank's row for gather_rank_rows() (row_slot order), on the buffer's device; valid
+  /// after pack().
+  const at::Tensor& rank_row() const noexcept { return row_; }
+  /// Bytes the step's collective carries: the same at every world size.
+  static constexpr std::int64_t bytes() noexcept { return step_slot::kSize * sizeof(double); }
 
  private:
   int rank_;
   int world_size_;
   at::Tensor buffer_;
+  at::Tensor row_;
 };
 
-/// Masks a 64-bit state digest to what the step buffer carries exactly.
+/// Whether the agreed counts say a rank differs or saw something: then the per-rank rows are
+/// needed to name the ranks (the same answer on every rank).
+bool needs_rank_detail(const GlobalStats& g) noexcept;
+
+/// Every rank's `row` (same length everywhere, on `device`), in rank order, flattened: one sum
+/// all-reduce of world_size x row.numel() slots. `step` names the exchange in errors.
+std::vector<double> gather_rank_rows(Consensus& consensus, const at::Tensor& row,
+                                     std::int64_t step);
+
+/// Names the faulty, desynced, diverged and origin ranks from the gathered rows (row_slot
+/// order). Pure; the same rows give the same lists on every rank.
+void fill_rank_detail(const std::vector<double>& rows, int world_size, GlobalStats* g);
+
+/// Masks a 64-bit state digest to what a rank row carries exactly.
 constexpr std::uint64_t mask_digest(std::uint64_t digest) noexcept {
   return digest & step_slot::kDigestMask;
 }
+
+/// A cheap, exact fingerprint of `params` on their device: the integer sum of each tensor's bit
+/// patterns, mixed with its position (int64 arithmetic wraps and is associative, so every rank
+/// holding the same bits gets the same value, in any reduction order). One read of the
+/// parameters; no host read. Undefined and non-floating tensors are left out.
+at::Tensor parameter_fingerprint(const std::vector<at::Tensor>& params);
 
 }  // namespace consensus
 }  // namespace stepguard

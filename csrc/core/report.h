@@ -17,15 +17,28 @@
 
 namespace stepguard {
 
+/// The cause one rank found for an incident on its own evidence.
+struct RankCause {
+  int rank = 0;
+  Cause cause = Cause::kUnknown;
+};
+
 /// One incident: a step where a detector fired and the policy acted.
 struct Incident {
   std::int64_t step = 0;
   Signal signal = Signal::kNonfiniteGrad;  ///< the first signal raised
   Action action = Action::kApply;          ///< the strongest action taken
-  /// Root-cause class (this rank's view; see forensics in the README).
+  /// Root-cause class agreed for the job: of the causes the origin ranks found on their own
+  /// evidence, the first in the debugging order (data, forward, precision_overflow, divergence,
+  /// backward, hardware_suspect, unknown); the same on every rank.
   Cause cause = Cause::kUnknown;
-  std::vector<std::string> tensors;   ///< offending gradients on this rank, in backward order
-  std::vector<int> ranks;             ///< ranks that saw the fault
+  std::vector<RankCause> rank_causes;  ///< each origin rank's own cause, by rank
+  std::vector<std::string> tensors;    ///< offending gradients on this rank, in backward order
+  /// The ranks the fault came from: those with evidence from before the gradient average (a
+  /// non-finite loss, bad inputs, a non-finite probe) when any has it, else those whose
+  /// gradients were non-finite (less those whose replay came out clean while another's
+  /// reproduced). Empty when no rank saw anything of its own (a spike of the agreed loss).
+  std::vector<int> ranks;
   std::string reason;                 ///< the policy's: signals and the rules that fired
   std::vector<std::string> evidence;  ///< why the cause, one line each
   std::vector<std::string> fixes;     ///< what to try first

@@ -50,8 +50,21 @@ struct GlobalStats {
   double loss = 0.0;  ///< mean of the finite rank losses; NaN when every rank's loss is bad
   std::int64_t loss_nonfinite_ranks = 0;
   int world_size = 1;
-  std::vector<int> faulty_ranks;    ///< ranks that saw a non-finite gradient or loss
-  std::vector<int> desynced_ranks;  ///< ranks whose state digest differs from the majority
+  // Counts from the fixed-size step buffer: how many ranks saw something, not which.
+  std::int64_t faulty_rank_count = 0;  ///< ranks with a non-finite gradient or loss
+  std::int64_t input_bad_ranks = 0;    ///< ranks whose check_inputs() failed
+  std::int64_t probe_bad_ranks = 0;    ///< ranks where a probe saw a non-finite value
+  bool state_differs = false;          ///< the guard-state digests are not all equal
+  bool replica_checked = false;        ///< every rank fingerprinted its parameters this step
+  bool replica_differs = false;        ///< ... and the fingerprints are not all equal
+  // Which ranks: filled from the per-rank rows, gathered only when a count above says so.
+  bool ranks_named = false;
+  std::vector<int> faulty_ranks;       ///< ranks that saw a non-finite gradient or loss
+  std::vector<int> desynced_ranks;     ///< ranks whose state digest differs from the majority
+  std::vector<int> diverged_replicas;  ///< ranks whose parameters differ from the majority
+  /// Where the fault came from: the ranks with evidence from before the gradient average (a
+  /// non-finite loss, bad inputs, a non-finite probe) when any has it, else the faulty ranks.
+  std::vector<int> origin_ranks;
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
 };
@@ -61,6 +74,7 @@ struct Signals {
   std::vector<Signal> raised;
   std::int64_t consecutive_bad_steps = 0;  ///< including this one when it is bad
   std::vector<int> desynced_ranks;         ///< with kRankDesync: the ranks that diverged
+  std::vector<int> diverged_replicas;      ///< with kReplicaDivergence: whose parameters differ
 
   bool has(Signal s) const noexcept {
     for (Signal r : raised) {

@@ -38,16 +38,17 @@ enum class Action : std::uint8_t {
 
 /// A condition the detectors raised on the agreed global statistics.
 enum class Signal : std::uint8_t {
-  kNonfiniteGrad,     ///< some gradient element is NaN or +/-Inf on some rank
-  kNonfiniteLoss,     ///< the loss is NaN or +/-Inf on some rank
-  kConsecutiveLimit,  ///< too many bad steps in a row: the skip budget is spent
-  kRankDesync,        ///< some rank's guard state differs from the others': replicas diverged
-  kLossSpike,         ///< the loss is more than z EMA standard deviations above its EMA mean
-  kGradNormSpike,     ///< the grad norm is more than z EMA standard deviations above its mean
-  kLossRatio,         ///< the loss exceeds k x the largest loss of the first N steps (Megatron)
-  kSkipBudget,        ///< limits.max_skips: too many skipped steps within a window
-  kRollbackBudget,    ///< limits.max_rollbacks: too many rollbacks within a window
-  kLossScaleFloor,    ///< limits.loss_scale_floor: the loss scale sat at its floor too long
+  kNonfiniteGrad,      ///< some gradient element is NaN or +/-Inf on some rank
+  kNonfiniteLoss,      ///< the loss is NaN or +/-Inf on some rank
+  kConsecutiveLimit,   ///< too many bad steps in a row: the skip budget is spent
+  kRankDesync,         ///< some rank's guard state differs from the others': replicas diverged
+  kLossSpike,          ///< the loss is more than z EMA standard deviations above its EMA mean
+  kGradNormSpike,      ///< the grad norm is more than z EMA standard deviations above its mean
+  kLossRatio,          ///< the loss exceeds k x the largest loss of the first N steps (Megatron)
+  kSkipBudget,         ///< limits.max_skips: too many skipped steps within a window
+  kRollbackBudget,     ///< limits.max_rollbacks: too many rollbacks within a window
+  kLossScaleFloor,     ///< limits.loss_scale_floor: the loss scale sat at its floor too long
+  kReplicaDivergence,  ///< some rank's parameters differ from the majority's (replica check)
 };
 
 /// The root causes forensics assigns to an incident, in the order they are checked.
@@ -93,7 +94,8 @@ inline constexpr Entry<Signal> kSignals[] = {{Signal::kNonfiniteGrad, "nonfinite
                                              {Signal::kLossRatio, "loss_ratio"},
                                              {Signal::kSkipBudget, "skip_budget"},
                                              {Signal::kRollbackBudget, "rollback_budget"},
-                                             {Signal::kLossScaleFloor, "loss_scale_floor"}};
+                                             {Signal::kLossScaleFloor, "loss_scale_floor"},
+                                             {Signal::kReplicaDivergence, "replica_divergence"}};
 inline constexpr Entry<ReplayMode> kReplayModes[] = {
     {ReplayMode::kAsIs, "as_is"}, {ReplayMode::kFp32, "fp32"}, {ReplayMode::kAnomaly, "anomaly"}};
 inline constexpr Entry<Cause> kCauses[] = {{Cause::kData, "data"},
@@ -127,9 +129,10 @@ inline constexpr Action kAllActions[] = {
     Action::kApply,   Action::kSkipBatch, Action::kClip,  Action::kDropLossScale,
     Action::kLowerLr, Action::kRollback,  Action::kAbort, Action::kAlert};
 inline constexpr Signal kAllSignals[] = {
-    Signal::kNonfiniteGrad,  Signal::kNonfiniteLoss, Signal::kConsecutiveLimit, Signal::kRankDesync,
-    Signal::kLossSpike,      Signal::kGradNormSpike, Signal::kLossRatio,        Signal::kSkipBudget,
-    Signal::kRollbackBudget, Signal::kLossScaleFloor};
+    Signal::kNonfiniteGrad,  Signal::kNonfiniteLoss,    Signal::kConsecutiveLimit,
+    Signal::kRankDesync,     Signal::kLossSpike,        Signal::kGradNormSpike,
+    Signal::kLossRatio,      Signal::kSkipBudget,       Signal::kRollbackBudget,
+    Signal::kLossScaleFloor, Signal::kReplicaDivergence};
 inline constexpr Cause kAllCauses[] = {
     Cause::kData,       Cause::kForward,         Cause::kBackward, Cause::kPrecisionOverflow,
     Cause::kDivergence, Cause::kHardwareSuspect, Cause::kUnknown};

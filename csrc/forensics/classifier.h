@@ -34,6 +34,8 @@ struct Evidence {
   bool grad_norm_spike = false;  ///< the grad-norm detector fired
   // Data (from check_inputs on this rank).
   std::vector<std::string> bad_inputs;  ///< e.g. "input 0: 64 NaN/Inf values"
+  // Replica check: this rank's parameters differ from the majority of the replicas'.
+  bool diverged_replica = false;
   // Weights (this rank, before the step).
   std::vector<std::string> nonfinite_params;
   // Gradients holding NaN/Inf on this rank, in backward order (last layer first).

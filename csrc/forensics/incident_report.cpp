@@ -48,6 +48,11 @@ Json incident_json(const Incident& incident, int rank, const std::vector<Action>
   Json names = Json::array();
   for (Action a : actions) names.push_back(to_string(a));
   r["actions"] = names;
+  Json causes = Json::object();
+  for (const RankCause& c : incident.rank_causes) {
+    causes[std::to_string(c.rank)] = to_string(c.cause);
+  }
+  r["rank_causes"] = causes;
   r["replay"] = {{"rerun", replay_word(evidence.rerun)},
                  {"fp32", replay_word(evidence.fp32)},
                  {"anomaly_op", evidence.anomaly_op}};

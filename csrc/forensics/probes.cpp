@@ -26,6 +26,13 @@ at::Tensor Probes::record(const std::string& name, const at::Tensor& output) {
   return output;
 }
 
+bool Probes::any_nonfinite() const {
+  for (const auto& p : *records_) {
+    if (!p.forward_finite || !p.grad_finite) return true;
+  }
+  return false;
+}
+
 void Probes::fill(Evidence* ev) const {
   for (const auto& p : *records_) {
     if (ev->first_bad_forward.empty() && !p.forward_finite) ev->first_bad_forward = p.name;

@@ -25,6 +25,8 @@ class Probes {
   /// Records `output` under `name` and hooks its gradient; returns `output`. Costs a
   /// device-to-host read.
   at::Tensor record(const std::string& name, const at::Tensor& output);
+  /// Whether a probed output or its gradient was non-finite on this step (host values).
+  bool any_nonfinite() const;
   /// Fills first_bad_forward and first_bad_backward.
   void fill(Evidence* ev) const;
   /// Forgets this step's records (hooks still pending find nothing to write).

@@ -240,6 +240,12 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
     signals->desynced_ranks = stats.desynced_ranks;
   }
   const bool bad = signals->any();
+  // A diverged replica is the rules' business (roll back, abort; alert when none acts): the step
+  // itself is finite and does not count as bad.
+  if (!stats.diverged_replicas.empty()) {
+    signals->raised.push_back(Signal::kReplicaDivergence);
+    signals->diverged_replicas = stats.diverged_replicas;
+  }
   // Value detectors see only values that mean something: a finite loss from every rank, and a
   // grad norm over gradients that are all finite.
   const DetectorSettings& d = config_.detectors;
@@ -336,6 +342,13 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
       detail << (i ? ", " : " ") << signals.desynced_ranks[i];
     }
     detail << " diverged: guard state differs from the other ranks)";
+  }
+  if (signals.has(Signal::kReplicaDivergence)) {
+    detail << " (rank" << (signals.diverged_replicas.size() > 1 ? "s" : "");
+    for (std::size_t i = 0; i < signals.diverged_replicas.size(); ++i) {
+      detail << (i ? ", " : " ") << signals.diverged_replicas[i];
+    }
+    detail << ": parameters differ from the other replicas)";
   }
   if (signals.has(Signal::kConsecutiveLimit)) {
     actions.add(Action::kAbort);

@@ -58,6 +58,9 @@ struct DetectorSettings {
                                   return c;
                                 }()};
   RatioSettings loss_ratio;
+  /// Replica check: every this many steps (and on the step after every incident) the ranks
+  /// compare a fingerprint of their parameters; 0 turns it off. `detectors.replica_divergence`.
+  std::int64_t replica_every = 100;
 };
 
 /// An action and its parameters, as a rule or a limit names it.

@@ -40,7 +40,9 @@ const std::vector<std::string> kLossScaleKeys = {
     "growth_interval", "hysteresis", "min_scale"};
 const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps", "max_skips",
                                              "max_rollbacks", "loss_scale_floor"};
-const std::vector<std::string> kDetectorKeys = {"loss_spike", "grad_norm_spike", "loss_ratio"};
+const std::vector<std::string> kDetectorKeys = {"loss_spike", "grad_norm_spike", "loss_ratio",
+                                                "replica_divergence"};
+const std::vector<std::string> kReplicaKeys = {"every"};
 const std::vector<std::string> kSpikeKeys = {"enabled",      "z",          "warmup", "decay",
                                              "early_factor", "early_after"};
 const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
@@ -73,7 +75,7 @@ const std::vector<std::string> kAllActionParams = {"factor",       "floor", "rec
 std::vector<std::pair<std::string, SignalSet>> on_names() {
   std::vector<std::pair<std::string, SignalSet>> out = {{"nonfinite", kNonfiniteSignals}};
   for (Signal s : {Signal::kNonfiniteGrad, Signal::kNonfiniteLoss, Signal::kLossSpike,
-                   Signal::kGradNormSpike, Signal::kLossRatio}) {
+                   Signal::kGradNormSpike, Signal::kLossRatio, Signal::kReplicaDivergence}) {
     out.push_back({to_string(s), bit(s)});
   }
   out.push_back({"spike", kSpikeSignals});
@@ -144,6 +146,12 @@ class Reader {
     check_.check_keys(d, kDetectorKeys, " in 'detectors'");
     spike(d["loss_spike"], "loss_spike", &out_.detectors.loss_spike);
     spike(d["grad_norm_spike"], "grad_norm_spike", &out_.detectors.grad_norm_spike);
+    if (const YAML::Node r = d["replica_divergence"]; r && !r.IsNull()) {
+      if (check_.map(r, "replica_divergence")) {
+        check_.check_keys(r, kReplicaKeys, " in 'detectors.replica_divergence'");
+        count(r, "every", 0, &out_.detectors.replica_every);
+      }
+    }
     if (const YAML::Node r = d["loss_ratio"]; r) {
       marks_.configured_detectors.push_back("loss_ratio");
       RatioSettings& s = out_.detectors.loss_ratio;

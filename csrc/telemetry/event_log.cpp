@@ -50,6 +50,19 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   if (decision.has(Action::kClip)) line["clip_norm"] = number(decision.clip_norm);
   if (!decision.reason.empty()) line["reason"] = decision.reason;
   if (!stats.faulty_ranks.empty()) line["faulty_ranks"] = stats.faulty_ranks;
+  if (!stats.diverged_replicas.empty()) line["diverged_replicas"] = stats.diverged_replicas;
+  if (report.incident) {
+    const Incident& incident = *report.incident;
+    line["cause"] = to_string(incident.cause);
+    if (!incident.ranks.empty()) line["origin_ranks"] = incident.ranks;
+    if (!incident.rank_causes.empty()) {
+      nlohmann::json causes = nlohmann::json::object();
+      for (const RankCause& c : incident.rank_causes) {
+        causes[std::to_string(c.rank)] = to_string(c.cause);
+      }
+      line["rank_causes"] = std::move(causes);
+    }
+  }
   if (!tensors.empty()) line["tensors"] = tensors;
   return dump_json(line);
 }

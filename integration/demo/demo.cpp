@@ -301,6 +301,10 @@ int run_demo(const DemoOptions& o) {
       torch::NoGradGuard no_grad;
       named.find(kCorruptParam)->view(-1)[0].fill_(std::nan(""));
     }
+    if (injected(o, FaultKind::kDriftWeights, step, world.rank)) {
+      torch::NoGradGuard no_grad;
+      named.find(kCorruptParam)->view(-1)[0].add_(0.5);  // finite: only a replica check sees it
+    }
     const double saved_lr = adamw.param_groups()[0].options().get_lr();
     const bool lr_spike = injected(o, FaultKind::kLrSpike, step, world.rank);
     if (lr_spike) {
@@ -414,6 +418,11 @@ int run_demo(const DemoOptions& o) {
                           {"reason", inc.reason},
                           {"evidence", inc.evidence},
                           {"fixes", inc.fixes}};
+      nlohmann::json rank_causes = nlohmann::json::object();
+      for (const RankCause& c : inc.rank_causes) {
+        rank_causes[std::to_string(c.rank)] = to_string(c.cause);
+      }
+      j["rank_causes"] = rank_causes;
       if (!inc.report.empty()) j["report"] = inc.report;
       incidents.push_back(j);
       std::string blamed;
@@ -505,6 +514,7 @@ int run_demo(const DemoOptions& o) {
       {"ranks", world.size},
       {"seed", o.seed},
       {"collectives", guard.collectives()},
+      {"step_buffer_bytes", guard.step_buffer_bytes()},
       {"batches_consumed", batch_index},
       {"checkpoints", guard.checkpoints_written()},
       {"resumed_from", first_step - 1},
@@ -550,7 +560,10 @@ int run_demo(const DemoOptions& o) {
                      (hashes_equal ? ", parameters bitwise equal" : ", PARAMETERS DIFFER") +
                      (outcomes_agree ? ", same decision every step" : ", DECISIONS DIFFER"));
   }
-  row("collectives", std::to_string(guard.collectives()) + " (one per step)");
+  row("collectives",
+      std::to_string(guard.collectives()) +
+          (world.size > 1 ? " (one per step, two more per incident step)" : " (one per step)") +
+          ", step buffer " + std::to_string(guard.step_buffer_bytes()) + " bytes");
   if (!incidents.empty()) {
     table << "  incidents\n";
     std::snprintf(line, sizeof line, "    %-6s %-16s %-15s %-18s %-6s %s\n", "step", "signal",
@@ -564,8 +577,13 @@ int run_demo(const DemoOptions& o) {
       if (inc["tensors"].size() > 2) {
         tensors += " (+" + std::to_string(inc["tensors"].size() - 2) + " more)";
       }
+      // Each origin rank with the cause it found, when the ranks agreed on causes.
       for (const auto& r : inc["ranks"]) {
-        ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+        const std::string key = std::to_string(r.get<int>());
+        ranks += (ranks.empty() ? "" : ",") + key;
+        if (world.size > 1 && inc["rank_causes"].contains(key)) {
+          ranks += ":" + inc["rank_causes"][key].get<std::string>();
+        }
       }
       std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-15s %-18s %-6s %s\n",
                     inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),

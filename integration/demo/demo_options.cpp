@@ -23,6 +23,7 @@ constexpr KindName kKinds[] = {
     {FaultKind::kLrSpike, "lr_spike"},
     {FaultKind::kLossSpike, "loss_spike"},
     {FaultKind::kCorruptWeights, "corrupt_weights"},
+    {FaultKind::kDriftWeights, "drift_weights"},
     {FaultKind::kKill, "kill"},
     {FaultKind::kKillEarly, "kill_early"},
     {FaultKind::kTransientNan, "transient_nan"},
@@ -116,7 +117,7 @@ const char* demo_usage() noexcept {
          "Trains a small character-level transformer on /usr/share/common-licenses under\n"
          "stepguard, injecting the faults asked for, and prints a summary.\n"
          "KIND: nan_grad inf_grad nan_loss nan_input overflow lr_spike loss_spike\n"
-         "      corrupt_weights kill kill_early transient_nan\n"
+         "      corrupt_weights drift_weights kill kill_early transient_nan\n"
          "With --ranks R > 1, R processes train data-parallel over Gloo on 127.0.0.1;\n"
          "KIND@STEP:RANK injects on one rank only. Under torchrun (RANK and WORLD_SIZE set)\n"
          "each process is one rank.\n"

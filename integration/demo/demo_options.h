@@ -22,6 +22,7 @@ enum class FaultKind {
   kLrSpike,         ///< the learning rate is multiplied by 1000 for one step
   kLossSpike,       ///< the loss (and so every gradient) is multiplied by 1000 for one step
   kCorruptWeights,  ///< one parameter element becomes NaN before the forward pass
+  kDriftWeights,    ///< one parameter element moves by a finite amount (a replica drifts)
   kKill,            ///< the process dies abruptly (SIGKILL) at that step, before the guard's step
   kKillEarly,       ///< the same, before the gradient average (the others fail in that)
   kTransientNan,    ///< a NaN gradient in the step's first execution only (a replay is clean)

@@ -43,6 +43,9 @@ py::object incident_dict(const std::optional<Incident>& incident) {
   d["cause"] = to_string(incident->cause);
   d["tensors"] = incident->tensors;
   d["ranks"] = incident->ranks;
+  py::dict causes;
+  for (const RankCause& c : incident->rank_causes) causes[py::int_(c.rank)] = to_string(c.cause);
+  d["rank_causes"] = causes;
   d["reason"] = incident->reason;
   d["evidence"] = incident->evidence;
   d["fixes"] = incident->fixes;
@@ -226,6 +229,9 @@ void bind_guard(py::module_& m) {
       .def_property_readonly("world_size", [](const PyGuard& g) { return g.engine->world_size(); })
       .def_property_readonly("collectives",
                              [](const PyGuard& g) { return g.engine->collectives(); })
+      .def_property_readonly(
+          "step_buffer_bytes", [](const PyGuard&) { return consensus::StepBuffer::bytes(); },
+          "Bytes each step's collective carries: a fixed size at any world size.")
       .def_property_readonly("snapshots_held",
                              [](const PyGuard& g) { return g.engine->snapshots_held(); })
       .def_property_readonly("checkpoints_written",

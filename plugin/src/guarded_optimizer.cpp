@@ -83,6 +83,12 @@ std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->engin
 GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->engine.totals(); }
 bool GuardedOptimizer::aborted() const noexcept { return impl_->engine.aborted(); }
 std::int64_t GuardedOptimizer::collectives() const noexcept { return impl_->engine.collectives(); }
+std::int64_t GuardedOptimizer::collective_bytes() const noexcept {
+  return impl_->engine.collective_bytes();
+}
+std::int64_t GuardedOptimizer::step_buffer_bytes() const noexcept {
+  return consensus::StepBuffer::bytes();
+}
 const std::vector<torch::Tensor>& GuardedOptimizer::parameters() const noexcept {
   return impl_->port.parameters();
 }

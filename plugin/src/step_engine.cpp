@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -104,19 +105,34 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     inspect_options.inv_scale = controller_.inv_loss_scale();
     inspect_options.unscale_in_place = true;
   }
+  step_device_ = loss.device();
   consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), loss.device());
   const auto t_inspect = Clock::now();
   // Validation inside inspection throws before anything changes.
   inspect::inspect_into(port_.gradients(), inspect_options, buffer.inspection_block(), &a.local,
                         &a.blame);
   a.inspect_seconds = seconds_since(t_inspect);
-  buffer.pack(loss, controller_.digest(step_));
+  consensus::LocalEvidence local_evidence;
+  local_evidence.inputs_bad = !bad_inputs_.empty();
+  local_evidence.probe_bad = probes_.any_nonfinite();
+  std::optional<at::Tensor> fingerprint;
+  if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
+  buffer.pack(loss, controller_.digest(step_), local_evidence, fingerprint);
   step_ = step;
   ++data_position_;  // this step's batch
   const auto t_agree = Clock::now();
   try {
     consensus_->all_reduce_sum(buffer.tensor(), step);
     a.global = buffer.unpack(step, options_.sharded_gradients());
+    // The rare step where a count says a rank saw something or differs: one more collective
+    // names the ranks (the steady-state buffer is the same size at any world size).
+    if (consensus::needs_rank_detail(a.global)) {
+      consensus::fill_rank_detail(consensus::gather_rank_rows(*consensus_, buffer.rank_row(), step),
+                                  consensus_->world_size(), &a.global);
+    }
+    if (a.global.replica_checked && a.global.diverged_replicas.empty()) {
+      replica_ok_before_ = step;  // snapshots taken before this step hold agreeing replicas
+    }
   } catch (const std::exception& e) {
     // The ranks can no longer agree: nothing may be applied from here on. A ConsensusError
     // (naming the step and the missing ranks) goes to the caller as it is.
@@ -131,7 +147,13 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
 StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
   step_loss_scale_ = controller_.loss_scale();
   try {
-    return controller_.decide(step, global, [&](const std::vector<std::int64_t>& confirmed) {
+    return controller_.decide(step, global, [&](std::vector<std::int64_t> confirmed) {
+      if (!global.diverged_replicas.empty()) {
+        // Only snapshots from before the last replica check that agreed hold equal replicas.
+        confirmed.erase(std::remove_if(confirmed.begin(), confirmed.end(),
+                                       [&](std::int64_t s) { return s >= replica_ok_before_; }),
+                        confirmed.end());
+      }
       std::vector<std::int64_t> damaged;
       const std::int64_t agreed = recovery_.agree_rollback(step, confirmed, &damaged);
       for (std::int64_t s : damaged) controller_.snapshots().drop(s);
@@ -203,6 +225,7 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
   }
   if (controller_.snapshot_due(step, decided.decision.outcome)) {
     recovery_.take_snapshot(step, controller_.encode());
+    last_snapshot_step_ = step;
     ++totals_.snapshots;
     if (metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
   }
@@ -213,6 +236,15 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
       metrics_->record_checkpoint_failure();
     }
   }
+}
+
+// Every replica_every steps, on the step after each snapshot (so a rollback knows which
+// snapshots hold agreeing replicas) and on the step after each incident. Not with sharded
+// parameters (their fingerprints differ by design) and not alone.
+bool StepEngine::replica_check_due(std::int64_t step) const {
+  const std::int64_t every = controller_.config().detectors.replica_every;
+  if (every <= 0 || consensus_->world_size() < 2 || options_.sharded_gradients()) return false;
+  return step % every == 0 || step == last_snapshot_step_ + 1 || step == last_incident_step_ + 1;
 }
 
 void StepEngine::abort_with(const std::string& reason) {

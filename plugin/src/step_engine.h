@@ -90,6 +90,7 @@ class StepEngine {
   GuardTotals totals() const noexcept { return totals_; }
   bool aborted() const noexcept { return aborted_; }
   std::int64_t collectives() const noexcept { return consensus_->collectives(); }
+  std::int64_t collective_bytes() const noexcept { return consensus_->bytes(); }
   const GuardOptions& options() const noexcept { return options_; }
   OptimizerPort& port() noexcept { return port_; }
 
@@ -106,7 +107,11 @@ class StepEngine {
   struct Findings {
     std::vector<std::string> blamed;  ///< offending gradients, backward order
     forensics::Evidence evidence;
-    forensics::Diagnosis diagnosis;
+    forensics::Diagnosis diagnosis;  ///< this rank's own, when it is an origin rank
+    bool origin = true;              ///< the fault came from this rank (or from no rank's own)
+    std::vector<int> origin_ranks;
+    std::vector<RankCause> rank_causes;  ///< agreed across ranks
+    Cause agreed_cause = Cause::kUnknown;
   };
 
   void check_can_step(const at::Tensor& loss);
@@ -122,6 +127,8 @@ class StepEngine {
                                         const StepReport& report);
   std::string write_incident_files(std::int64_t step, nlohmann::json& report_json);
   void run_replays(forensics::Evidence* ev);
+  void agree_causes(std::int64_t step, const GlobalStats& global, Findings* f);
+  bool replica_check_due(std::int64_t step) const;
   void abort_with(const std::string& reason);
   checkpoint::GuardRecord guard_record(std::int64_t at_step) const;
   void check_record(const checkpoint::GuardRecord& record) const;
@@ -143,6 +150,11 @@ class StepEngine {
   std::int64_t checkpoints_written_ = 0;
   std::int64_t data_position_ = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges_;
+  at::Device step_device_ = at::kCPU;  ///< where this step's buffers live (the loss's device)
+  // Replica check: snapshots taken before replica_ok_before_ hold replicas that agreed.
+  std::int64_t replica_ok_before_ = 0;
+  std::int64_t last_snapshot_step_ = -1;
+  std::int64_t last_incident_step_ = -1;
 
   // Forensics.
   forensics::Recompute replay_;

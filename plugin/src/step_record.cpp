@@ -3,9 +3,11 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/common/json_text.h"
@@ -41,6 +43,8 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
       decided.signals.has(Signal::kLossSpike) || decided.signals.has(Signal::kLossRatio);
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
   ev.bad_inputs = bad_inputs_;
+  ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
+                                  consensus_->rank()) != g.diverged_replicas.end();
   ev.blamed_grads = f.blamed;
   ev.loss_scaling = controller_.loss_scaling();
   ev.loss_scale = step_loss_scale_;
@@ -58,13 +62,109 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
     }
   }
   probes_.fill(&ev);
-  // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
-  if (replay_ && (ev.loss_nonfinite || ev.grads_nonfinite) &&
-      decided.signals.consecutive_bad_steps <= 1) {
-    run_replays(&ev);
+  // Under data parallelism a fault of one rank reaches every rank's gradients through the
+  // average: only the ranks it came from replay and classify on their own evidence.
+  f.origin_ranks = g.ranks_named ? g.origin_ranks : std::vector<int>();
+  f.origin = !g.ranks_named || f.origin_ranks.empty() ||
+             std::find(f.origin_ranks.begin(), f.origin_ranks.end(), consensus_->rank()) !=
+                 f.origin_ranks.end();
+  if (f.origin) {
+    // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
+    if (replay_ && (ev.loss_nonfinite || ev.grads_nonfinite) &&
+        decided.signals.consecutive_bad_steps <= 1) {
+      run_replays(&ev);
+    }
+    f.diagnosis = forensics::classify(ev);
   }
-  f.diagnosis = forensics::classify(ev);
+  agree_causes(step_, g, &f);
   return f;
+}
+
+namespace {
+
+// The debugging order in which causes are checked: the job's cause is the first any origin rank
+// found (a rank that reproduced bad data outranks another's clean replay).
+int debugging_rank(Cause c) {
+  constexpr Cause kOrder[] = {Cause::kData,       Cause::kForward,  Cause::kPrecisionOverflow,
+                              Cause::kDivergence, Cause::kBackward, Cause::kHardwareSuspect,
+                              Cause::kUnknown};
+  for (int i = 0; i < static_cast<int>(std::size(kOrder)); ++i) {
+    if (kOrder[i] == c) return i;
+  }
+  return static_cast<int>(std::size(kOrder));
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
+}  // namespace
+
+// On an incident step the ranks exchange what the origin ranks found (one small collective,
+// incident steps only): every rank's report then carries each origin rank's cause and the one
+// cause agreed for the job.
+void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings* f) {
+  const int world = consensus_->world_size();
+  std::vector<double> rows;
+  if (world == 1) {
+    rows = {1.0, static_cast<double>(f->diagnosis.cause) + 1.0};
+  } else {
+    const at::Tensor row =
+        at::tensor({f->origin ? 1.0 : 0.0,
+                    f->origin ? static_cast<double>(f->diagnosis.cause) + 1.0 : 0.0},
+                   at::TensorOptions().dtype(at::kDouble))
+            .to(step_device_);
+    rows = consensus::gather_rank_rows(*consensus_, row, step);
+  }
+  std::vector<RankCause> causes;
+  for (int r = 0; r < world; ++r) {
+    const double code = rows[static_cast<std::size_t>(r) * 2 + 1];
+    if (rows[static_cast<std::size_t>(r) * 2] > 0 && code >= 1.0 &&
+        code <= static_cast<double>(Cause::kUnknown) + 1.0) {
+      causes.push_back({r, static_cast<Cause>(static_cast<int>(code) - 1)});
+    }
+  }
+  // Without evidence from before the average, every rank with bad gradients replayed its own
+  // batch: the ranks whose replay came out clean while another's reproduced were not the origin.
+  const bool pre_average_evidence =
+      g.loss_nonfinite_ranks > 0 || g.input_bad_ranks > 0 || g.probe_bad_ranks > 0;
+  const bool someone_reproduced = std::any_of(causes.begin(), causes.end(), [](const RankCause& c) {
+    return c.cause != Cause::kHardwareSuspect && c.cause != Cause::kUnknown;
+  });
+  if (!pre_average_evidence && someone_reproduced && causes.size() > 1) {
+    causes.erase(
+        std::remove_if(causes.begin(), causes.end(),
+                       [](const RankCause& c) { return c.cause == Cause::kHardwareSuspect; }),
+        causes.end());
+    if (g.ranks_named) {
+      f->origin_ranks.clear();
+      for (const RankCause& c : causes) f->origin_ranks.push_back(c.rank);
+    }
+  }
+  f->agreed_cause = Cause::kUnknown;
+  for (const RankCause& c : causes) {
+    if (debugging_rank(c.cause) < debugging_rank(f->agreed_cause)) f->agreed_cause = c.cause;
+  }
+  f->rank_causes = std::move(causes);
+  const bool counted =
+      std::any_of(f->rank_causes.begin(), f->rank_causes.end(),
+                  [&](const RankCause& c) { return c.rank == consensus_->rank(); });
+  f->origin = counted;
+  if (counted || world == 1) return;
+  // This rank was not where the fault came from: its report says where it did.
+  forensics::Diagnosis& d = f->diagnosis;
+  d.cause = f->agreed_cause;
+  d.evidence = {"the fault came from rank" + std::string(f->origin_ranks.size() > 1 ? "s " : " ") +
+                    rank_list(f->origin_ranks) +
+                    "; this rank's own loss, inputs and probes were clean, its gradients were "
+                    "affected only through the gradient average",
+                "agreed cause: " + std::string(to_string(f->agreed_cause)) +
+                    " (the first in the debugging order among the origin ranks' causes)"};
+  d.fixes = {"read the incident report of rank " +
+             (f->origin_ranks.empty() ? std::string("?") : std::to_string(f->origin_ranks[0])) +
+             " first"};
 }
 
 void StepEngine::run_replays(forensics::Evidence* ev) {
@@ -84,12 +184,16 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
                               const Findings& findings) {
   StepReport report = make_report(step, agreed.global, decided);
   report.incident = make_incident(step, agreed, decided, findings, report);
-  if (report.incident) ++totals_.incidents;
+  if (report.incident) {
+    ++totals_.incidents;
+    last_incident_step_ = step;
+  }
   if (event_log_) {
     event_log_->record(report, agreed.global, decided.signals, decided.decision, findings.blamed);
   }
   if (metrics_) {
-    if (report.incident) metrics_->record_cause(report.incident->cause);
+    // A cause is exported by the rank it came from: a page names that rank and its host.
+    if (report.incident && findings.origin) metrics_->record_cause(findings.diagnosis.cause);
     metrics_->record_step(report, decided.signals.consecutive_bad_steps, agreed.inspect_seconds,
                           agreed.agree_seconds);
   }
@@ -113,11 +217,18 @@ std::optional<Incident> StepEngine::make_incident(std::int64_t step, const Agree
   incident.signal = decided.signals.raised.front();
   incident.action = strongest_action(decided.decision.actions);
   incident.tensors = findings.blamed;
-  incident.ranks = agreed.global.faulty_ranks;
+  incident.ranks = findings.origin_ranks;
   incident.reason = decided.decision.reason;
-  incident.cause = findings.diagnosis.cause;
+  incident.cause = findings.agreed_cause;
+  incident.rank_causes = findings.rank_causes;
   incident.evidence = findings.diagnosis.evidence;
   incident.fixes = findings.diagnosis.fixes;
+  if (findings.origin && findings.agreed_cause != findings.diagnosis.cause) {
+    incident.evidence.push_back(
+        "this rank found " + std::string(to_string(findings.diagnosis.cause)) +
+        "; the job's agreed cause is " + to_string(findings.agreed_cause) +
+        " (the first in the debugging order among the origin ranks' causes)");
+  }
   if (!options_.incident_dir().empty()) {
     std::vector<forensics::HistoryRow> rows(history_.begin(), history_.end());
     rows.push_back({step, agreed.global.loss, agreed.global.grad_norm, report.loss_scale,

@@ -130,8 +130,14 @@ class GuardedOptimizer {
   GuardTotals totals() const noexcept;
   /// True once the policy aborted; step() then refuses to run.
   bool aborted() const noexcept;
-  /// Collectives issued so far (one per step in steady state).
+  /// Collectives issued so far: one per step; with several ranks, two more on an incident step
+  /// (the per-rank rows naming the ranks, and the agreement on causes).
   std::int64_t collectives() const noexcept;
+  /// Bytes each step's collective carries: a fixed size, the same at any world size.
+  std::int64_t step_buffer_bytes() const noexcept;
+  /// Bytes the guard's collectives carried so far (step buffers, and the per-rank rows of
+  /// incident steps).
+  std::int64_t collective_bytes() const noexcept;
   /// The guarded parameters, in optimizer order, and their names.
   const std::vector<torch::Tensor>& parameters() const noexcept;
   const std::vector<std::string>& parameter_names() const noexcept;

@@ -7,7 +7,8 @@ summary JSON as the C++ demo.
         --inject nan_grad@40:1 --inject nan_loss@80 --summary-json summary.json
 
 Run with PYTHONPATH=build/python (or an installed stepguard). One process without torchrun is one
-rank.
+rank. `--optimizer zero` shards AdamW's state over the ranks with torch's ZeroRedundancyOptimizer
+(ZeRO-1), which the guard recognises by itself.
 """
 
 import argparse
@@ -143,6 +144,9 @@ def parse_args(argv):
     p.add_argument("--corpus-dir", default="/usr/share/common-licenses")
     p.add_argument("--collective-timeout", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--optimizer", choices=("adamw", "zero"), default="adamw",
+                   help="adamw: AdamW on every rank; zero: AdamW's state sharded over the ranks "
+                        "(ZeroRedundancyOptimizer, ZeRO-1)")
     args = p.parse_args(argv)
     if args.steps <= 0:
         p.error("--steps must be positive")
@@ -178,12 +182,13 @@ def main(argv):
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world, timeout=timeout)
         group = dist.group.WORLD
+    elif args.optimizer == "zero":  # ZeRO needs a process group, even of one rank
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(args.seed)
     tokens, vocab = load_corpus(args.corpus_dir)
     raw = CharTransformer(vocab, context=args.context)
     model = nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
-    optimizer = torch.optim.AdamW(raw.parameters(), lr=args.lr, betas=(0.9, 0.99),
-                                  weight_decay=0.01)
+    optimizer = make_optimizer(args, raw)
     guard = stepguard.GuardedOptimizer(
         optimizer, raw.named_parameters(), policy=args.policy or DEFAULT_POLICY,
         process_group=group, trace_path=rank_path(args.trace or "", rank, world),
@@ -211,9 +216,18 @@ def main(argv):
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 3 if summary["aborted"] else 0
+
+
+def make_optimizer(args, raw):
+    adamw = dict(lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
+    if args.optimizer == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(raw.parameters(), optimizer_class=torch.optim.AdamW,
+                                       **adamw)
+    return torch.optim.AdamW(raw.parameters(), **adamw)
 
 
 def train(args, model, raw, guard, named, tokens, vocab, rank, world):
@@ -307,6 +321,7 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
         "lr_factor": guard.lr_factor, "ranks": world, "seed": args.seed,
         "collectives": guard.collectives, "batches_consumed": batch_index,
         "incidents": incidents, "policy": args.policy or "default.yaml",
+        "optimizer": args.optimizer,
     }
 
 

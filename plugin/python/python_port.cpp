@@ -41,6 +41,7 @@ std::vector<NamedTensor> from_python(const py::handle& list) {
 PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   py::gil_scoped_acquire gil;
   has_gradients_ = py::hasattr(port_, "gradients");
+  has_sharded_state_ = py::hasattr(port_, "sharded_state");
   refresh();
 }
 
@@ -101,6 +102,11 @@ void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<Na
 
 void PythonPort::after_restore() {
   with_gil("after_restore", [&] { port_.attr("after_restore")(); });
+}
+
+bool PythonPort::sharded_state() const {
+  if (!has_sharded_state_) return false;
+  return with_gil("sharded_state", [&] { return port_.attr("sharded_state")().cast<bool>(); });
 }
 
 }  // namespace stepguard

@@ -6,7 +6,8 @@
  * The port object provides: parameters() -> (list of tensors, list of names); apply(lr_factor);
  * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
  * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved) with saved a list of
- * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None.
+ * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None and
+ * sharded_state() -> bool.
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -38,12 +39,14 @@ class PythonPort final : public OptimizerPort {
                          const std::vector<NamedTensor>& saved) const override;
   void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) override;
   void after_restore() override;
+  bool sharded_state() const override;
 
   const pybind11::object& object() const noexcept { return port_; }
 
  private:
   pybind11::object port_;
   bool has_gradients_ = false;
+  bool has_sharded_state_ = false;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
 };

@@ -58,6 +58,9 @@ class OptimizerPort {
                                 const std::vector<NamedTensor>& saved) = 0;
   /// Called once a restore (snapshot or checkpoint) has written everything back.
   virtual void after_restore() {}
+  /// True when each rank holds only its own shard of the optimizer state (ZeRO), so a checkpoint
+  /// cannot move to another number of ranks; used in the message that refuses it.
+  virtual bool sharded_state() const { return false; }
 };
 
 }  // namespace stepguard

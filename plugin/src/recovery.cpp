@@ -362,9 +362,25 @@ std::vector<checkpoint::CheckpointEntry> Recovery::resumable_entries(const std::
   return entries;
 }
 
+void Recovery::check_world_size(const std::vector<checkpoint::CheckpointEntry>& entries) const {
+  // Each rank resumes from its own file: the newest checkpoint needs as many ranks as wrote it.
+  if (entries.empty()) return;
+  const checkpoint::CheckpointEntry& newest = entries.back();
+  const int world = consensus_.world_size();
+  if (newest.world_size == world) return;
+  const std::string why = port_.sharded_state()
+                              ? "the optimizer state is sharded across the ranks (each rank's "
+                                "file holds only its own shard), so it cannot be split anew"
+                              : "each rank resumes from its own rank file";
+  TORCH_CHECK(false, "stepguard: cannot resume from ", newest.dir, ": it was saved by ",
+              newest.world_size, " ranks and this run has ", world, "; ", why, ". Resume with ",
+              newest.world_size, " ranks.");
+}
+
 std::optional<checkpoint::GuardRecord> Recovery::resume(
     const std::string& dir, const std::function<void(const checkpoint::GuardRecord&)>& check) {
   const auto entries = resumable_entries(dir);
+  check_world_size(entries);
   std::int64_t bound = std::numeric_limits<std::int64_t>::max();
   for (std::size_t round = 0; round <= entries.size(); ++round) {
     // This rank's newest valid checkpoint below the bound, then the newest all ranks hold.

@@ -88,7 +88,8 @@ class Recovery {
 
   /// Restores the newest checkpoint under `dir` that every rank holds intact and that
   /// `check_record` accepts (it throws to refuse), after checking all of it on every rank.
-  /// Returns its record, or nothing when there is none (nothing changed).
+  /// Returns its record, or nothing when there is none (nothing changed). Refuses (c10::Error
+  /// naming both world sizes) when the newest checkpoint was saved by another number of ranks.
   std::optional<checkpoint::GuardRecord> resume(
       const std::string& dir, const std::function<void(const checkpoint::GuardRecord&)>& check);
 
@@ -99,6 +100,7 @@ class Recovery {
   void restore(const std::vector<NamedTensor>& saved, const std::string& opaque,
                const checkpoint::RngState& rng, const std::string& source);
   std::vector<checkpoint::CheckpointEntry> resumable_entries(const std::string& dir) const;
+  void check_world_size(const std::vector<checkpoint::CheckpointEntry>& entries) const;
   std::int64_t newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,
                                std::int64_t bound) const;
   bool load_agreed(const std::vector<checkpoint::CheckpointEntry>& entries, std::int64_t step,

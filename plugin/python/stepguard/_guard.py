@@ -5,7 +5,7 @@ GuardedOptimizer runs."""
 import torch
 
 from . import _C
-from ._port import TorchOptimPort
+from ._port import TorchOptimPort, is_zero_redundancy
 
 # Keyword options, as GuardOptions names them (collective_timeout in seconds).
 _OPTIONS = (
@@ -39,6 +39,18 @@ class GuardedOptimizer(torch.optim.Optimizer):
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
         checkpoints belong to).
 
+    Sharded optimizer state (ZeRO-1): a ``torch.distributed.optim.ZeroRedundancyOptimizer`` is
+    recognised by its type, no option needed. Every rank holds every gradient (DDP averages
+    them) and every parameter; each rank keeps the optimizer state of its shard. A step the guard
+    does not apply never calls the ZeRO optimizer's ``step()`` on any rank (so no rank
+    broadcasts); an LR factor reaches its local optimizer and is taken out after the step; a
+    rollback restores all parameters and each rank's own shard of the optimizer state; snapshots
+    and disk checkpoints hold each rank's shard (one file per rank) without the collective
+    ``consolidate_state_dict``, and a checkpoint resumes only on as many ranks as wrote it.
+    Give the guard ``process_group`` (the ZeRO optimizer's group or one that contains it): the
+    ranks must take the same decision. ``overlap_with_ddp=True`` is refused. Sharded gradients
+    (ZeRO-2/3, FSDP: each rank holds part of the gradients): ``sharded_gradients=True``.
+
     Not thread-safe: one training thread drives one guard.
     """
 
@@ -49,6 +61,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if unknown:
             raise TypeError("stepguard: unknown option %s (known: %s)"
                             % (", ".join(unknown), ", ".join(_OPTIONS)))
+        if is_zero_redundancy(optimizer):
+            _check_zero_group(optimizer, process_group)
         self.optimizer = optimizer
         self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
         self._guard = _C.Guard(self._port, policy_file=policy or "", policy_yaml=policy_yaml or "",
@@ -84,6 +98,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         self.optimizer.add_param_group(param_group)
+
+    def consolidate_state_dict(self, to=0):
+        """ZeroRedundancyOptimizer's collective: gathers the full optimizer state on rank ``to``
+        for ``state_dict()`` there. The guard's own snapshots and checkpoints never need it."""
+        if not hasattr(self.optimizer, "consolidate_state_dict"):
+            raise TypeError("stepguard: %s has no consolidate_state_dict() (only a sharded "
+                            "optimizer such as ZeroRedundancyOptimizer has)"
+                            % type(self.optimizer).__name__)
+        self.optimizer.consolidate_state_dict(to=to)
 
     def __repr__(self):
         return "GuardedOptimizer(%r)" % (self.optimizer,)
@@ -183,3 +206,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self):
         return self._guard.metrics_text()
+
+
+def _check_zero_group(optimizer, process_group):
+    """A ZeRO optimizer steps collectively: every rank of its group must take the same decision,
+    so the guard must agree across at least those ranks."""
+    if optimizer.world_size == 1:
+        return
+    if process_group is None:
+        raise ValueError(
+            "stepguard: this ZeroRedundancyOptimizer shards its state over %d ranks; give the "
+            "guard process_group= (its group, e.g. dist.group.WORLD) so that every rank takes the "
+            "same decision (a step skipped on one rank only would leave the others waiting in "
+            "its parameter broadcast)" % optimizer.world_size)
+    size = process_group.size()
+    if size < optimizer.world_size:
+        raise ValueError(
+            "stepguard: the guard's process_group has %d ranks, fewer than the %d this "
+            "ZeroRedundancyOptimizer shards its state over; give it the optimizer's group or one "
+            "that contains it" % (size, optimizer.world_size))

@@ -4,13 +4,27 @@ The engine (C++) calls these methods with the GIL held: the parameters and their
 optimizer step with an LR factor, and the optimizer state as named tensors (copied by snapshots and
 written back in place by a restore) plus opaque bytes for everything that is not a tensor.
 Adapters for other training stacks derive from TorchOptimPort.
+
+A ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1: each rank holds the optimizer state
+of its own shard of the parameters, every rank holds all parameters) is recognised by type: its
+parameters are all of them, its state is the local optimizer's (``optimizer.optim``), the shard.
 """
 
 import pickle
 
 import torch
 
+try:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as _ZeroRedundancyOptimizer
+except ImportError:  # a torch built without distributed support has no ZeRO to recognise
+    _ZeroRedundancyOptimizer = None
+
 _FORMAT = b"P1"  # opaque state bytes: this marker, then a pickle of the structure
+
+
+def is_zero_redundancy(optimizer):
+    """True for a ``torch.distributed.optim.ZeroRedundancyOptimizer``."""
+    return _ZeroRedundancyOptimizer is not None and isinstance(optimizer, _ZeroRedundancyOptimizer)
 
 
 class TorchOptimPort:
@@ -20,12 +34,27 @@ class TorchOptimPort:
     ``named_parameters`` (matched by identity), else ``param_<i>``. The state of parameter ``i``
     is ``optimizer.state[p]``: its tensors are named ``"<i>.<key>"``; its other values (and which
     device each tensor lives on) travel in the opaque bytes. Not thread-safe.
+
+    A ``ZeroRedundancyOptimizer`` is driven as it is (its ``step()`` updates this rank's shard and
+    broadcasts every shard), with three differences: the state is the local optimizer's
+    (``optimizer.optim.state``, this rank's shard; ``i`` stays the index among all parameters, so
+    a snapshot or checkpoint holds this rank's shard and never calls the collective
+    ``consolidate_state_dict``); the LR factor goes into the local optimizer's param groups too
+    and is taken out of both after the step; a restore checks that the saved state belongs to
+    this rank's shard. ``overlap_with_ddp=True`` is refused: its steps run inside DDP's
+    communication hook, where the guard cannot skip them.
     """
 
     def __init__(self, optimizer, named_parameters=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "stepguard: expected a torch.optim.Optimizer, got " + type(optimizer).__name__)
+        self.zero = is_zero_redundancy(optimizer)
+        if self.zero and optimizer._overlap_with_ddp:
+            raise ValueError(
+                "stepguard: ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's "
+                "communication hook, so its steps cannot be skipped or rolled back; build it with "
+                "overlap_with_ddp=False (the default) to guard it")
         self.optimizer = optimizer
         self._names_by_id = {}
         if named_parameters is not None:
@@ -45,6 +74,14 @@ class TorchOptimPort:
             self._count = count
         return self._params, self._names
 
+    def sharded_state(self):
+        """True when each rank holds only its own shard of the optimizer state (ZeRO)."""
+        return self.zero
+
+    def _state_owner(self):
+        """The optimizer whose ``state`` holds this rank's optimizer state."""
+        return self.optimizer.optim if self.zero else self.optimizer
+
     # -- the step -----------------------------------------------------------------------------
     def apply(self, lr_factor):
         """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
@@ -53,12 +90,19 @@ class TorchOptimPort:
             return
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
+        # ZeRO copies its groups' settings into the local optimizer's at the step and back after
+        # it: both carry the factor during the step and lose it after.
+        local = self.optimizer.optim.param_groups if self.zero else []
         try:
             for g, lr in zip(groups, saved):
+                g["lr"] = lr * lr_factor
+            for g, lr in zip(local, saved):
                 g["lr"] = lr * lr_factor
             self.update()
         finally:
             for g, lr in zip(groups, saved):
+                g["lr"] = lr
+            for g, lr in zip(local, saved):
                 g["lr"] = lr
 
     def update(self):
@@ -68,7 +112,7 @@ class TorchOptimPort:
     # -- state --------------------------------------------------------------------------------
     def _states(self):
         params, _ = self.parameters()
-        state = self.optimizer.state
+        state = self._state_owner().state
         for i, p in enumerate(params):
             if p in state and state[p]:
                 yield i, p, state[p]
@@ -111,6 +155,8 @@ class TorchOptimPort:
             if not 0 <= i < len(params):
                 raise ValueError("the saved optimizer state names parameter %d; the optimizer "
                                  "has %d" % (i, len(params)))
+            if self.zero:
+                self._check_own_shard(i, params[i], names[i])
             for key, (kind, _) in entry.items():
                 if kind != "tensor":
                     continue
@@ -118,6 +164,15 @@ class TorchOptimPort:
                 if name not in tensors:
                     raise ValueError("the saved optimizer state lacks tensor '%s'" % name)
         return structure
+
+    def _check_own_shard(self, i, param, name):
+        owner = self.optimizer._param_to_rank.get(param)
+        if owner != self.optimizer.rank:
+            raise ValueError(
+                "the saved optimizer state holds parameter %d ('%s'), which this "
+                "ZeroRedundancyOptimizer assigns to rank %s, not to this rank %d: the optimizer "
+                "state is sharded, and this shard was saved by another rank or partition"
+                % (i, name, owner, self.optimizer.rank))
 
     def check_state_bytes(self, data, saved):
         self._read(data, saved)
@@ -127,7 +182,7 @@ class TorchOptimPort:
         structure = self._read(data, saved)
         params, _ = self.parameters()
         tensors = dict(saved)
-        state = self.optimizer.state
+        state = self._state_owner().state
         rebuilt = {}
         for i, entry in structure:
             p = params[i]

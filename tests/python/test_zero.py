@@ -320,13 +320,13 @@ def test_train_gpt_with_zero_under_torchrun_with_two_ranks():
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                os.path.join(ROOT, "integration", "pytorch", "train_gpt.py"),
                "--optimizer", "zero", "--steps", "12", "--batch-size", "4", "--context", "32",
-               "--inject", "nan_grad@6", "--summary-json", summary_path]
+               "--inject", "nan_grad@6:1", "--summary-json", summary_path]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
         with open(summary_path) as f:
             s = json.load(f)
     assert s["ranks"] == 2 and s["steps"] == 12 and s["optimizer"] == "zero"
     assert s["skipped"] == 1 and s["applied"] == 11 and s["rollbacks"] == 0
-    assert [i["step"] for i in s["incidents"]] == [6]
+    assert [(i["step"], i["ranks"]) for i in s["incidents"]] == [(6, [1])]  # rank 1's alone
     assert len(set(s["param_hashes"])) == 1 and s["params_finite"]
     assert s["final_loss"] < s["initial_loss"]  # it learns

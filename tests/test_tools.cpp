@@ -1,13 +1,17 @@
 // The offline tools behind the CLI (stepguard/tools.h) and the trace writer on hostile text:
-// deep JSON is an error, not a stack overflow; invalid UTF-8 in names never stops a trace line.
+// deep JSON is an error, not a stack overflow; invalid UTF-8 in names never stops a trace line;
+// a picture attached to an incident report.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
 #include "csrc/telemetry/event_log.h"
 #include "stepguard/tools.h"
+#include "tests/support/fresh_dir.h"
 
 namespace stepguard {
 namespace {
@@ -46,6 +50,44 @@ TEST(Tools, AReportWithWrongTypesOrEscapeCodesIsSafeToShow) {
   EXPECT_EQ(md.find('\x1b'), std::string::npos) << md;
   EXPECT_EQ(md.find('\x07'), std::string::npos) << md;
   EXPECT_NE(md.find("?[2J"), std::string::npos) << md;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(Tools, AnAttachedPictureIsLinkedFromTheReportByItsFileName) {
+  const std::string dir = fresh_dir("attach_picture");
+  const std::string report = dir + "/incident-step-000000007.json";
+  std::ofstream(report) << R"({"step": 7, "cause": "data", "signal": "nonfinite_loss"})";
+  attach_incident_picture(report, dir + "/incident-step-000000007.png");
+  const auto json = nlohmann::json::parse(read_text(report));
+  EXPECT_EQ(json["picture"], dir + "/incident-step-000000007.png");
+  EXPECT_EQ(json["step"], 7);
+  const std::string md = read_text(dir + "/incident-step-000000007.md");
+  EXPECT_EQ(md.rfind("# Incident at step 7: data\n\n- signal: `nonfinite_loss`\n", 0), 0u) << md;
+  EXPECT_NE(md.find("\n![steps around the incident](incident-step-000000007.png)\n"),
+            std::string::npos)
+      << md;
+
+  try {
+    attach_incident_picture(dir + "/none.json", "x.png");
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), dir + "/none.json: cannot read: No such file or directory");
+  }
+  const std::string summary = dir + "/summary.json";
+  std::ofstream(summary) << R"({"steps": 3})";
+  try {
+    attach_incident_picture(summary, "x.png");
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), summary + ": not an incident report (no 'step' and 'cause')");
+  }
+  EXPECT_EQ(read_text(summary), R"({"steps": 3})");  // untouched
 }
 
 TEST(Tools, TraceLinesReplaceInvalidUtf8InsteadOfThrowing) {

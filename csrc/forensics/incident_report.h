@@ -5,7 +5,8 @@
  * Fields: step, signal, action, actions[], cause, evidence[], fixes[], tensors[] (backward order),
  * ranks[], rank, reason, replay{rerun, fp32, anomaly_op, message}, nonfinite_params[],
  * probes{first_bad_forward, first_bad_backward}, history[{step, loss, grad_norm, loss_scale,
- * lr_factor, outcome}], batch (path of the saved batch, added by the writer).
+ * lr_factor, outcome}], batch (path of the saved batch, added by the writer), picture (path of
+ * the picture of the steps around the incident, added by attach_incident_picture in tools.h).
  *
  * Not here: writing files (the engine's record stage). Thread-compatible.
  */

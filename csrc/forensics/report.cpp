@@ -2,6 +2,7 @@
 #include "csrc/common/json_text.h"
 
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 namespace stepguard {
@@ -42,6 +43,12 @@ std::string render_markdown(const nlohmann::json& r) {
     out << "\n";
   }
   if (r.contains("batch")) out << "- batch saved for replay: `" << text(r, "batch") << "`\n";
+  if (!text(r, "picture").empty()) {
+    // The picture lies beside the report: a link by its file name still works when the
+    // directory moves.
+    out << "\n![steps around the incident]("
+        << std::filesystem::path(text(r, "picture")).filename().string() << ")\n";
+  }
   out << "\n## Why: " << text(r, "cause", "unknown") << "\n\n";
   for (const auto& e : r.value("evidence", nlohmann::json::array())) {
     out << "- " << e.get<std::string>() << "\n";

@@ -4,7 +4,8 @@
  *
  * Fields: step, signal, action, cause, evidence[], fixes[], tensors[] (backward order), ranks[],
  * reason, replay{rerun, fp32, anomaly_op}, history[{step, loss, grad_norm, loss_scale,
- * lr_factor, outcome}], batch (path of the saved batch, if any).
+ * lr_factor, outcome}], batch (path of the saved batch, if any), picture (path of the picture of
+ * the steps around the incident, beside the report; linked by its file name).
  */
 #pragma once
 

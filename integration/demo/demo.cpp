@@ -23,6 +23,7 @@
 #include "integration/demo/corpus.h"
 #include "integration/demo/launcher.h"
 #include "integration/demo/model.h"
+#include "integration/demo/pictures.h"
 
 namespace stepguard {
 namespace demo {
@@ -494,6 +495,8 @@ int run_demo(const DemoOptions& o) {
     outcomes_agree = outcomes_agree && outcome_digests[r] == outcome_digests[0];
     params_finite = params_finite && finite_flags[r] == 1;
   }
+  const std::string pictures =
+      draw_incident_pictures(o.incident_dir.empty() ? "" : o.trace, incidents);
   nlohmann::json summary = {
       {"steps", totals.steps},
       {"applied", totals.applied},
@@ -592,6 +595,7 @@ int run_demo(const DemoOptions& o) {
       table << line;
     }
   }
+  if (!pictures.empty()) row("pictures", pictures);
   if (!o.summary_json.empty()) row("summary json", o.summary_json);
   if (!o.trace.empty()) row("trace", o.trace + (world.size > 1 ? " (+ .rank<r> per rank)" : ""));
   std::cout << table.str() << std::flush;

@@ -33,6 +33,10 @@ constexpr const char* kUsage =
     "  ckpt verify DIR          check every checkpoint's files (exit 0 all valid, 1 naming each\n"
     "                           bad file)\n"
     "  incident show FILE       print an incident report (the .json a guard wrote)\n"
+    "  plot TRACE.jsonl -o OUT.png [--around STEP] [--window N]\n"
+    "                           draw a run from its trace: loss and grad norm with every incident\n"
+    "                           and rollback marked, loss scale and LR factor (python3 with\n"
+    "                           matplotlib)\n"
     "  version                  print the version and build facts\n"
     "\n"
     "Run 'stepguard demo --help' for the demo's flags.\n";
@@ -217,6 +221,7 @@ int main(int argc, char** argv) {
     if (command == "replay") return run_replay_command(args);
     if (command == "ckpt") return run_ckpt_command(args);
     if (command == "incident") return run_incident_command(args);
+    if (command == "plot") return stepguard::run_plot_tool(args);
     std::cerr << "stepguard: unknown command '" << command << "'\n" << kUsage;
     return 2;
   } catch (const std::invalid_argument& e) {

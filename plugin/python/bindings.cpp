@@ -258,5 +258,7 @@ PYBIND11_MODULE(_C, m) {
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));
   m.def("explain_policy_file", &stepguard::explain_policy_file, py::arg("path"));
+  m.def("attach_incident_picture", &stepguard::attach_incident_picture, py::arg("report_path"),
+        py::arg("picture_path"));
   m.def("version", &stepguard::version);
 }

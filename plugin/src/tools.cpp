@@ -1,6 +1,11 @@
 #include "stepguard/tools.h"
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
@@ -32,7 +37,9 @@ std::vector<CheckpointStatus> verify_checkpoints(const std::string& root) {
   return out;
 }
 
-std::string render_incident_report(const std::string& json_text, const std::string& source) {
+namespace {
+
+nlohmann::json parse_incident_report(const std::string& json_text, const std::string& source) {
   nlohmann::json report;
   try {
     report = parse_json_bounded(json_text);
@@ -42,19 +49,42 @@ std::string render_incident_report(const std::string& json_text, const std::stri
   if (!report.is_object() || !report.contains("step") || !report.contains("cause")) {
     throw std::invalid_argument(source + ": not an incident report (no 'step' and 'cause')");
   }
-  std::string text;
+  return report;
+}
+
+std::string markdown_of(const nlohmann::json& report, const std::string& source) {
   try {
-    text = forensics::render_markdown(report);
+    return forensics::render_markdown(report);
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(
         source + ": not an incident report (a field has the wrong type: " + e.what() + ")");
   }
+}
+
+}  // namespace
+
+std::string render_incident_report(const std::string& json_text, const std::string& source) {
+  std::string text = markdown_of(parse_incident_report(json_text, source), source);
   // The report is data from a file: no terminal escape sequences reach the terminal.
   for (char& c : text) {
     const auto u = static_cast<unsigned char>(c);
     if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) c = '?';
   }
   return text;
+}
+
+void attach_incident_picture(const std::string& report_path, const std::string& picture_path) {
+  std::ifstream in(report_path);
+  if (!in) throw std::invalid_argument(report_path + ": cannot read: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  nlohmann::json report = parse_incident_report(text.str(), report_path);
+  report["picture"] = picture_path;
+  const std::string markdown = markdown_of(report, report_path);
+  // As the guard writes them: the JSON, then its Markdown beside it.
+  checkpoint::write_file_atomically(report_path, dump_json(report, 2) + "\n");
+  checkpoint::write_file_atomically(
+      std::filesystem::path(report_path).replace_extension(".md").string(), markdown);
 }
 
 }  // namespace stepguard

@@ -1,7 +1,8 @@
 /*
  * The engine's offline tools, as the `stepguard` command uses them: policy checks and
- * explanations, checkpoint verification, incident-report rendering. Plain values in, plain values
- * out; nothing here touches a training run.
+ * explanations, checkpoint verification, incident-report rendering, pictures of a run (drawn by
+ * the Python tool stepguard.plot). Plain values in, plain values out; nothing here touches a
+ * training run.
  */
 #pragma once
 
@@ -36,5 +37,20 @@ std::vector<CheckpointStatus> verify_checkpoints(const std::string& root);
 /// Markdown for an incident report (the JSON text a guard wrote). Throws std::invalid_argument
 /// naming `source` when the text is not an incident report.
 std::string render_incident_report(const std::string& json_text, const std::string& source);
+
+/// Links a picture of the steps around an incident from its report: the report at `report_path`
+/// (the .json a guard wrote) gains "picture": `picture_path`, and the Markdown beside it
+/// (same stem, .md) is rendered again with the picture in it. Both files are replaced atomically.
+/// Throws std::invalid_argument naming the file when it cannot be read or is not a report.
+void attach_incident_picture(const std::string& report_path, const std::string& picture_path);
+
+/// Runs the Python tool that draws a run, `stepguard.plot` (python3 with matplotlib), with `args`
+/// (`TRACE.jsonl -o OUT.png [--around STEP] [--window N]`, or `--incident REPORT.json...`), its
+/// output going to this process's stdout and stderr; returns its exit status (0 drawn, 2 bad
+/// input, 1 matplotlib missing). The interpreter: $STEPGUARD_PYTHON, else /usr/bin/python3, else
+/// python3 on PATH. The tool: plot.py of the package built beside this program
+/// (BIN/../python/stepguard), run by its path, else `-m stepguard.plot` (an installed package).
+/// Throws std::runtime_error when no interpreter can be started.
+int run_plot_tool(const std::vector<std::string>& args);
 
 }  // namespace stepguard

@@ -5,6 +5,7 @@ GuardedOptimizer runs."""
 import torch
 
 from . import _C
+from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, is_zero_redundancy
 
 # Keyword options, as GuardOptions names them (collective_timeout in seconds).
@@ -37,7 +38,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
         run_name, loss_scaling, sharded_gradients, collective_timeout (seconds),
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
-        checkpoints belong to).
+        checkpoints belong to). With trace_path and incident_dir, and matplotlib installed, each
+        incident report gets a picture of the steps around it (``<report stem>.png``, linked from
+        the report; the first 20 incidents of a guard).
 
     Sharded optimizer state (ZeRO-1): a ``torch.distributed.optim.ZeroRedundancyOptimizer`` is
     recognised by its type, no option needed. Every rank holds every gradient (DDP averages
@@ -67,6 +70,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
         self._guard = _C.Guard(self._port, policy_file=policy or "", policy_yaml=policy_yaml or "",
                                process_group=process_group, store=store, **options)
+        self._pictures = IncidentPictures.for_options(options)
 
     # -- pass-through: accepted wherever the wrapped optimizer is ------------------------------
     @property
@@ -118,7 +122,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if loss is None or callable(loss):
             raise TypeError("stepguard: step(loss) needs this step's loss tensor (closures are "
                             "not supported)")
-        return self._guard.step(loss)
+        report = self._guard.step(loss)
+        if self._pictures is not None:
+            self._pictures.after_step(report)  # the trace line of this step is written
+        return report
 
     def scale_loss(self, loss):
         """``loss`` times the loss scale (with loss scaling on), to call backward() on."""

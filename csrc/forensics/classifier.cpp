@@ -50,20 +50,6 @@ Found not_reproduced(const Evidence& e) {
                     "incidents"});
 }
 
-// 1b. A replica that drifted from the others while every rank applied the same averaged update:
-// memory corruption or an update this rank missed.
-Found diverged_replica(const Evidence& e) {
-  if (!e.diverged_replica) return {};
-  return diagnosis(Cause::kHardwareSuspect,
-                   {"this rank's parameters differ from the other replicas' (replica check), "
-                    "although every rank applies the same averaged update: silent corruption of "
-                    "memory or an update this rank missed"},
-                   {"roll back to a snapshot from before the replicas drifted (a policy rule on "
-                    "replica_divergence with action rollback)",
-                    "run the hardware checks of this node (GPU memory test, ECC counters, dmesg "
-                    "Xid errors); drain it if it recurs"});
-}
-
 // 2. Data.
 Found bad_data(const Evidence& e) {
   if (e.bad_inputs.empty()) return {};
@@ -85,6 +71,20 @@ Found broken_weights(const Evidence& e) {
       Cause::kForward, std::move(evidence),
       {"roll back to a snapshot from before the weights broke (policy action rollback)",
        "find the update that wrote them: look at the grad norm and loss scale history below"});
+}
+
+// 3b. A replica that drifted from the others while every rank applied the same averaged update:
+// memory corruption or an update this rank missed.
+Found diverged_replica(const Evidence& e) {
+  if (!e.diverged_replica) return {};
+  return diagnosis(Cause::kHardwareSuspect,
+                   {"this rank's parameters differ from the other replicas' (replica check), "
+                    "although every rank applies the same averaged update: silent corruption of "
+                    "memory or an update this rank missed"},
+                   {"roll back to a snapshot from before the replicas drifted (a policy rule on "
+                    "replica_divergence with action rollback)",
+                    "run the hardware checks of this node (GPU memory test, ECC counters, dmesg "
+                    "Xid errors); drain it if it recurs"});
 }
 
 // 4. Precision: overflow under fp16 loss scaling.
@@ -165,8 +165,8 @@ Found backward_pass(const Evidence& e) {
 Diagnosis classify(const Evidence& e) {
   // The standard debugging order: the first check that explains the evidence names the cause.
   constexpr Found (*kDebuggingOrder[])(const Evidence&) = {
-      not_reproduced,     diverged_replica, bad_data,     broken_weights,
-      precision_overflow, divergence,       forward_pass, backward_pass};
+      not_reproduced,     bad_data,   broken_weights, diverged_replica,
+      precision_overflow, divergence, forward_pass,   backward_pass};
   for (auto check : kDebuggingOrder) {
     if (Found d = check(e)) return *d;
   }

@@ -319,7 +319,8 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
         "initial_loss": initial_loss, "final_loss": sum(tail) / len(tail) if tail else None,
         "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": guard.loss_scale,
         "lr_factor": guard.lr_factor, "ranks": world, "seed": args.seed,
-        "collectives": guard.collectives, "batches_consumed": batch_index,
+        "collectives": guard.collectives, "step_buffer_bytes": guard.step_buffer_bytes,
+        "batches_consumed": batch_index,
         "incidents": incidents, "policy": args.policy or "default.yaml",
         "optimizer": args.optimizer,
     }

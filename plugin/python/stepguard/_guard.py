@@ -205,7 +205,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     @property
     def collectives(self):
+        """Collectives issued so far: one per step; with several ranks, two more on an incident
+        step (the rows naming the ranks, the agreement on causes)."""
         return self._guard.collectives
+
+    @property
+    def step_buffer_bytes(self):
+        """Bytes each step's collective carries: a fixed size at any world size."""
+        return self._guard.step_buffer_bytes
 
     @property
     def snapshots_held(self):

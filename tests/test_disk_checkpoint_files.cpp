@@ -264,6 +264,49 @@ TEST(DiskCheckpoint, ACommitWithARankFileMissingIsRefused) {
   EXPECT_EQ(list_checkpoints(root)[0].step, 10);
 }
 
+// Ranks write in the background: when rank 0 commits step 20, another rank may already be
+// writing step 30. The commit removes the run's pending directories of earlier steps only.
+TEST(DiskCheckpoint, ACommitLeavesAPendingCheckpointOfALaterStepAlone) {
+  const std::string root = fresh_dir("later_pending");
+  write_rank_file(root, kRun, 10, 0, payload_for(100));  // never committed: a crash
+  write_rank_file(root, kRun, 30, 1, payload_for(301));  // rank 1 already at step 30
+  write_checkpoint(root, 20, 2, 3);
+  EXPECT_FALSE(fs::exists(pending_dir(root, kRun, 10)));
+  ASSERT_TRUE(fs::exists(pending_dir(root, kRun, 30)));
+  write_rank_file(root, kRun, 30, 0, payload_for(300));
+  commit_checkpoint(root, kRun, 30, 2, 3);
+  const CheckpointEntry newest = list_checkpoints(root).back();
+  EXPECT_EQ(newest.step, 30);
+  EXPECT_EQ(read_rank_file(newest, 0), payload_for(300));
+  EXPECT_EQ(read_rank_file(newest, 1), payload_for(301));
+}
+
+// A pending directory left by a crash holds rank 1's file of step 20. The resumed run writes
+// step 20 again and rank 1's write fails this time: the commit must not take the earlier
+// attempt's file for this one's.
+TEST(DiskCheckpoint, AFailedRewriteNeverCommitsAnEarlierAttemptsFile) {
+  const std::string root = fresh_dir("earlier_attempt");
+  write_rank_file(root, kRun, 20, 0, payload_for(200));
+  write_rank_file(root, kRun, 20, 1, payload_for(201));
+  write_rank_file(root, kRun, 20, 0, payload_for(210));
+  // Rank 1's new payload cannot even be started (a directory holds its temporary name): the
+  // earlier attempt's file stays whole beside it.
+  const std::string tmp =
+      pending_dir(root, kRun, 20) + "/rank-00001.ckpt.tmp." + std::to_string(::getpid());
+  fs::create_directories(tmp + "/in-the-way");
+  EXPECT_THROW(write_rank_file(root, kRun, 20, 1, payload_for(211)), CheckpointError);
+  fs::remove_all(tmp);
+  try {
+    commit_checkpoint(root, kRun, 20, 2, 3);
+    FAIL() << "committed rank 1's earlier attempt";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1's file is missing or incomplete"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(list_checkpoints(root).empty());
+}
+
 TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
   try {
     write_rank_file("/proc/stepguard-no", kRun, 1, 0, "x");

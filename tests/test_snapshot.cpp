@@ -1,8 +1,14 @@
 // The RAM snapshot ring: host copies keyed by step that share nothing with the live tensors, a
 // full ring refilling its oldest buffers, the newest K kept, a checksum that finds corruption,
-// and exactly the steps the controller's book keeps.
+// and exactly the steps the controller's book keeps. Copies run in the background: begin_take()
+// returns before the copy does, a failed copy leaves the ring consistent, and a snapshot a disk
+// write holds is never refilled. A hook holds a copy in flight: nothing here depends on timing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <chrono>
+#include <future>
+#include <new>
 
 #include "csrc/checkpoint/snapshot.h"
 #include "tests/support/model_fixture.h"
@@ -88,6 +94,120 @@ TEST(Snapshot, TheChecksumFindsACorruptedCopy) {
   EXPECT_TRUE(ring.intact(*t));
   t->opaque[0] = 'X';
   EXPECT_FALSE(ring.intact(*t));
+}
+
+// Holds every background copy at its start until open() (or a minute: a copy that never started
+// fails the test instead of hanging it). Removes itself.
+class CopyGate {
+ public:
+  CopyGate() {
+    checkpoint::set_copy_hook_for_testing([this](std::int64_t step) {
+      started_.set_value(step);
+      if (open_.wait_for(std::chrono::minutes(1)) != std::future_status::ready) {
+        throw std::runtime_error("the gate was never opened");
+      }
+      if (fail_) throw std::bad_alloc();
+    });
+  }
+  ~CopyGate() { checkpoint::set_copy_hook_for_testing({}); }
+  // The step of the copy held at the gate (waits for it to get there).
+  std::int64_t held() { return started_future_.get(); }
+  void open(bool fail = false) {
+    fail_ = fail;
+    opener_.set_value();
+  }
+
+ private:
+  std::promise<std::int64_t> started_;
+  std::shared_future<std::int64_t> started_future_ = started_.get_future().share();
+  std::promise<void> opener_;
+  std::shared_future<void> open_ = opener_.get_future().share();
+  bool fail_ = false;
+};
+
+TEST(Snapshot, BeginTakeReturnsBeforeTheCopyAndTheSnapshotLandsAtFinish) {
+  auto model = make_model(14);
+  const auto params = model->parameters();
+  const auto at_3 = clone_all(params);
+  checkpoint::SnapshotRing ring(2);
+  CopyGate gate;
+  ring.begin_take(3, named(params), "bytes", {7});
+  // Back on this thread while the copy has not even started: held, not in the ring yet.
+  EXPECT_EQ(gate.held(), 3);
+  EXPECT_FALSE(ring.in_flight().finished());
+  EXPECT_EQ(ring.in_flight().step(), 3);
+  EXPECT_EQ(ring.at(3), nullptr);
+  EXPECT_EQ(ring.size(), 0u);
+  gate.open();
+  ring.finish_take();
+  EXPECT_FALSE(ring.in_flight().valid());
+  const checkpoint::Snapshot* s = ring.at(3);
+  ASSERT_NE(s, nullptr);
+  for (std::size_t i = 0; i < at_3.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(s->tensors[i].tensor, at_3[i])) << i;
+  }
+  EXPECT_EQ(s->opaque, "bytes");
+  EXPECT_TRUE(ring.intact(*s));
+}
+
+// A copy that fails in the background (here: out of host memory) surfaces at finish_take(); the
+// ring holds the snapshots it held, less the oldest whose buffers were being refilled, and takes
+// the next snapshot normally.
+TEST(Snapshot, AFailedBackgroundCopyLeavesTheRingConsistent) {
+  auto model = make_model(15);
+  checkpoint::SnapshotRing ring(2);
+  ring.take(1, named(model->parameters()), "", {});
+  ring.take(2, named(model->parameters()), "", {});
+  {
+    CopyGate gate;
+    ring.begin_take(3, named(model->parameters()), "", {});
+    EXPECT_EQ(gate.held(), 3);
+    gate.open(/*fail=*/true);
+    EXPECT_THROW(ring.finish_take(), std::bad_alloc);
+  }
+  EXPECT_FALSE(ring.in_flight().valid());
+  EXPECT_EQ(ring.size(), 1u);
+  EXPECT_EQ(ring.at(1), nullptr);  // given up for its buffers
+  ASSERT_NE(ring.at(2), nullptr);
+  EXPECT_TRUE(ring.intact(*ring.at(2)));
+  EXPECT_EQ(ring.at(3), nullptr);
+  ring.take(4, named(model->parameters()), "", {});
+  EXPECT_EQ(ring.size(), 2u);
+  EXPECT_NE(ring.at(4), nullptr);
+}
+
+// A disk write holds a snapshot (copy_of) while the ring moves on: the ring allocates new buffers
+// instead of refilling the held ones, and the held copy keeps its step's values.
+TEST(Snapshot, ASnapshotADiskWriteHoldsIsNeverRefilled) {
+  auto model = make_model(16);
+  const auto params = model->parameters();
+  checkpoint::SnapshotRing ring(1);
+  ring.take(1, named(params), "", {});
+  const auto at_1 = clone_all(params);
+  const checkpoint::SnapshotCopy held = ring.copy_of(1);
+  ASSERT_TRUE(held.valid());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) p.mul_(3.0f);
+  }
+  ring.take(2, named(params), "", {});
+  EXPECT_EQ(ring.at(1), nullptr);
+  const auto one = held.get();
+  EXPECT_NE(ring.at(2)->tensors[0].tensor.data_ptr(), one->tensors[0].tensor.data_ptr());
+  for (std::size_t i = 0; i < at_1.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(one->tensors[i].tensor, at_1[i])) << i;
+    EXPECT_TRUE(bitwise_equal(ring.at(2)->tensors[i].tensor, params[i])) << i;
+  }
+  // The copy in flight is shared the same way, and the book can let go of it before it lands.
+  CopyGate gate;
+  ring.begin_take(3, named(params), "", {});
+  const checkpoint::SnapshotCopy flying = ring.copy_of(3);
+  EXPECT_EQ(flying.step(), 3);
+  ring.keep_only({2});
+  gate.open();
+  ring.finish_take();
+  EXPECT_EQ(ring.at(3), nullptr);
+  EXPECT_EQ(flying.get()->step, 3);  // the write still has its copy
 }
 
 }  // namespace

@@ -320,14 +320,21 @@ void write_rank_file(const std::string& root, const std::string& run, std::int64
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw CheckpointError(dir + ": cannot create: " + ec.message());
-  // The payload first, its record second: a record always describes a complete file.
+  // The payload first, its record second: a record always describes a complete file of this
+  // write. A record left by an earlier attempt at this step (a crash, then a resumed run) goes
+  // first, so that a write failing now cannot leave the old file looking whole to the commit.
+  const std::string record_path = dir + "/" + rank_name(rank, "json");
+  errno = 0;
+  if (::unlink(record_path.c_str()) != 0 && errno != ENOENT) {
+    fail(record_path, "cannot remove an earlier attempt's record");
+  }
   write_file_atomically(dir + "/" + rank_name(rank, "ckpt"), payload);
   nlohmann::json record = {{"rank", rank},
                            {"step", step},
                            {"run", run},
                            {"bytes", static_cast<std::int64_t>(payload.size())},
                            {"xxh3_64", checksum_hex(payload)}};
-  write_file_atomically(dir + "/" + rank_name(rank, "json"), record.dump() + "\n");
+  write_file_atomically(record_path, record.dump() + "\n");
   fsync_dir(root);
 }
 
@@ -379,7 +386,9 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
     if (name.rfind(kTrashPrefix, 0) == 0) {
       stale.push_back(e.path().string());  // a deletion a crash interrupted
     } else if (parse_pending_name(name, &s, &owner)) {
-      if (owner == run) stale.push_back(e.path().string());  // never committed
+      // Never committed. One of a later step may be in the making on another rank right now
+      // (writes run in the background): it goes at a later commit, or when the run discards it.
+      if (owner == run && s < step) stale.push_back(e.path().string());
     } else if ((s = step_of_dir_name(name)) >= 0) {
       CheckpointEntry entry;
       std::string problem;

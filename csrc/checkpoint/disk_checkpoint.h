@@ -89,7 +89,8 @@ std::string pending_dir(const std::string& root, const std::string& run, std::in
 std::string run_id_problem(const std::string& run);
 
 /// Writes rank `rank`'s payload for `step` of `run` (file and record) into the run's pending
-/// directory. Creates directories as needed.
+/// directory. Creates directories as needed. A record of this rank already there (an earlier
+/// attempt at the step) is removed first.
 void write_rank_file(const std::string& root, const std::string& run, std::int64_t step, int rank,
                      const std::string& payload);
 void write_rank_file(const std::string& root, const std::string& run, std::int64_t step, int rank,
@@ -97,7 +98,8 @@ void write_rank_file(const std::string& root, const std::string& run, std::int64
 /// Commits `step` of `run` (rank 0, once every rank's file is written): writes the manifest and
 /// renames the pending directory into place, replacing an older directory of that step. Then
 /// deletes the run's checkpoints of later steps, all but its newest `keep`, and its pending
-/// directories; other runs' checkpoints are never touched.
+/// directories of earlier steps (a later one may be in the making on another rank); other runs'
+/// checkpoints are never touched.
 void commit_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
                        int world_size, int keep);
 /// Removes the pending `step` of `run` (a checkpoint whose state turned out bad).

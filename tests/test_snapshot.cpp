@@ -6,11 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <chrono>
-#include <future>
 #include <new>
 
 #include "csrc/checkpoint/snapshot.h"
+#include "tests/support/gate.h"
 #include "tests/support/model_fixture.h"
 
 namespace stepguard {
@@ -96,41 +95,12 @@ TEST(Snapshot, TheChecksumFindsACorruptedCopy) {
   EXPECT_FALSE(ring.intact(*t));
 }
 
-// Holds every background copy at its start until open() (or a minute: a copy that never started
-// fails the test instead of hanging it). Removes itself.
-class CopyGate {
- public:
-  CopyGate() {
-    checkpoint::set_copy_hook_for_testing([this](std::int64_t step) {
-      started_.set_value(step);
-      if (open_.wait_for(std::chrono::minutes(1)) != std::future_status::ready) {
-        throw std::runtime_error("the gate was never opened");
-      }
-      if (fail_) throw std::bad_alloc();
-    });
-  }
-  ~CopyGate() { checkpoint::set_copy_hook_for_testing({}); }
-  // The step of the copy held at the gate (waits for it to get there).
-  std::int64_t held() { return started_future_.get(); }
-  void open(bool fail = false) {
-    fail_ = fail;
-    opener_.set_value();
-  }
-
- private:
-  std::promise<std::int64_t> started_;
-  std::shared_future<std::int64_t> started_future_ = started_.get_future().share();
-  std::promise<void> opener_;
-  std::shared_future<void> open_ = opener_.get_future().share();
-  bool fail_ = false;
-};
-
 TEST(Snapshot, BeginTakeReturnsBeforeTheCopyAndTheSnapshotLandsAtFinish) {
   auto model = make_model(14);
   const auto params = model->parameters();
   const auto at_3 = clone_all(params);
   checkpoint::SnapshotRing ring(2);
-  CopyGate gate;
+  Gate gate(&checkpoint::set_copy_hook_for_testing);
   ring.begin_take(3, named(params), "bytes", {7});
   // Back on this thread while the copy has not even started: held, not in the ring yet.
   EXPECT_EQ(gate.held(), 3);
@@ -159,7 +129,7 @@ TEST(Snapshot, AFailedBackgroundCopyLeavesTheRingConsistent) {
   ring.take(1, named(model->parameters()), "", {});
   ring.take(2, named(model->parameters()), "", {});
   {
-    CopyGate gate;
+    Gate gate(&checkpoint::set_copy_hook_for_testing);
     ring.begin_take(3, named(model->parameters()), "", {});
     EXPECT_EQ(gate.held(), 3);
     gate.open(/*fail=*/true);
@@ -199,7 +169,7 @@ TEST(Snapshot, ASnapshotADiskWriteHoldsIsNeverRefilled) {
     EXPECT_TRUE(bitwise_equal(ring.at(2)->tensors[i].tensor, params[i])) << i;
   }
   // The copy in flight is shared the same way, and the book can let go of it before it lands.
-  CopyGate gate;
+  Gate gate(&checkpoint::set_copy_hook_for_testing);
   ring.begin_take(3, named(params), "", {});
   const checkpoint::SnapshotCopy flying = ring.copy_of(3);
   EXPECT_EQ(flying.step(), 3);

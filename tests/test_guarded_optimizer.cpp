@@ -4,6 +4,7 @@
 #include <stepguard/stepguard.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -337,6 +338,34 @@ TEST(GuardedOptimizer, UnwritableTracePathIsAClearError) {
               std::string::npos)
         << e.msg();
   }
+}
+
+// Each stage is timed every step, the RAM snapshot apart from act, and the stages add up to no more
+// than the step itself.
+TEST(GuardedOptimizer, LastStageSecondsSplitsEachStepWithTheSnapshotApart) {
+  auto model = make_model(3);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(opt, model->named_parameters(),
+                         GuardOptions().policy_yaml(
+                             "version: 1\ncheckpoint: {snapshot_every: 2, snapshot_keep: 1}\n"));
+  EXPECT_EQ(guard.last_stage_seconds().total(), 0.0);
+  std::vector<StageSeconds> seen;
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    auto loss = loss_of(model, step);
+    loss.backward();
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(guard.step(loss).applied());
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const StageSeconds& s = guard.last_stage_seconds();
+    for (double stage : {s.inspect, s.agree, s.decide, s.act, s.record}) EXPECT_GT(stage, 0.0);
+    EXPECT_GE(s.snapshot, 0.0);
+    EXPECT_LE(s.total(), wall);
+    seen.push_back(s);
+  }
+  EXPECT_EQ(guard.totals().snapshots, 1);  // step 2's copy: more than step 1's cadence check
+  EXPECT_GT(seen[1].snapshot, seen[0].snapshot);
 }
 
 }  // namespace

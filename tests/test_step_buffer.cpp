@@ -28,7 +28,9 @@ TEST(StepBuffer, PacksTheLossCountsDigestChunksAndItsRow) {
   StepBuffer b(1, 3, at::kCPU);
   b.inspection_block().copy_(at::tensor({2.0, 0.0, 9.0, 0.0}, at::kDouble));
   const std::uint64_t digest = 0x0003000200010005ULL;
-  b.pack(at::tensor(1.5f), digest, LocalEvidence{true, false});
+  LocalEvidence evidence;
+  evidence.inputs_bad = true;
+  b.pack(at::tensor(1.5f), digest, evidence);
   const at::Tensor t = b.tensor();
   ASSERT_EQ(t.numel(), step_slot::kSize);
   EXPECT_EQ(t[step_slot::kLossSum].item<double>(), 1.5);
@@ -49,6 +51,20 @@ TEST(StepBuffer, PacksTheLossCountsDigestChunksAndItsRow) {
   EXPECT_EQ(row[row_slot::kInputsBad].item<double>(), 1.0);
   EXPECT_EQ(row[row_slot::kDigest].item<double>(), static_cast<double>(digest));
   EXPECT_EQ(row[row_slot::kFingerprint].item<double>(), 0.0);
+}
+
+TEST(StepBuffer, InputCountsJoinTheBufferOnTheDevice) {
+  StepBuffer b(0, 2, at::kCPU);
+  LocalEvidence evidence;
+  evidence.inputs_counted = at::ones({}, at::kBool);
+  b.pack(at::tensor(1.0), 1, evidence);
+  EXPECT_EQ(b.tensor()[step_slot::kInputRanks].item<double>(), 1.0);
+  EXPECT_EQ(b.rank_row()[row_slot::kInputsBad].item<double>(), 1.0);
+  StepBuffer clean(1, 2, at::kCPU);
+  evidence.inputs_counted = at::zeros({}, at::kBool);
+  clean.pack(at::tensor(1.0), 1, evidence);
+  EXPECT_EQ(clean.tensor()[step_slot::kInputRanks].item<double>(), 0.0);
+  EXPECT_EQ(clean.rank_row()[row_slot::kInputsBad].item<double>(), 0.0);
 }
 
 // Three ranks' buffers and rows summed by hand, as the all-reduces would.

@@ -71,6 +71,12 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   const at::Tensor faulty = grads_bad.logical_or(finite.logical_not());
   buffer_.select(0, step_slot::kFaultyRanks).copy_(faulty);
   buffer_.select(0, step_slot::kInputRanks).fill_(evidence.inputs_bad ? 1.0 : 0.0);
+  if (evidence.inputs_counted.defined()) {
+    // Device ops: the counts join the buffer without a read of their own.
+    const at::Tensor counted = evidence.inputs_counted.to(buffer_.device(), at::kDouble);
+    buffer_.select(0, step_slot::kInputRanks)
+        .copy_(at::maximum(buffer_.select(0, step_slot::kInputRanks), counted));
+  }
   buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
   for (int c = 0; c < step_slot::kChunks; ++c) {
     const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
@@ -79,7 +85,7 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   }
   row_.select(0, row_slot::kGradFault).copy_(grads_bad);
   row_.select(0, row_slot::kLossBad).copy_(finite.logical_not());
-  row_.select(0, row_slot::kInputsBad).fill_(evidence.inputs_bad ? 1.0 : 0.0);
+  row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
   row_.select(0, row_slot::kProbeBad).fill_(evidence.probe_bad ? 1.0 : 0.0);
   row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
   if (!fingerprint) return;

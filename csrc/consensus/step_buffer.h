@@ -62,7 +62,8 @@ constexpr int kSize = 6;
 /// What this rank knows on the host before the collective: rank-local evidence that exists
 /// before the gradients are averaged.
 struct LocalEvidence {
-  bool inputs_bad = false;
+  bool inputs_bad = false;    ///< known on the host (e.g. sequences of length 0)
+  at::Tensor inputs_counted;  ///< 0-d bool on the device: check_inputs() counted bad values
   bool probe_bad = false;
 };
 

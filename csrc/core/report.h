@@ -1,7 +1,8 @@
 /*
  * What a guarded step tells the training loop: the StepReport, and the Incident it carries when a
  * detector fired. Built in one place (the step engine's record stage, which `stepguard replay`
- * shares); read by the loop, the trace writer, the metrics and the incident report.
+ * shares); read by the loop, the trace writer, the metrics and the incident report. Also where
+ * the step's time went (StageSeconds), which the engine measures as it runs the stages.
  *
  * Installed with the public headers (stepguard/types.h includes it).
  * Plain values: copy freely.
@@ -64,6 +65,20 @@ struct StepReport {
 
   bool applied() const noexcept { return outcome == Outcome::kApplied; }
   bool aborted() const noexcept { return outcome == Outcome::kAborted; }
+};
+
+/// Wall time (steady clock) of one guarded step, stage by stage as DESIGN.md draws the step; the
+/// stages add up to the whole step. `act` includes the wrapped optimizer's own step, which an
+/// unguarded loop pays too: the guard's cost is everything else, plus `act` minus that step.
+struct StageSeconds {
+  double inspect = 0.0;   ///< argument checks, the fused pass over the gradients, the step buffer
+  double agree = 0.0;     ///< the collective and its read to the host (incident steps: rank rows)
+  double decide = 0.0;    ///< detectors, policy, the ranks' agreement on a rollback target
+  double act = 0.0;       ///< apply (the optimizer step), skip or restore; disk checkpoint cadence
+  double snapshot = 0.0;  ///< the RAM snapshot; about 0 on steps that take none
+  double record = 0.0;    ///< forensics, the report, incident files, trace line, metrics
+
+  double total() const noexcept { return inspect + agree + decide + act + snapshot + record; }
 };
 
 }  // namespace stepguard

@@ -68,6 +68,7 @@ struct Metrics::State {
   prometheus::Gauge* last_checkpoint_step = nullptr;
   prometheus::Gauge* last_checkpoint_time = nullptr;
   prometheus::Counter* checkpoint_failures = nullptr;
+  prometheus::Counter* snapshot_failures = nullptr;
   prometheus::Histogram* checkpoint_write_seconds = nullptr;
   prometheus::Histogram* inspect_seconds = nullptr;
   prometheus::Histogram* consensus_seconds = nullptr;
@@ -128,6 +129,9 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
            .Add({});
   s.last_checkpoint_step =
       gauge("stepguard_last_checkpoint_step", "Step of the newest visible disk checkpoint.");
+  s.snapshot_failures = &counter("stepguard_snapshot_failures_total",
+                                 "RAM snapshots that could not be taken (host memory).")
+                             .Add({});
   s.checkpoint_failures = &counter("stepguard_checkpoint_failures_total",
                                    "Disk checkpoints that could not be written or committed.")
                                .Add({});
@@ -221,6 +225,7 @@ void Metrics::record_checkpoint(std::int64_t step, double write_seconds) {
 }
 
 void Metrics::record_checkpoint_failure() { state_->checkpoint_failures->Increment(); }
+void Metrics::record_snapshot_failure() { state_->snapshot_failures->Increment(); }
 
 void Metrics::record_abort() {
   state_->aborts->Increment();
@@ -248,6 +253,7 @@ void Metrics::record_snapshot(std::int64_t) {}
 void Metrics::record_cause(Cause) {}
 void Metrics::record_checkpoint(std::int64_t, double) {}
 void Metrics::record_checkpoint_failure() {}
+void Metrics::record_snapshot_failure() {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }
 

@@ -60,6 +60,8 @@ class Metrics {
   void record_checkpoint(std::int64_t step, double write_seconds);
   /// A disk checkpoint could not be written or committed (training went on).
   void record_checkpoint_failure();
+  /// A RAM snapshot that could not be taken (training went on without it).
+  void record_snapshot_failure();
   /// "address:port" where /metrics is served.
   std::string endpoint() const;
   /// The current exposition text, as a scrape would see it.

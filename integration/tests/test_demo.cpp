@@ -256,7 +256,8 @@ TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
   EXPECT_EQ(s["ranks"], 4);
   EXPECT_EQ(s["skipped"], 2);
   EXPECT_EQ(s["applied"], 118);
-  EXPECT_EQ(s["collectives"], 120);
+  EXPECT_EQ(s["collectives"], 120 + 2 * 2);  // two more on each incident step
+  EXPECT_EQ(s["step_buffer_bytes"], 216);    // the same at any world size
   EXPECT_EQ(s["params_finite"], true);
   EXPECT_EQ(s["outcomes_agree"], true);
   ASSERT_EQ(s["param_hashes"].size(), 4u);
@@ -266,6 +267,9 @@ TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
   EXPECT_EQ(s["incidents"][0]["ranks"], nlohmann::json::array({2}));
   EXPECT_EQ(s["incidents"][1]["step"], 70);
   EXPECT_EQ(s["incidents"][1]["ranks"], nlohmann::json::array({1}));
+  // The faults land after the gradient average: only the faulty rank's gradients are bad, and
+  // every rank reads that rank's own cause.
+  EXPECT_EQ(s["incidents"][0]["rank_causes"], nlohmann::json({{"2", "backward"}}));
   EXPECT_LT(s["final_loss"].get<double>(), 0.8 * s["initial_loss"].get<double>());
 
   // Every rank's own trace shows the same outcome on every step.
@@ -536,9 +540,55 @@ TEST(MultiRank, BrokenWeightsOnOneRankRollAllRanksBackToTheSameStep) {
     const auto lines =
         json_lines(slurp(rank == 0 ? trace : trace + ".rank" + std::to_string(rank)));
     ASSERT_EQ(lines.size(), 150u) << rank;
-    EXPECT_EQ(lines[123]["outcome"], "rolled_back") << rank;  // the 5th bad step in a row
-    EXPECT_EQ(lines[123]["rolled_back_to"], 100) << rank;
+    // The replica check on the step after the incident sees rank 2's weights differ from the
+    // others' (a diverged replica): the default policy rolls back then, without waiting for the
+    // 5th bad step in a row, to the snapshot of step 100 (checked equal at step 101).
+    EXPECT_EQ(lines[120]["outcome"], "rolled_back") << rank;
+    EXPECT_EQ(lines[120]["rolled_back_to"], 100) << rank;
+    EXPECT_EQ(lines[120]["diverged_replicas"], nlohmann::json::array({2})) << rank;
   }
+}
+
+// Four ranks, data parallel: a fault before the gradient average (a NaN loss, a NaN input)
+// reaches every rank's gradients, yet every rank's report names the rank it came from and that
+// rank's cause, not a hardware suspect from its own clean replay; a transient fault on one rank
+// stays a hardware suspect there; a finite drift of one replica is named at the next replica check
+// and rolled back.
+TEST(MultiRank, EveryRanksReportNamesTheOriginAndTheAgreedCause) {
+  const std::string dir = temp_path("origin");
+  std::filesystem::remove_all(dir);
+  const std::string summary = temp_path("s.json");
+  const ProcessResult r = run_stepguard(
+      "demo --ranks 4 --steps 110 --batch-size 8 --inject nan_loss@20:3 --inject nan_input@40:1 "
+      "--inject transient_nan@60:2 --inject drift_weights@70:1 --incident-dir '" +
+      dir + "/inc' --summary-json '" + summary + "'");
+  ASSERT_EQ(r.status, 0) << r.err;
+  struct Expected {
+    int step;
+    const char* signal;
+    int origin;
+    const char* cause;
+  };
+  const Expected expected[] = {{20, "nonfinite_loss", 3, "forward"},
+                               {40, "nonfinite_loss", 1, "data"},
+                               {60, "nonfinite_grad", 2, "hardware_suspect"},
+                               {100, "replica_divergence", 1, "hardware_suspect"}};
+  for (int rank = 0; rank < 4; ++rank) {
+    for (const Expected& e : expected) {
+      char name[96];
+      std::snprintf(name, sizeof name, "/inc/rank-%d-incident-step-%09d.json", rank, e.step);
+      SCOPED_TRACE(std::string(name));
+      const auto report = read_json(dir + name);
+      EXPECT_EQ(report["signal"], e.signal);
+      EXPECT_EQ(report["ranks"], nlohmann::json::array({e.origin}));
+      EXPECT_EQ(report["cause"], e.cause);
+      EXPECT_EQ(report["rank_causes"], nlohmann::json({{std::to_string(e.origin), e.cause}}));
+    }
+  }
+  const auto s = read_json(summary);
+  EXPECT_EQ(s["outcomes_agree"], true);
+  for (const auto& h : s["param_hashes"]) EXPECT_EQ(h, s["param_hashes"][0]);  // rolled back
+  EXPECT_EQ(s["step_buffer_bytes"], 216);
 }
 
 // The acceptance run: a weight goes NaN at step 150; the guard rolls back in-process,

@@ -169,6 +169,16 @@ void bind_report(py::module_& m) {
 
 void bind_guard(py::module_& m) {
   using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<InputVerdict>(m, "InputVerdict",
+                           "What check_inputs() found: true when the batch looks fine. Asking "
+                           "(bool() or .problems) reads the counts once; ignoring it costs no "
+                           "read.")
+      .def("__bool__", &InputVerdict::clean, Release())
+      .def_property_readonly("problems", &InputVerdict::problems, Release())
+      .def("__repr__", [](const InputVerdict& v) {
+        return v.clean() ? std::string("InputVerdict(clean)")
+                         : "InputVerdict(" + std::to_string(v.problems().size()) + " problems)";
+      });
   py::class_<PyGuard>(m, "Guard", "The step engine over a torch.optim port (see GuardedOptimizer).")
       .def(py::init(&make_guard), py::arg("port"), py::kw_only(), py::arg("policy_file") = "",
            py::arg("policy_yaml") = "", py::arg("process_group") = py::none(),

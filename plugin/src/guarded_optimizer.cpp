@@ -40,8 +40,8 @@ torch::Tensor GuardedOptimizer::scale_loss(const torch::Tensor& loss) const {
 }
 double GuardedOptimizer::loss_scale() const noexcept { return impl_->engine.loss_scale(); }
 double GuardedOptimizer::lr_factor() const noexcept { return impl_->engine.lr_factor(); }
-bool GuardedOptimizer::check_inputs(const std::vector<torch::Tensor>& inputs,
-                                    const torch::Tensor& mask) {
+InputVerdict GuardedOptimizer::check_inputs(const std::vector<torch::Tensor>& inputs,
+                                            const torch::Tensor& mask) {
   return impl_->engine.check_inputs(inputs, mask);
 }
 void GuardedOptimizer::set_replay(std::function<torch::Tensor(ReplayMode)> recompute) {
@@ -85,6 +85,9 @@ bool GuardedOptimizer::aborted() const noexcept { return impl_->engine.aborted()
 std::int64_t GuardedOptimizer::collectives() const noexcept { return impl_->engine.collectives(); }
 std::int64_t GuardedOptimizer::collective_bytes() const noexcept {
   return impl_->engine.collective_bytes();
+}
+const StageSeconds& GuardedOptimizer::last_stage_seconds() const noexcept {
+  return impl_->engine.last_stage_seconds();
 }
 std::int64_t GuardedOptimizer::step_buffer_bytes() const noexcept {
   return consensus::StepBuffer::bytes();

@@ -62,6 +62,8 @@ class Recovery {
   /// The copies (tests and tools).
   const checkpoint::SnapshotRing* ring() const noexcept { return ring_.get(); }
   std::size_t snapshots_held() const noexcept { return ring_ ? ring_->size() : 0; }
+  /// Whether the RAM snapshot of `step` is held.
+  bool holds_snapshot(std::int64_t step) const { return ring_ && ring_->at(step) != nullptr; }
   std::int64_t snapshot_bytes() const noexcept { return ring_ ? ring_->bytes() : 0; }
 
   // Disk checkpoints.

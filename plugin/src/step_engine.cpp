@@ -65,13 +65,28 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
 StepEngine::~StepEngine() = default;
 
 StepReport StepEngine::step(const at::Tensor& loss) {
+  // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
+  // forensics, and act leaves out the snapshot (timed in checkpoint_after).
+  stage_seconds_ = StageSeconds{};
+  auto t = Clock::now();
   check_can_step(loss);
   const std::int64_t step = step_ + 1;
   const Agreed agreed = inspect_and_agree(loss, step);
+  stage_seconds_.agree = agreed.agree_seconds;
+  stage_seconds_.inspect = seconds_since(t) - agreed.agree_seconds;
+  t = Clock::now();
   const StepDecision decided = decide(step, agreed.global);
+  stage_seconds_.decide = seconds_since(t);
+  t = Clock::now();
   const Findings findings = investigate(agreed, decided);
+  stage_seconds_.record = seconds_since(t);
+  t = Clock::now();
   act(step, agreed.global, decided);
-  return record(step, agreed, decided, findings);
+  stage_seconds_.act = seconds_since(t) - stage_seconds_.snapshot;
+  t = Clock::now();
+  StepReport report = record(step, agreed, decided, findings);
+  stage_seconds_.record += seconds_since(t);
+  return report;
 }
 
 void StepEngine::check_can_step(const at::Tensor& loss) {
@@ -113,7 +128,10 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
                         &a.blame);
   a.inspect_seconds = seconds_since(t_inspect);
   consensus::LocalEvidence local_evidence;
-  local_evidence.inputs_bad = !bad_inputs_.empty();
+  if (input_check_) {
+    local_evidence.inputs_bad = input_check_->known_bad();
+    local_evidence.inputs_counted = input_check_->any_counted();
+  }
   local_evidence.probe_bad = probes_.any_nonfinite();
   std::optional<at::Tensor> fingerprint;
   if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
@@ -223,12 +241,28 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
     ++checkpoints_written_;
     if (metrics_) metrics_->record_checkpoint(committed, recovery_.pending_write_seconds());
   }
+  const auto t_snapshot = Clock::now();
   if (controller_.snapshot_due(step, decided.decision.outcome)) {
-    recovery_.take_snapshot(step, controller_.encode());
-    last_snapshot_step_ = step;
-    ++totals_.snapshots;
-    if (metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
+    try {
+      recovery_.take_snapshot(step, controller_.encode());
+      last_snapshot_step_ = step;
+      ++totals_.snapshots;
+      if (metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
+    } catch (const std::exception& e) {
+      // Out of host memory, or optimizer state that cannot be copied: the step stands, and so
+      // does every snapshot still held; the book forgets those the ring no longer has.
+      for (std::int64_t s : controller_.snapshots().steps()) {
+        if (!recovery_.holds_snapshot(s)) controller_.snapshots().drop(s);
+      }
+      std::fprintf(stderr,
+                   "stepguard: step %" PRId64
+                   ": the RAM snapshot could not be taken (%s); training goes on, %zu older "
+                   "snapshot(s) held\n",
+                   step, e.what(), recovery_.snapshots_held());
+      if (metrics_) metrics_->record_snapshot_failure();
+    }
   }
+  stage_seconds_.snapshot = seconds_since(t_snapshot);
   recovery_.keep_snapshots(controller_.snapshots().steps());
   if (recovery_.disk_due(step, applied)) recovery_.write_checkpoint(guard_record(step));
   if (metrics_) {

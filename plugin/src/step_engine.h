@@ -27,6 +27,7 @@
 #include "csrc/consensus/step_buffer.h"
 #include "csrc/forensics/classifier.h"
 #include "csrc/forensics/incident_report.h"
+#include "csrc/forensics/input_check.h"
 #include "csrc/forensics/probes.h"
 #include "csrc/forensics/replays.h"
 #include "csrc/inspect/inspect.h"
@@ -37,6 +38,7 @@
 #include "plugin/src/recovery.h"
 #include "plugin/src/step_controller.h"
 #include "stepguard/guard_state.h"
+#include "stepguard/guarded_optimizer.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"
 
@@ -57,7 +59,7 @@ class StepEngine {
   GuardState state() const;
   void restore_state(const GuardState& state);
   at::Tensor scale_loss(const at::Tensor& loss) const;
-  bool check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
+  InputVerdict check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
   void set_replay(forensics::Recompute recompute);
   at::Tensor probe(const std::string& name, const at::Tensor& output);
   void track_buffers(std::vector<at::Tensor> buffers) {
@@ -93,6 +95,8 @@ class StepEngine {
   std::int64_t collective_bytes() const noexcept { return consensus_->bytes(); }
   const GuardOptions& options() const noexcept { return options_; }
   OptimizerPort& port() noexcept { return port_; }
+  /// Where the last step()'s time went, stage by stage (zeros before the first step).
+  const StageSeconds& last_stage_seconds() const noexcept { return stage_seconds_; }
 
  private:
   /// What inspection and agreement produced for one step.
@@ -145,6 +149,7 @@ class StepEngine {
 
   std::int64_t step_ = 0;
   GuardTotals totals_;
+  StageSeconds stage_seconds_;  ///< of the last step, filled as step() runs the stages
   bool aborted_ = false;
   std::string abort_reason_;
   std::int64_t checkpoints_written_ = 0;
@@ -164,8 +169,8 @@ class StepEngine {
   /// The random streams before this step's forward pass (captured after the previous step and
   /// again by check_inputs()), so a replay draws the same dropout masks as the original.
   checkpoint::RngState forward_rng_;
-  std::vector<std::string> bad_inputs_;     ///< from this step's check_inputs()
-  std::vector<at::Tensor> checked_inputs_;  ///< saved with an incident report
+  /// This step's check_inputs(), if it was called (its inputs are saved with a report).
+  std::shared_ptr<const forensics::InputCheck> input_check_;
   forensics::Probes probes_;
   std::deque<forensics::HistoryRow> history_;  ///< the last kHistory steps, oldest first
   static constexpr std::size_t kHistory = 16;

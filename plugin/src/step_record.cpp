@@ -42,7 +42,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   ev.loss_spike =
       decided.signals.has(Signal::kLossSpike) || decided.signals.has(Signal::kLossRatio);
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
-  ev.bad_inputs = bad_inputs_;
+  if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
   ev.blamed_grads = f.blamed;
@@ -200,8 +200,7 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
   history_.push_back({step, agreed.global.loss, agreed.global.grad_norm, report.loss_scale,
                       report.lr_factor, report.outcome});
   while (history_.size() > kHistory) history_.pop_front();
-  bad_inputs_.clear();
-  checked_inputs_.clear();
+  input_check_.reset();
   probes_.clear();
   if (replay_) forward_rng_ = checkpoint::capture_rng();  // for the next step's replays
   return report;
@@ -252,9 +251,9 @@ std::string StepEngine::write_incident_files(std::int64_t step, nlohmann::json& 
   const std::string prefix = dir + "/" + rank_prefix + name;
   try {
     fs::create_directories(dir);
-    if (!checked_inputs_.empty()) {
+    if (input_check_ && !input_check_->inputs.empty()) {
       std::vector<torch::Tensor> host;
-      for (const auto& t : checked_inputs_) host.push_back(t.to(at::kCPU));
+      for (const auto& t : input_check_->inputs) host.push_back(t.to(at::kCPU));
       torch::save(host, prefix + ".batch.pt");
       json["batch"] = prefix + ".batch.pt";
     }
@@ -269,12 +268,12 @@ std::string StepEngine::write_incident_files(std::int64_t step, nlohmann::json& 
   return prefix + ".json";
 }
 
-bool StepEngine::check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask) {
-  forensics::InputCheck checked = forensics::check_inputs(inputs, mask);
+InputVerdict StepEngine::check_inputs(const std::vector<at::Tensor>& inputs,
+                                      const at::Tensor& mask) {
+  auto checked = std::make_shared<forensics::InputCheck>(forensics::check_inputs(inputs, mask));
   if (replay_) forward_rng_ = checkpoint::capture_rng();  // closest to the forward pass
-  bad_inputs_ = std::move(checked.problems);
-  checked_inputs_ = std::move(checked.inputs);
-  return bad_inputs_.empty();
+  input_check_ = checked;
+  return InputVerdict([checked] { return checked->problems(); });
 }
 
 at::Tensor StepEngine::probe(const std::string& name, const at::Tensor& output) {

@@ -47,8 +47,10 @@ def _rank_main(rank, world, init_file, out_dir):
         outcomes.append(report.outcome)
         if step == 3:
             assert report.incident["ranks"] == [1]
+            assert report.incident["rank_causes"] == {1: "backward"}
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    torch.save({"outcomes": outcomes, "params": flat, "collectives": guard.collectives},
+    torch.save({"outcomes": outcomes, "params": flat, "collectives": guard.collectives,
+                "step_buffer_bytes": guard.step_buffer_bytes},
                os.path.join(out_dir, "rank%d.pt" % rank))
     dist.destroy_process_group()
 
@@ -62,7 +64,9 @@ def test_every_rank_skips_a_fault_of_one_rank_and_replicas_stay_equal():
     expected = ["applied"] * 3 + ["skipped"] + ["applied"] * 2
     for r in results:
         assert r["outcomes"] == expected
-        assert r["collectives"] == 6
+        # One per step; the incident step adds the per-rank rows and the cause agreement.
+        assert r["collectives"] == 6 + 2
+        assert r["step_buffer_bytes"] == 216
     assert torch.equal(results[0]["params"], results[1]["params"])
 
 

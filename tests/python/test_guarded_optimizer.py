@@ -217,10 +217,46 @@ def test_check_inputs_names_a_data_cause():
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(5, 8)
     x[2, 3] = float("nan")
-    assert not guard.check_inputs([x])
+    verdict = guard.check_inputs([x])
+    assert not verdict
+    assert verdict.problems == ["input 0 holds 1 NaN/Inf value"]
+    assert guard.check_inputs([torch.ones(2)])
+    guard.check_inputs([x])  # the verdict of the last call counts, asked or not
     guard.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), torch.zeros(5, 4))
     loss.backward()
     report = guard.step(loss)
     assert report.incident["cause"] == "data"
     assert any("input 0 holds 1 NaN/Inf value" in line for line in report.incident["evidence"])
+
+
+def test_a_snapshot_that_cannot_be_taken_is_counted_and_training_goes_on(capfd):
+    """Optimizer state that cannot be copied (here: an entry pickle refuses) fails one RAM
+    snapshot: the step stands, the older snapshots stay and a rollback goes to one of them."""
+    model = make_model(6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    guard = stepguard.GuardedOptimizer(opt, model.named_parameters(), policy_yaml=ROLLBACK_POLICY,
+                                       metrics_port=0)
+    first = next(iter(model.parameters()))
+    for step in range(1, 4):
+        guard.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        if step == 3:
+            params_at_2 = [p.detach().clone() for p in model.parameters()]
+            opt.state[first]["note"] = lambda: None  # pickle cannot copy a lambda
+        assert guard.step(loss).applied
+    err = capfd.readouterr().err
+    assert "step 3: the RAM snapshot could not be taken (" in err, err
+    assert "training goes on" in err
+    text = guard.metrics_text()
+    line = [l for l in text.splitlines() if l.startswith("stepguard_snapshot_failures_total")]
+    assert line and float(line[0].split()[-1]) == 1.0, line
+    del opt.state[first]["note"]
+    guard.zero_grad()
+    loss = loss_of(model, 4) * float("nan")
+    loss.backward()
+    report = guard.step(loss)
+    assert report.outcome == "rolled_back" and report.rolled_back_to == 2, report
+    for p, saved in zip(model.parameters(), params_at_2):
+        assert torch.equal(p.detach(), saved)

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,6 +30,26 @@
 #include "stepguard/types.h"
 
 namespace stepguard {
+
+/// What check_inputs() found. The counts stay on the inputs' device and reach the step's one
+/// collective; they are read to the host only when asked: by converting to bool or by problems()
+/// (one read, cached). A loop that ignores the verdict costs no read.
+class InputVerdict {
+ public:
+  explicit InputVerdict(std::function<std::vector<std::string>()> read) : read_(std::move(read)) {}
+  /// One line per problem; empty when the batch looks fine.
+  const std::vector<std::string>& problems() const {
+    if (!problems_) problems_ = read_ ? read_() : std::vector<std::string>();
+    return *problems_;
+  }
+  /// True when the batch looks fine.
+  bool clean() const { return problems().empty(); }
+  explicit operator bool() const { return clean(); }
+
+ private:
+  std::function<std::vector<std::string>()> read_;
+  mutable std::optional<std::vector<std::string>> problems_;
+};
 
 class GuardedOptimizer {
  public:
@@ -77,9 +98,12 @@ class GuardedOptimizer {
   /// Checks the batch about to be trained on, cheaply enough for every step: NaN/Inf in floating
   /// inputs, and with a mask (true = a real token, shape [batch, sequence]) empty or all-masked
   /// rows. The result is evidence for this step's incident, if there is one (a bad batch is a
-  /// `data` cause), and the inputs are saved with the incident report. Returns true when the
-  /// batch looks fine. Local to this rank; no collective.
-  bool check_inputs(const std::vector<torch::Tensor>& inputs, const torch::Tensor& mask = {});
+  /// `data` cause, and the rank it came from is named on every rank), and the inputs are saved
+  /// with the incident report. Device ops only: whether the batch is bad rides in the step's one
+  /// collective. The verdict converts to true when the batch looks fine (reading the counts
+  /// then, once); ignoring it costs no read. No collective of its own.
+  InputVerdict check_inputs(const std::vector<torch::Tensor>& inputs,
+                            const torch::Tensor& mask = {});
   /// Opt-in replay for forensics: a closure that recomputes this step's loss from the same batch
   /// and runs backward as the training loop does (scaled by scale_loss() in kAsIs, unscaled and
   /// in fp32 in kFp32), returning the loss. On a NaN/Inf step the guard replays the batch from the
@@ -138,6 +162,9 @@ class GuardedOptimizer {
   /// Bytes the guard's collectives carried so far (step buffers, and the per-rank rows of
   /// incident steps).
   std::int64_t collective_bytes() const noexcept;
+  /// Where the last step()'s time went, stage by stage (inspect, agree, decide, act, snapshot,
+  /// record; zeros before the first step). Overwritten by the next step().
+  const StageSeconds& last_stage_seconds() const noexcept;
   /// The guarded parameters, in optimizer order, and their names.
   const std::vector<torch::Tensor>& parameters() const noexcept;
   const std::vector<std::string>& parameter_names() const noexcept;

@@ -133,7 +133,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def check_inputs(self, inputs, mask=None):
         """Checks this step's batch (NaN/Inf inputs; empty rows with a mask): evidence for an
-        incident, saved with its report. Returns True when the batch looks fine."""
+        incident, saved with its report. Device ops only: whether the batch is bad rides in the
+        step's one collective. Returns a verdict that is true when the batch looks fine (asking
+        reads the counts once; ``.problems`` lists them); ignoring it costs no read."""
         if torch.is_tensor(inputs):
             inputs = [inputs]
         return self._guard.check_inputs(list(inputs), mask)

@@ -166,6 +166,9 @@ TEST(Demo, UnwritableOutputIsAnErrorNotACrash) {
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("cannot open event log '/nonexistent-dir/t.jsonl'"), std::string::npos)
       << r.err;
+  // One clear line for a person, not LibTorch's C++ backtrace.
+  EXPECT_EQ(r.err.find("frame #"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("Exception raised from"), std::string::npos) << r.err;
 }
 
 TEST(Demo, MissingCorpusIsAClearError) {

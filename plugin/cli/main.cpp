@@ -1,4 +1,6 @@
 // The `stepguard` command.
+#include <c10/util/Exception.h>
+
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -16,6 +18,16 @@
 #include "stepguard/replay.h"
 #include "stepguard/tools.h"
 #include "stepguard/version.h"
+
+namespace {
+
+// The message of an error without LibTorch's C++ backtrace: a person reads it.
+std::string message_of(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
 
 namespace {
 
@@ -106,7 +118,7 @@ int run_replay_command(const std::vector<std::string>& args) {
               << (s.aborted ? ", aborted at step " + std::to_string(s.abort_step) : "")
               << "; loss scale " << s.loss_scale << ", lr factor " << s.lr_factor << "\n";
   } catch (const std::exception& e) {
-    std::cerr << "stepguard replay: " << e.what() << "\n";
+    std::cerr << "stepguard replay: " << message_of(e) << "\n";
     return 2;
   }
   return 0;
@@ -228,7 +240,7 @@ int main(int argc, char** argv) {
     std::cerr << "stepguard " << command << ": " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "stepguard " << command << ": error: " << e.what() << "\n";
+    std::cerr << "stepguard " << command << ": error: " << message_of(e) << "\n";
     return 1;
   }
 }

@@ -219,6 +219,8 @@ void bind_guard(py::module_& m) {
       .def(
           "commit_pending_checkpoint", [](PyGuard& g) { g.engine->commit_pending_checkpoint(); },
           Release())
+      .def(
+          "synchronize", [](PyGuard& g) { g.engine->synchronize(); }, Release())
       .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
       .def("load_record",
            [](PyGuard& g, const py::dict& d) { g.engine->load_record(record_of(d)); })
@@ -257,11 +259,20 @@ PYBIND11_MODULE(_C, m) {
   // c10::Error carries a C++ backtrace in what(); Python sees the message (policy errors keep
   // their FILE:LINE:COL: lines).
   static py::exception<c10::Error> error(m, "StepguardError", PyExc_RuntimeError);
+  // The ranks can no longer agree (a collective failed or missed its deadline): a StepguardError
+  // that also carries the step and the ranks found missing.
+  static py::exception<stepguard::consensus::ConsensusError> consensus_error(m, "ConsensusError",
+                                                                             error.ptr());
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const c10::Error& e) {
       error(e.msg().c_str());
+    } catch (const stepguard::consensus::ConsensusError& e) {
+      py::object instance = py::reinterpret_borrow<py::object>(consensus_error.ptr())(e.what());
+      instance.attr("step") = e.step();
+      instance.attr("missing_ranks") = py::cast(e.missing_ranks());
+      PyErr_SetObject(consensus_error.ptr(), instance.ptr());
     }
   });
   stepguard::bind_report(m);

@@ -92,3 +92,43 @@ def test_train_gpt_under_torchrun_with_four_ranks():
     assert [i["step"] for i in s["incidents"]] == [10, 20]
     assert [i["signal"] for i in s["incidents"]] == ["nonfinite_grad", "nonfinite_loss"]
     assert s["final_loss"] < s["initial_loss"]  # it learns
+
+
+def _dying_rank_main(rank, world, init_file, store_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    model = make_model(12)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), process_group=dist.group.WORLD,
+                                       store=dist.FileStore(store_file, world),
+                                       collective_timeout=20)
+    for step in range(3):
+        if step == 2 and rank == 1:
+            os._exit(0)  # gone without a word, before the guard's collective of step 3
+        guard.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        try:
+            guard.step(loss.detach())
+        except stepguard.ConsensusError as e:
+            with open(os.path.join(out_dir, "error%d.txt" % rank), "w") as f:
+                f.write("%s|%d|%s|%s" % (isinstance(e, stepguard.StepguardError), e.step,
+                                         e.missing_ranks, e))
+            os._exit(0)
+
+
+def test_a_dead_rank_raises_a_consensus_error_naming_it():
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_dying_rank_main,
+                                 args=(world, os.path.join(d, "init"), os.path.join(d, "store"),
+                                       d),
+                                 nprocs=world, start_method="spawn", join=False)
+        while not ctx.join(timeout=60):
+            pass
+        with open(os.path.join(d, "error0.txt")) as f:
+            is_stepguard_error, step, missing, message = f.read().split("|", 3)
+    assert is_stepguard_error == "True"
+    assert step == "3" and missing == "[1]", message
+    assert "missing rank 1" in message, message

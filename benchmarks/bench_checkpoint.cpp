@@ -1,17 +1,26 @@
 // RAM snapshots and disk checkpoints against plain copies of the same bytes, in one run.
 //
-//   build/bin/bench_checkpoint [--gb G] [--dir DIR] [--repeat N]
+//   build/bin/bench_checkpoint [--gb G] [--dir DIR] [--repeat N] [--batch B] [--every E]
 //
 // State: AdamW over 64 fp32 parameters, ~G GB in all (parameters + two moments; default 1).
 // Cases (median of N runs, default 3):
-//   snapshot take      the engine's snapshot (ring full: buffers refilled) vs memcpy of the bytes
-//   snapshot restore   the engine's restore through the optimizer port   vs memcpy of the bytes
-//   disk write         encode + per-rank file + manifest, fsynced        vs write()+fsync of as
-//                                                                          many bytes to one file
-//   disk load          read + checksum verify + decode into the model    vs read() of that file
+//   snapshot take      a synchronous snapshot (ring full: buffers refilled)  vs memcpy of the bytes
+//   snapshot restore   the engine's restore through the optimizer port      vs memcpy of the bytes
+//   disk write         encode + per-rank file + manifest, fsynced           vs write()+fsync of as
+//                                                                             many bytes to one
+//                                                                             file
+//   disk load          read + checksum verify + decode into the model       vs read() of that file
+// Off the training thread, in a training loop (each step: a forward and backward through the
+// parameters with a batch of B rows, then the guard's snapshot/checkpoint calls):
+//   snapshot stall     what the training thread spends on one snapshot (capture, hand-off, and
+//                      the wait at the next step for a copy not finished yet) vs memcpy
+//   disk stall         what it spends on one disk checkpoint (written every E steps from a host
+//                      copy of its own: the copy's wait, the hand-off, the commit) vs the
+//                      synchronous write of the same checkpoint (encode + file + commit)
 // Ratios: vs_baseline = stepguard time / baseline time (RAM: lower is better, target <= 2);
-// write_throughput_ratio = baseline time / stepguard time (target >= 0.5). Disk reads come from
-// the page cache for both (the files were just written); they measure the CPU side.
+// write_throughput_ratio = baseline time / stepguard time (target >= 0.5); snapshot_stall_vs_copy
+// and disk_stall_vs_sync_write (target <= 0.1 each). Disk reads come from the page cache for both
+// (the files were just written); they measure the CPU side.
 #include <fcntl.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -25,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/checkpoint/background.h"
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/checkpoint/payload.h"
 #include "csrc/consensus/consensus.h"
@@ -72,21 +82,48 @@ std::string plain_read(const std::string& path) {
   return out;
 }
 
+// A stand-in for one step's forward and backward: reads every parameter (as a [rows, 1024]
+// weight) with a batch of `batch` rows, writes activations and gradients of its own, never the
+// parameters or the optimizer state.
+struct Compute {
+  Compute(const std::vector<torch::Tensor>& params, std::int64_t batch) {
+    for (const auto& p : params) weights.push_back(p.detach().view({-1, 1024}));
+    x = torch::randn({batch, 1024});
+    for (const auto& w : weights) {
+      y.push_back(torch::empty({batch, w.size(0)}));
+      g.push_back(torch::empty_like(w));
+    }
+  }
+  void step() {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      at::mm_out(y[i], x, weights[i].t());  // forward
+      at::mm_out(g[i], y[i].t(), x);        // weight gradient
+    }
+  }
+  std::vector<torch::Tensor> weights, y, g;
+  torch::Tensor x;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   double gb = 1.0;
   int repeat = 3;
+  std::int64_t batch = 64;
+  int every = 25;
   std::string dir = std::filesystem::temp_directory_path().string() + "/stepguard_bench_ckpt";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--gb") gb = std::stod(argv[i + 1]);
     if (flag == "--dir") dir = argv[i + 1];
     if (flag == "--repeat") repeat = std::max(1, std::stoi(argv[i + 1]));
+    if (flag == "--batch") batch = std::max<std::int64_t>(1, std::stoll(argv[i + 1]));
+    if (flag == "--every") every = std::max(2, std::stoi(argv[i + 1]));
   }
   torch::manual_seed(0);
   const std::int64_t total_floats = static_cast<std::int64_t>(gb * 1e9 / 4.0 / 3.0);
-  const std::int64_t per_tensor = total_floats / 64;
+  const std::int64_t per_tensor = std::max<std::int64_t>(1, total_floats / 64 / 1024) * 1024;
   std::vector<torch::Tensor> params;
   for (int i = 0; i < 64; ++i) params.push_back(torch::randn({per_tensor}, torch::requires_grad()));
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-3));
@@ -116,10 +153,38 @@ int main(int argc, char** argv) {
   stepguard::RecoveryConfig rc;
   rc.snapshot_keep = 1;
   stepguard::Recovery recovery(one_rank, port, rc);
-  recovery.take_snapshot(1, {});  // first take allocates; measured takes refill
+  // Synchronous: the copy started and waited for at once.
+  auto take_now = [&](std::int64_t at) { recovery.take_snapshot(at, {}); };
+  take_now(1);  // first take allocates; measured takes refill
   std::int64_t step = 1;
-  const double t_take = median_seconds(repeat, [&] { recovery.take_snapshot(++step, {}); });
+  const double t_take = median_seconds(repeat, [&] { take_now(++step); });
   const double t_restore = median_seconds(repeat, [&] { recovery.restore_snapshot(step); });
+
+  // Snapshots off the training thread: one per step, each copied while the next step computes.
+  Compute compute(params, batch);
+  compute.step();  // warm-up
+  const double t_compute = median_seconds(repeat, [&] { compute.step(); });
+  std::vector<double> snapshot_stalls;
+  for (int i = 0; i <= repeat; ++i) {
+    const auto t0 = Clock::now();
+    recovery.finish_snapshot();  // the start of the next step waits for a copy not done yet
+    recovery.begin_snapshot(++step, {});
+    const double stall = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (i > 0) snapshot_stalls.push_back(stall);  // the first one waited for nothing
+    compute.step();
+  }
+  const auto t_wait = Clock::now();
+  recovery.finish_snapshot();
+  snapshot_stalls.back() += std::chrono::duration<double>(Clock::now() - t_wait).count();
+  std::sort(snapshot_stalls.begin(), snapshot_stalls.end());
+  const double t_snapshot_stall = snapshot_stalls[snapshot_stalls.size() / 2];
+  // What the copy running beside it costs the computation (2 cores share the memory bus).
+  const double t_compute_beside = median_seconds(repeat, [&] {
+    recovery.finish_snapshot();
+    recovery.begin_snapshot(++step, {});
+    compute.step();
+  });
+  recovery.finish_snapshot();
 
   // Disk.
   std::filesystem::remove_all(dir);
@@ -158,6 +223,44 @@ int main(int argc, char** argv) {
   });
   const double t_plain_read = median_seconds(repeat, [&] { (void)plain_read(plain); });
 
+  // Disk checkpoints off the training thread: a guard without RAM snapshots (the checkpoint
+  // makes its own host copy) writing every `every` steps; the stall of each checkpoint is the
+  // training thread's time in the checkpoint calls from its start until it is committed.
+  const std::string async_dir = dir + "/background";
+  stepguard::RecoveryConfig disk_config;
+  disk_config.checkpoint_dir = async_dir;
+  disk_config.disk_every = every;
+  disk_config.disk_keep = 2;
+  disk_config.run_id = "bench";
+  stepguard::Recovery writer(one_rank, port, disk_config);
+  writer.claim_checkpoint_dir(1);
+  std::vector<double> disk_stalls;
+  std::int64_t skipped = 0;
+  double stall = 0.0;
+  std::int64_t async_step = 0;
+  for (int checkpoint = 0; checkpoint <= repeat + 1; ++checkpoint) {
+    for (int s = 0; s < every; ++s) {
+      compute.step();
+      ++async_step;
+      const auto t0 = Clock::now();
+      writer.finish_snapshot();
+      const bool written = writer.checkpoint_written();
+      const bool committed = writer.settle_pending(async_step, true, written) != 0;
+      if (writer.disk_due(async_step, true) && !writer.write_checkpoint(GuardRecord{async_step})) {
+        ++skipped;
+      }
+      stall += std::chrono::duration<double>(Clock::now() - t0).count();
+      if (committed) {
+        if (checkpoint > 1) disk_stalls.push_back(stall);  // the first one started cold
+        stall = 0.0;
+      }
+    }
+  }
+  writer.wait_for_checkpoint();
+  std::sort(disk_stalls.begin(), disk_stalls.end());
+  const double t_disk_stall = disk_stalls.empty() ? 0.0 : disk_stalls[disk_stalls.size() / 2];
+  const std::int64_t failures = writer.checkpoint_failures();
+
   const double mb = bytes / 1e6;
   const double payload_mb = static_cast<double>(payload_bytes) / 1e6;
   std::printf("%-18s %10s %10s %12s %12s %10s\n", "case", "stepguard", "baseline", "sg MB/s",
@@ -167,17 +270,29 @@ int main(int argc, char** argv) {
                 size_mb / base, ratio);
   };
   row("snapshot take", t_take, t_memcpy, mb, t_take / t_memcpy);
+  row("snapshot stall", t_snapshot_stall, t_memcpy, mb, t_snapshot_stall / t_memcpy);
   row("snapshot restore", t_restore, t_memcpy, mb, t_restore / t_memcpy);
   row("disk write", t_write, t_plain_write, payload_mb, t_plain_write / t_write);
+  row("disk stall", t_disk_stall, t_write, payload_mb, t_disk_stall / t_write);
   row("disk load", t_load, t_plain_read, payload_mb, t_load / t_plain_read);
   std::printf(
       "ratios: take and restore = stepguard / memcpy (target restore <= 2); disk write = "
-      "plain / stepguard throughput (target >= 0.5); disk load = stepguard / plain read\n");
+      "plain / stepguard throughput (target >= 0.5); disk load = stepguard / plain read;\n"
+      "snapshot stall = training-thread time per background snapshot / memcpy, disk stall = "
+      "training-thread time per background checkpoint / synchronous write (targets <= 0.1)\n");
+  std::printf(
+      "step: forward+backward %.3fs (batch %lld), %.3fs with a snapshot copying beside it; disk "
+      "checkpoint every %d steps, %lld skipped, %lld failed, %zu measured\n",
+      t_compute, static_cast<long long>(batch), t_compute_beside, every,
+      static_cast<long long>(skipped), static_cast<long long>(failures), disk_stalls.size());
   std::printf(
       "{\"bytes\": %lld, \"take_vs_memcpy\": %.3f, \"restore_vs_memcpy\": %.3f, "
-      "\"write_throughput_ratio\": %.3f, \"load_vs_read\": %.3f}\n",
+      "\"write_throughput_ratio\": %.3f, \"load_vs_read\": %.3f, \"snapshot_stall_vs_copy\": "
+      "%.3f, \"disk_stall_vs_sync_write\": %.3f, \"step_seconds\": %.3f, "
+      "\"step_seconds_beside_copy\": %.3f}\n",
       static_cast<long long>(bytes), t_take / t_memcpy, t_restore / t_memcpy,
-      t_plain_write / t_write, t_load / t_plain_read);
+      t_plain_write / t_write, t_load / t_plain_read, t_snapshot_stall / t_memcpy,
+      t_disk_stall / t_write, t_compute, t_compute_beside);
   std::filesystem::remove_all(dir);
   return 0;
 }

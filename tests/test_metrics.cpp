@@ -8,6 +8,10 @@
 #include <map>
 #include <sstream>
 
+#include "csrc/checkpoint/disk_checkpoint.h"
+#include "plugin/src/recovery.h"
+#include "tests/support/fresh_dir.h"
+#include "tests/support/gate.h"
 #include "tests/support/http_get.h"
 
 namespace stepguard {
@@ -108,6 +112,7 @@ TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     guard.step(loss);
+    guard.synchronize();  // the copy and the write are done before the next step, at any speed
   }
   const std::string text = guard.metrics_text();
   EXPECT_EQ(value_of(text, "stepguard_snapshots_total"), 5);
@@ -117,11 +122,13 @@ TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_write_duration_seconds_count"), 2);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_interval_steps"), 2);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 0);
+  EXPECT_EQ(value_of(text, "stepguard_checkpoints_skipped_total"), 0);
   std::filesystem::remove_all(dir);
 }
 
 // A checkpoint that cannot be written (here: a directory nobody can create, even root) is
-// logged and counted; training goes on.
+// logged and counted; training goes on. The write fails in the background: the test waits for
+// it (synchronize), not for time to pass.
 TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
   auto p = torch::zeros({4}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
@@ -133,6 +140,7 @@ TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     EXPECT_TRUE(guard.step(loss).applied()) << i;
+    guard.synchronize();
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("step 2: writing the disk checkpoint failed (/proc/stepguard-no/"),
@@ -143,6 +151,97 @@ TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 2);  // steps 2 and 4
   EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 0);
   EXPECT_EQ(guard.checkpoints_written(), 0);
+}
+
+// Steps through a guard that checkpoints every 2 steps into `dir`, waiting for the background work
+// of each step when `sync`.
+struct CheckpointingRun {
+  explicit CheckpointingRun(const std::string& dir)
+      : p(torch::zeros({4}, torch::requires_grad())),
+        sgd({p}, torch::optim::SGDOptions(0.1)),
+        guard(sgd, GuardOptions().metrics_port(0).checkpoint_dir(dir).checkpoint_every(2)) {}
+  StepReport step() {
+    sgd.zero_grad();
+    auto loss = (p - 1.0).pow(2).sum();
+    loss.backward();
+    return guard.step(loss);
+  }
+  torch::Tensor p;
+  torch::optim::SGD sgd;
+  GuardedOptimizer guard;
+};
+
+// A write that fails in the background (held at a gate, then failing as an allocation of its
+// host copy would): counted and logged, training goes on, the last good checkpoint stays.
+TEST(Metrics, ABackgroundWriteErrorIsCountedAndTheLastGoodCheckpointStays) {
+  const std::string dir = fresh_dir("background_error");
+  CheckpointingRun run(dir);
+  for (int i = 1; i <= 3; ++i) {  // step 2's checkpoint is written, step 3 commits it
+    EXPECT_TRUE(run.step().applied());
+    run.guard.synchronize();
+  }
+  ASSERT_EQ(run.guard.checkpoints_written(), 1);
+  ::testing::internal::CaptureStderr();
+  {
+    Gate gate(&Recovery::set_write_hook_for_testing);
+    EXPECT_TRUE(run.step().applied());  // step 4: its write starts and waits at the gate
+    EXPECT_EQ(gate.held(), 4);
+    EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoint_failures_total"), 0);
+    gate.open(/*fail=*/true);
+    run.guard.synchronize();  // the failure is in now
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("step 4: writing the disk checkpoint failed (std::bad_alloc)"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("training goes on, the last good checkpoint stays"), std::string::npos);
+  EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoint_failures_total"), 1);
+  for (int i = 5; i <= 7; ++i) {  // step 6's checkpoint is written, step 7 commits it
+    EXPECT_TRUE(run.step().applied());
+    run.guard.synchronize();
+  }
+  EXPECT_EQ(run.guard.checkpoints_written(), 2);
+  std::vector<std::int64_t> steps;
+  for (const auto& e : checkpoint::list_checkpoints(dir)) steps.push_back(e.step);
+  EXPECT_EQ(steps, (std::vector<std::int64_t>{2, 6}));  // step 4's never became visible
+  EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoint_failures_total"), 1);
+}
+
+// One checkpoint in flight: one due while the last is still being written is skipped, logged
+// and counted, and the one being written becomes visible once done.
+TEST(Metrics, ACheckpointDueWhileOneIsWritingIsSkippedAndCounted) {
+  const std::string dir = fresh_dir("skipped");
+  CheckpointingRun run(dir);
+  ::testing::internal::CaptureStderr();
+  {
+    Gate gate(&Recovery::set_write_hook_for_testing);
+    EXPECT_TRUE(run.step().applied());
+    EXPECT_TRUE(run.step().applied());  // step 2's write waits at the gate
+    EXPECT_EQ(gate.held(), 2);
+    EXPECT_TRUE(run.step().applied());
+    EXPECT_TRUE(run.step().applied());  // step 4's is due while step 2's is being written
+    EXPECT_EQ(gate.passed(), 0);
+    EXPECT_EQ(run.guard.checkpoints_written(), 0);
+    gate.open();
+    run.guard.synchronize();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("step 4: disk checkpoint skipped: the one of step 2 is still being written"),
+            std::string::npos)
+      << err;
+  const std::string text = run.guard.metrics_text();
+  EXPECT_EQ(value_of(text, "stepguard_checkpoints_skipped_total"), 1);
+  EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 0);
+  EXPECT_TRUE(run.step().applied());  // step 5: every rank has written step 2's; it is clean
+  EXPECT_EQ(run.guard.checkpoints_written(), 1);
+  ASSERT_EQ(checkpoint::list_checkpoints(dir).size(), 1u);
+  EXPECT_EQ(checkpoint::list_checkpoints(dir)[0].step, 2);
+  run.guard.synchronize();
+  EXPECT_TRUE(run.step().applied());  // step 6: written again
+  run.guard.synchronize();
+  run.guard.commit_pending_checkpoint();
+  EXPECT_EQ(checkpoint::list_checkpoints(dir).back().step, 6);
+  EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoints_skipped_total"), 1);
 }
 
 TEST(Metrics, NoLabelNamesAStepOrBatch) {

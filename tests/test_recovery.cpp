@@ -1,16 +1,20 @@
 // Recovery through the optimizer port: a restore gives back parameters, optimizer state and RNG
 // bitwise, training continued from it repeats the original run bitwise, a damaged copy is
 // dropped for the next older one, a restore that does not fit changes nothing, and the guard
-// rolls back as its policy says.
+// rolls back as its policy says. Snapshots are copied in the background: step() returns before
+// the copy runs, the next step and a restore wait for it, and a copy that fails is reported as a
+// snapshot that could not be taken. A gate holds the copies: nothing here depends on timing.
 #include <gtest/gtest.h>
 #include <stepguard/stepguard.h>
 #include <torch/torch.h>
 
 #include <limits>
+#include <thread>
 
 #include "csrc/consensus/consensus.h"
 #include "plugin/src/libtorch_port.h"
 #include "plugin/src/recovery.h"
+#include "tests/support/gate.h"
 #include "tests/support/model_fixture.h"
 
 namespace stepguard {
@@ -142,6 +146,33 @@ TEST(Recovery, ACorruptedCopyIsDroppedAndTheNextOlderOneIsUsed) {
   older->tensors[0].tensor.view(-1)[0].add_(1.0f);
   damaged.clear();
   EXPECT_THROW(rig.recovery.agree_rollback(6, {2}, &damaged), RollbackFailure);
+}
+
+// begin_snapshot() returns while the copy waits at the gate; a restore called then waits for the
+// copy, and the snapshot gives back the state it was taken from, bitwise.
+TEST(Recovery, ARestoreWaitsForTheSnapshotInFlight) {
+  auto model = make_model(17);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (std::int64_t b = 0; b < 3; ++b) train_step(model, opt, b);
+  Rig rig(opt, 2);
+  const auto params_at_3 = clone_all(model->parameters());
+  const auto adam_at_3 = adamw_state(opt);
+  Gate gate(&checkpoint::set_copy_hook_for_testing);
+  rig.recovery.begin_snapshot(3, {});
+  EXPECT_EQ(gate.held(), 3);
+  EXPECT_EQ(rig.recovery.snapshot_in_flight(), 3);
+  std::thread opener([&gate] { gate.open(); });
+  rig.recovery.restore_snapshot(3);  // waits for the copy (else: no snapshot of step 3)
+  opener.join();
+  EXPECT_EQ(rig.recovery.snapshot_in_flight(), 0);
+  for (std::int64_t b = 3; b < 5; ++b) train_step(model, opt, b);
+  rig.recovery.restore_snapshot(3);
+  for (std::size_t i = 0; i < params_at_3.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(model->parameters()[i], params_at_3[i])) << i;
+  }
+  const auto adam = adamw_state(opt);
+  ASSERT_EQ(adam.size(), adam_at_3.size());
+  for (std::size_t i = 0; i < adam.size(); ++i) EXPECT_TRUE(bitwise_equal(adam[i], adam_at_3[i]));
 }
 
 TEST(Recovery, ARestoreThatDoesNotFitIsRefusedAndChangesNothing) {
@@ -300,6 +331,112 @@ TEST(GuardRollback, BrokenWeightsAreRolledBackToTheNewestConfirmedSnapshot) {
   auto loss = loss_of(model, 8);
   loss.backward();
   EXPECT_TRUE(guard.step(loss).applied());
+}
+
+// A guard that snapshots after every step and rolls back on a non-finite step.
+struct RollbackRun {
+  explicit RollbackRun(std::uint64_t seed)
+      : model(make_model(seed)),
+        opt(model->parameters(), torch::optim::AdamWOptions(1e-2)),
+        guard(opt, model->named_parameters(),
+              GuardOptions().metrics_port(0).policy_yaml(
+                  "version: 1\ncheckpoint: {snapshot_every: 1, snapshot_keep: 2}\nrules:\n"
+                  "  - {on: nonfinite, action: rollback}\n")) {}
+  // Forward and backward of `batch` (NaN loss when `bad`), as the loop runs them before step().
+  torch::Tensor backward(std::int64_t batch, bool bad = false) {
+    opt.zero_grad();
+    auto loss = loss_of(model, batch);
+    if (bad) loss = loss * std::numeric_limits<double>::quiet_NaN();
+    loss.backward();
+    return loss;
+  }
+  torch::nn::Sequential model;
+  torch::optim::AdamW opt;
+  GuardedOptimizer guard;
+};
+
+// The training thread is back from step() while the snapshot's copy has not even started (held
+// at the gate); the loop's next forward and backward run beside it, and the next step() waits
+// for the copy before it changes anything.
+TEST(GuardRollback, StepReturnsBeforeItsSnapshotIsCopied) {
+  RollbackRun run(18);
+  Gate gate(&checkpoint::set_copy_hook_for_testing);
+  ASSERT_TRUE(run.guard.step(run.backward(1)).applied());
+  EXPECT_EQ(gate.held(), 1);
+  EXPECT_EQ(gate.passed(), 0);        // step() returned before the copy ran
+  const auto loss = run.backward(2);  // beside the copy: reads the parameters, changes none
+  std::thread opener([&gate] { gate.open(); });
+  ASSERT_TRUE(run.guard.step(loss).applied());  // waits for the copy of step 1 first
+  opener.join();
+  EXPECT_EQ(run.guard.snapshots_held(), 2u);  // waits for step 2's copy
+  EXPECT_EQ(gate.passed(), 2);                // step 1's copy, then step 2's
+  EXPECT_EQ(run.guard.totals().snapshots, 2);
+}
+
+// The snapshot copied while the next step's forward and backward ran is the one a rollback
+// restores, bitwise (parameters and AdamW state); the step that rolls back waits for the copy
+// of the step before it.
+TEST(GuardRollback, ARollbackRestoresASnapshotCopiedInTheBackgroundBitwise) {
+  RollbackRun run(19);
+  ASSERT_TRUE(run.guard.step(run.backward(1)).applied());
+  const auto at_1 = clone_all(run.model->parameters());
+  ASSERT_TRUE(run.guard.step(run.backward(2)).applied());  // confirms step 1's snapshot
+  run.guard.synchronize();  // step 2's copy is done: the gate holds step 3's
+  Gate gate(&checkpoint::set_copy_hook_for_testing);
+  ASSERT_TRUE(run.guard.step(run.backward(3)).applied());  // confirms step 2's
+  const auto at_3 = clone_all(run.model->parameters());
+  const auto adam_at_3 = adamw_state(run.opt);
+  EXPECT_EQ(gate.held(), 3);  // step 3's copy waits at the gate
+  const auto loss = run.backward(4);
+  std::thread opener([&gate] { gate.open(); });
+  ASSERT_TRUE(run.guard.step(loss).applied());  // confirms step 3's, once it has landed
+  opener.join();
+  const StepReport r = run.guard.step(run.backward(5, /*bad=*/true));
+  ASSERT_EQ(r.outcome, Outcome::kRolledBack);
+  EXPECT_EQ(r.rolled_back_to, 3);
+  for (std::size_t i = 0; i < at_3.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(run.model->parameters()[i], at_3[i])) << i;
+    EXPECT_FALSE(bitwise_equal(at_3[i], at_1[i])) << i;  // two applied steps apart
+  }
+  const auto adam = adamw_state(run.opt);
+  ASSERT_EQ(adam.size(), adam_at_3.size());
+  for (std::size_t i = 0; i < adam.size(); ++i) EXPECT_TRUE(bitwise_equal(adam[i], adam_at_3[i]));
+}
+
+// A copy that fails in the background (out of host memory) is reported when the next step waits
+// for it, the way a snapshot that cannot be taken is: logged, counted, the older snapshots stay
+// and a rollback goes to one of them.
+TEST(GuardRollback, ASnapshotCopyThatFailsIsReportedAndTheOlderOnesStay) {
+  RollbackRun run(20);
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(run.guard.step(run.backward(step)).applied());
+  }
+  const auto at_2 = clone_all(run.model->parameters());
+  run.guard.synchronize();  // step 2's copy is done: the gate holds step 3's
+  ::testing::internal::CaptureStderr();
+  {
+    Gate gate(&checkpoint::set_copy_hook_for_testing);
+    ASSERT_TRUE(run.guard.step(run.backward(3)).applied());
+    EXPECT_EQ(gate.held(), 3);
+    gate.open(/*fail=*/true);
+    EXPECT_EQ(run.guard.snapshots_held(), 1u);  // step 2's; step 1's buffers went to the copy
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("step 3: the RAM snapshot could not be taken (std::bad_alloc); training goes "
+                     "on, 1 older snapshot(s) held"),
+            std::string::npos)
+      << err;
+  const std::string text = run.guard.metrics_text();
+  EXPECT_NE(text.find("stepguard_snapshot_failures_total{"), std::string::npos);
+  EXPECT_NE(text.find("} 1\n", text.find("stepguard_snapshot_failures_total{")), std::string::npos)
+      << text;
+  EXPECT_EQ(run.guard.totals().snapshots, 2);
+  const StepReport r = run.guard.step(run.backward(4, /*bad=*/true));
+  ASSERT_EQ(r.outcome, Outcome::kRolledBack);
+  EXPECT_EQ(r.rolled_back_to, 2);
+  for (std::size_t i = 0; i < at_2.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(run.model->parameters()[i], at_2[i])) << i;
+  }
 }
 
 TEST(GuardRollback, WithoutAConfirmedSnapshotTheStepIsSkipped) {

@@ -11,7 +11,7 @@ namespace consensus {
 namespace {
 
 TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
-  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 6 + 4 * step_slot::kChunks + 1);
+  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 7 + 4 * step_slot::kChunks + 1);
   EXPECT_LE(StepBuffer::bytes(), 1024);
   for (int world : {1, 2, 4, 16, 16384}) {
     StepBuffer b(0, world, at::kCPU);
@@ -45,6 +45,7 @@ TEST(StepBuffer, PacksTheLossCountsDigestChunksAndItsRow) {
     EXPECT_EQ(t[step_slot::kDigest + step_slot::kChunks + c].item<double>(), chunks[c] * chunks[c]);
   }
   EXPECT_EQ(t[step_slot::kFingerprintChecked].item<double>(), 0.0);
+  EXPECT_EQ(t[step_slot::kCheckpointWritten].item<double>(), 1.0);  // none running
   const at::Tensor row = b.rank_row();
   EXPECT_EQ(row[row_slot::kGradFault].item<double>(), 1.0);
   EXPECT_EQ(row[row_slot::kLossBad].item<double>(), 0.0);
@@ -89,6 +90,7 @@ TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   EXPECT_EQ(g.sum_squares, 4.0);  // replicated gradients count once: 12 / 3
   EXPECT_EQ(g.grad_norm, 2.0);
   EXPECT_EQ(g.faulty_rank_count, 2);
+  EXPECT_EQ(g.checkpoint_written_ranks, 3);
   EXPECT_TRUE(g.state_differs);
   EXPECT_FALSE(g.replica_checked);
   EXPECT_TRUE(g.faulty_ranks.empty());  // not named before the rows are gathered
@@ -98,6 +100,24 @@ TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   EXPECT_EQ(g.desynced_ranks, std::vector<int>({2}));
   EXPECT_EQ(g.origin_ranks, std::vector<int>({2}));  // the NaN loss was rank 2's own
   EXPECT_EQ(agreed.unpack(5, /*sharded_gradients=*/true).sum_squares, 12.0);
+}
+
+// A rank still writing its disk checkpoint in the background keeps the count below the world
+// size: nobody commits that checkpoint yet.
+TEST(StepBuffer, RanksStillWritingACheckpointAreCounted) {
+  at::Tensor sum;
+  for (int r = 0; r < 3; ++r) {
+    StepBuffer b(r, 3, at::kCPU);
+    LocalEvidence evidence;
+    evidence.checkpoint_written = r != 1;
+    b.pack(at::tensor(1.0), 1, evidence);
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+  }
+  StepBuffer agreed(0, 3, at::kCPU);
+  agreed.tensor().copy_(sum);
+  const GlobalStats g = agreed.unpack(4, false);
+  EXPECT_EQ(g.checkpoint_written_ranks, 2);
+  EXPECT_FALSE(needs_rank_detail(g));  // no incident: no second collective
 }
 
 // Any difference in any 16-bit chunk shows, including values whose sums agree.

@@ -78,6 +78,7 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
         .copy_(at::maximum(buffer_.select(0, step_slot::kInputRanks), counted));
   }
   buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
+  buffer_.select(0, step_slot::kCheckpointWritten).fill_(evidence.checkpoint_written ? 1.0 : 0.0);
   for (int c = 0; c < step_slot::kChunks; ++c) {
     const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
     buffer_.select(0, step_slot::kDigest + c).fill_(chunk);
@@ -127,6 +128,7 @@ GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const 
   g.faulty_rank_count = static_cast<std::int64_t>(s[step_slot::kFaultyRanks]);
   g.input_bad_ranks = static_cast<std::int64_t>(s[step_slot::kInputRanks]);
   g.probe_bad_ranks = static_cast<std::int64_t>(s[step_slot::kProbeRanks]);
+  g.checkpoint_written_ranks = static_cast<std::int64_t>(s[step_slot::kCheckpointWritten]);
   g.state_differs = chunks_differ(s, step_slot::kDigest, world);
   const double checked = s[step_slot::kFingerprintChecked];
   g.replica_checked = checked == world;

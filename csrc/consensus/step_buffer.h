@@ -7,6 +7,7 @@
  *   inspection's block (stepguard::inspect_slot, written through inspection_block()),
  *   the loss sum, the counts of ranks with a non-finite loss, reporting, with non-finite
  *   gradients, with bad inputs (check_inputs) and with a non-finite probe,
+ *   the count of ranks whose background checkpoint write has finished,
  *   the guard-state digest and the parameter fingerprint, each split into four 16-bit chunks
  *   carried as a sum and a sum of squares: the ranks agree exactly when
  *   world * sum(c^2) == sum(c)^2 for every chunk (exact: every term is an integer below 2^53).
@@ -43,7 +44,9 @@ constexpr int kChunks = 4;                           ///< 16-bit chunks of a 64-
 constexpr int kDigest = kProbeRanks + 1;             ///< guard state: kChunks sums, kChunks squares
 constexpr int kFingerprint = kDigest + 2 * kChunks;  ///< parameters: the same, 0 when not checked
 constexpr int kFingerprintChecked = kFingerprint + 2 * kChunks;  ///< ranks that fingerprinted
-constexpr int kSize = kFingerprintChecked + 1;                   ///< slots, at any world size
+/// Ranks with no disk checkpoint write still running in the background.
+constexpr int kCheckpointWritten = kFingerprintChecked + 1;
+constexpr int kSize = kCheckpointWritten + 1;  ///< slots, at any world size
 /// Digests are masked to the integers fp64 holds exactly in a rank row.
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace step_slot
@@ -65,6 +68,9 @@ struct LocalEvidence {
   bool inputs_bad = false;    ///< known on the host (e.g. sequences of length 0)
   at::Tensor inputs_counted;  ///< 0-d bool on the device: check_inputs() counted bad values
   bool probe_bad = false;
+  /// No checkpoint write of this rank is still running (checkpoints become visible only once
+  /// every rank's has finished).
+  bool checkpoint_written = true;
 };
 
 class StepBuffer {

@@ -75,7 +75,8 @@ struct StageSeconds {
   double agree = 0.0;     ///< the collective and its read to the host (incident steps: rank rows)
   double decide = 0.0;    ///< detectors, policy, the ranks' agreement on a rollback target
   double act = 0.0;       ///< apply (the optimizer step), skip or restore; disk checkpoint cadence
-  double snapshot = 0.0;  ///< the RAM snapshot; about 0 on steps that take none
+  double snapshot = 0.0;  ///< the RAM snapshot: starting its copy, and the wait at the start of a
+                          ///< step for the last step's copy when it is not done yet
   double record = 0.0;    ///< forensics, the report, incident files, trace line, metrics
 
   double total() const noexcept { return inspect + agree + decide + act + snapshot + record; }

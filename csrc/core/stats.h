@@ -51,12 +51,13 @@ struct GlobalStats {
   std::int64_t loss_nonfinite_ranks = 0;
   int world_size = 1;
   // Counts from the fixed-size step buffer: how many ranks saw something, not which.
-  std::int64_t faulty_rank_count = 0;  ///< ranks with a non-finite gradient or loss
-  std::int64_t input_bad_ranks = 0;    ///< ranks whose check_inputs() failed
-  std::int64_t probe_bad_ranks = 0;    ///< ranks where a probe saw a non-finite value
-  bool state_differs = false;          ///< the guard-state digests are not all equal
-  bool replica_checked = false;        ///< every rank fingerprinted its parameters this step
-  bool replica_differs = false;        ///< ... and the fingerprints are not all equal
+  std::int64_t faulty_rank_count = 0;         ///< ranks with a non-finite gradient or loss
+  std::int64_t input_bad_ranks = 0;           ///< ranks whose check_inputs() failed
+  std::int64_t probe_bad_ranks = 0;           ///< ranks where a probe saw a non-finite value
+  std::int64_t checkpoint_written_ranks = 0;  ///< ranks with no checkpoint write still running
+  bool state_differs = false;                 ///< the guard-state digests are not all equal
+  bool replica_checked = false;               ///< every rank fingerprinted its parameters this step
+  bool replica_differs = false;               ///< ... and the fingerprints are not all equal
   // Which ranks: filled from the per-rank rows, gathered only when a count above says so.
   bool ranks_named = false;
   std::vector<int> faulty_ranks;       ///< ranks that saw a non-finite gradient or loss

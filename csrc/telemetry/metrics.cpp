@@ -69,6 +69,7 @@ struct Metrics::State {
   prometheus::Gauge* last_checkpoint_time = nullptr;
   prometheus::Counter* checkpoint_failures = nullptr;
   prometheus::Counter* snapshot_failures = nullptr;
+  prometheus::Counter* checkpoints_skipped = nullptr;
   prometheus::Histogram* checkpoint_write_seconds = nullptr;
   prometheus::Histogram* inspect_seconds = nullptr;
   prometheus::Histogram* consensus_seconds = nullptr;
@@ -132,6 +133,10 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.snapshot_failures = &counter("stepguard_snapshot_failures_total",
                                  "RAM snapshots that could not be taken (host memory).")
                              .Add({});
+  s.checkpoints_skipped =
+      &counter("stepguard_checkpoints_skipped_total",
+               "Disk checkpoints skipped: due while the last one was still being written.")
+           .Add({});
   s.checkpoint_failures = &counter("stepguard_checkpoint_failures_total",
                                    "Disk checkpoints that could not be written or committed.")
                                .Add({});
@@ -226,6 +231,7 @@ void Metrics::record_checkpoint(std::int64_t step, double write_seconds) {
 
 void Metrics::record_checkpoint_failure() { state_->checkpoint_failures->Increment(); }
 void Metrics::record_snapshot_failure() { state_->snapshot_failures->Increment(); }
+void Metrics::record_checkpoint_skipped() { state_->checkpoints_skipped->Increment(); }
 
 void Metrics::record_abort() {
   state_->aborts->Increment();
@@ -254,6 +260,7 @@ void Metrics::record_cause(Cause) {}
 void Metrics::record_checkpoint(std::int64_t, double) {}
 void Metrics::record_checkpoint_failure() {}
 void Metrics::record_snapshot_failure() {}
+void Metrics::record_checkpoint_skipped() {}
 std::string Metrics::endpoint() const { return {}; }
 std::string Metrics::serialize() const { return {}; }
 

@@ -62,6 +62,8 @@ class Metrics {
   void record_checkpoint_failure();
   /// A RAM snapshot that could not be taken (training went on without it).
   void record_snapshot_failure();
+  /// A disk checkpoint was due while the last one was still being written: skipped.
+  void record_checkpoint_skipped();
   /// "address:port" where /metrics is served.
   std::string endpoint() const;
   /// The current exposition text, as a scrape would see it.

@@ -73,6 +73,7 @@ std::int64_t GuardedOptimizer::checkpoints_written() const noexcept {
   return impl_->engine.checkpoints_written();
 }
 void GuardedOptimizer::commit_pending_checkpoint() { impl_->engine.commit_pending_checkpoint(); }
+void GuardedOptimizer::synchronize() { impl_->engine.synchronize(); }
 std::size_t GuardedOptimizer::snapshots_held() const noexcept {
   return impl_->engine.snapshots_held();
 }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <random>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
@@ -55,7 +56,26 @@ bool same_dir(const std::string& a, const std::string& b) {
   return (ea || eb) ? a == b : ca == cb;
 }
 
+constexpr const char* kBufferPrefix = "buffer.";
+
+std::mutex write_hook_mutex;
+std::function<void(std::int64_t)> write_hook;
+
+void run_write_hook(std::int64_t step) {
+  std::function<void(std::int64_t)> hook;
+  {
+    std::lock_guard<std::mutex> lock(write_hook_mutex);
+    hook = write_hook;
+  }
+  if (hook) hook(step);
+}
+
 }  // namespace
+
+void Recovery::set_write_hook_for_testing(std::function<void(std::int64_t)> hook) {
+  std::lock_guard<std::mutex> lock(write_hook_mutex);
+  write_hook = std::move(hook);
+}
 
 Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config)
     : consensus_(consensus), port_(port), config_(std::move(config)) {
@@ -68,6 +88,13 @@ Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, Recover
     const std::string bad = checkpoint::run_id_problem(config_.run_id);
     TORCH_CHECK(bad.empty(), "stepguard: option run_id '", config_.run_id, "': ", bad);
   }
+}
+
+Recovery::~Recovery() {
+  // The writer finishes its jobs first (they hold what they read), then the copies are released
+  // here, on the training thread.
+  writer_.reset();
+  disk_copy_.release_sources();
 }
 
 void Recovery::claim_checkpoint_dir(std::int64_t step) {
@@ -120,7 +147,7 @@ std::vector<NamedTensor> Recovery::training_tensors() const {
     out.push_back({"param." + std::to_string(i), params[i]});
   }
   for (std::size_t i = 0; i < buffers_.size(); ++i) {
-    out.push_back({"buffer." + std::to_string(i), buffers_[i]});
+    out.push_back({kBufferPrefix + std::to_string(i), buffers_[i]});
   }
   for (auto& t : port_.state_tensors()) {
     out.push_back({kOptimizerPrefix + t.name, std::move(t.tensor)});
@@ -128,12 +155,34 @@ std::vector<NamedTensor> Recovery::training_tensors() const {
   return out;
 }
 
-void Recovery::take_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words) {
-  if (ring_) ring_->take(step, training_tensors(), port_.state_bytes(), std::move(guard_words));
+std::vector<NamedTensor> Recovery::frozen_tensors() const {
+  std::vector<NamedTensor> out = training_tensors();
+  at::NoGradGuard no_grad;
+  for (auto& t : out) {
+    if (t.tensor.defined() && t.name.rfind(kBufferPrefix, 0) == 0) t.tensor = t.tensor.clone();
+  }
+  return out;
+}
+
+void Recovery::begin_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words) {
+  if (!ring_) return;
+  finish_snapshot();  // one copy in flight at a time (the engine has waited already)
+  std::string opaque = port_.state_bytes();  // here: a Python port pickles under the GIL
+  ring_->begin_take(step, frozen_tensors(), std::move(opaque), std::move(guard_words));
+}
+
+void Recovery::finish_snapshot() {
+  if (disk_copy_.valid()) {
+    // Only the wait matters here; how the copy went is the disk write's to report.
+    disk_copy_.release_sources();
+    disk_copy_ = checkpoint::SnapshotCopy();
+  }
+  if (ring_) ring_->finish_take();
 }
 
 std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::int64_t>& confirmed,
                                       std::vector<std::int64_t>* damaged) {
+  finish_snapshot();
   std::int64_t mine = 0;
   for (std::int64_t candidate : confirmed) {
     const checkpoint::Snapshot* s = ring_ ? ring_->at(candidate) : nullptr;
@@ -164,6 +213,7 @@ std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::
 }
 
 void Recovery::restore_snapshot(std::int64_t step) {
+  finish_snapshot();
   const checkpoint::Snapshot* s = ring_ ? ring_->at(step) : nullptr;
   TORCH_CHECK(s != nullptr, "stepguard: no RAM snapshot of step ", step);
   const std::string source = "the RAM snapshot of step " + std::to_string(step);
@@ -213,16 +263,74 @@ bool Recovery::disk_due(std::int64_t step, bool applied) const noexcept {
   return config_.disk_every > 0 && applied && step % config_.disk_every == 0;
 }
 
-void Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  pending_step_ = record.step;  // settled at the next step either way
+checkpoint::BackgroundThread& Recovery::writer() {
+  if (!writer_) writer_ = std::make_unique<checkpoint::BackgroundThread>("sg-ckpt-writer");
+  return *writer_;
+}
+
+bool Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
+  if (pending_step_ != 0) {
+    // One checkpoint in flight: host memory stays bounded and the ranks settle one at a time.
+    ++checkpoints_skipped_;
+    std::fprintf(stderr,
+                 "stepguard: rank %d: step %" PRId64
+                 ": disk checkpoint skipped: the one of step %" PRId64
+                 " is still being written (the disk is slower than the checkpoint cadence)\n",
+                 consensus_.rank(), record.step, pending_step_);
+    return false;
+  }
+  pending_step_ = record.step;  // settled at a later step either way
+  pending_verdict_ = Verdict::kOpen;
   pending_failed_ = false;
+  pending_seen_ = false;
+  pending_seconds_ = 0.0;
   try {
-    const checkpoint::EncodedPayload payload = checkpoint::encode_payload(
-        record, training_tensors(), port_.state_bytes(), checkpoint::capture_rng());
-    checkpoint::write_rank_file(config_.checkpoint_dir, run_, record.step, consensus_.rank(),
-                                payload.pieces());
+    // The RAM snapshot of this step when there is one; else a host copy of its own, made on the
+    // writer thread before the write (the training thread waits for it, not for the write).
+    checkpoint::SnapshotCopy copy =
+        ring_ ? ring_->copy_of(record.step) : checkpoint::SnapshotCopy();
+    if (!copy.valid()) {
+      disk_copy_ =
+          checkpoint::start_copy(writer(), record.step, frozen_tensors(), port_.state_bytes(), {});
+      copy = disk_copy_;
+    }
+    auto timer = std::make_shared<double>(0.0);
+    pending_timer_ = timer;
+    pending_write_ = writer().submit(
+        [copy, record, timer, dir = config_.checkpoint_dir, run = run_, rank = consensus_.rank()] {
+          using Clock = std::chrono::steady_clock;
+          run_write_hook(record.step);
+          const auto start = Clock::now();
+          const std::shared_ptr<const checkpoint::Snapshot> s = copy.get();
+          const checkpoint::EncodedPayload payload =
+              checkpoint::encode_payload(record, s->tensors, s->opaque, s->rng);
+          checkpoint::write_rank_file(dir, run, record.step, rank, payload.pieces());
+          *timer = std::chrono::duration<double>(Clock::now() - start).count();
+        });
+  } catch (const std::exception& e) {
+    // Nothing started (the opaque state could not be taken, no thread): a failed write.
+    pending_write_ = std::future<void>();
+    pending_seen_ = true;
+    pending_failed_ = true;
+    ++checkpoint_failures_;
+    std::fprintf(stderr,
+                 "stepguard: rank %d: step %" PRId64
+                 ": writing the disk checkpoint failed (%s); training goes on, the last good "
+                 "checkpoint stays\n",
+                 consensus_.rank(), record.step, e.what());
+  }
+  return true;
+}
+
+void Recovery::observe_write(bool wait) {
+  if (pending_step_ == 0 || pending_seen_) return;
+  if (!wait && pending_write_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    return;
+  }
+  pending_seen_ = true;
+  try {
+    pending_write_.get();
+    pending_seconds_ = *pending_timer_;
   } catch (const std::exception& e) {
     ++checkpoint_failures_;
     pending_failed_ = true;
@@ -230,10 +338,16 @@ void Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
                  "stepguard: rank %d: step %" PRId64
                  ": writing the disk checkpoint failed (%s); training goes on, the last good "
                  "checkpoint stays\n",
-                 consensus_.rank(), record.step, e.what());
+                 consensus_.rank(), pending_step_, e.what());
   }
-  pending_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
 }
+
+bool Recovery::checkpoint_written() {
+  observe_write(false);
+  return pending_step_ == 0 || pending_seen_;
+}
+
+void Recovery::wait_for_checkpoint() { observe_write(true); }
 
 bool Recovery::commit(std::int64_t step) {
   try {
@@ -262,37 +376,44 @@ void Recovery::discard(std::int64_t step) noexcept {
   }
 }
 
-std::int64_t Recovery::settle_pending(std::int64_t step, bool clean) {
-  if (pending_step_ == 0) return 0;
+std::int64_t Recovery::finish_pending(bool keep) {
   const std::int64_t pending = pending_step_;
   pending_step_ = 0;
-  bool confirm = pending == step - 1 && clean;
-  // Rank 0 writes the manifest: every rank finished that step before this step's collective.
+  pending_write_ = std::future<void>();
+  pending_timer_.reset();
+  // Rank 0 writes the manifest: every rank's write has finished (agreed by a collective).
   if (consensus_.rank() == 0) {
-    if (confirm && pending_failed_) {
-      confirm = false;  // counted when the write failed
+    if (keep && pending_failed_) {
+      keep = false;  // counted when the write failed
       discard(pending);
-    } else if (confirm) {
-      confirm = commit(pending);
+    } else if (keep) {
+      keep = commit(pending);
     } else {
       discard(pending);
     }
   }
-  return confirm ? pending : 0;
+  return keep ? pending : 0;
+}
+
+std::int64_t Recovery::settle_pending(std::int64_t step, bool clean, bool all_written) {
+  if (pending_step_ == 0) return 0;
+  if (pending_verdict_ == Verdict::kOpen) {
+    pending_verdict_ = pending_step_ == step - 1 && clean ? Verdict::kKeep : Verdict::kDrop;
+  }
+  // Until every rank has finished writing, nobody commits or removes its directory.
+  if (!all_written) return 0;
+  observe_write(true);  // finished: this rank said so before the collective
+  return finish_pending(pending_verdict_ == Verdict::kKeep);
 }
 
 std::int64_t Recovery::commit_pending() {
   if (pending_step_ == 0) return 0;
-  const std::int64_t step = pending_step_;
-  pending_step_ = 0;
-  if (consensus_.rank() == 0) {
-    if (pending_failed_) {
-      discard(step);
-      return 0;
-    }
-    if (!commit(step)) return 0;
+  observe_write(true);
+  if (consensus_.world_size() > 1) {
+    // Rank 0 commits only once every rank's file is written: each has waited for its own.
+    (void)consensus::gather_values(consensus_, pending_failed_ ? 0 : 1, pending_step_, device());
   }
-  return step;
+  return finish_pending(pending_verdict_ != Verdict::kDrop);
 }
 
 std::int64_t Recovery::newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,
@@ -379,6 +500,8 @@ void Recovery::check_world_size(const std::vector<checkpoint::CheckpointEntry>& 
 
 std::optional<checkpoint::GuardRecord> Recovery::resume(
     const std::string& dir, const std::function<void(const checkpoint::GuardRecord&)>& check) {
+  finish_snapshot();
+  wait_for_checkpoint();  // no write of this run runs while its directory is read
   const auto entries = resumable_entries(dir);
   check_world_size(entries);
   std::int64_t bound = std::numeric_limits<std::int64_t>::max();
@@ -396,7 +519,8 @@ std::optional<checkpoint::GuardRecord> Recovery::resume(
       restore(loaded->tensors, loaded->opaque, loaded->rng,
               checkpoint::step_dir(dir, agreed) + "/rank " + std::to_string(consensus_.rank()));
       if (ring_) ring_->clear();
-      pending_step_ = 0;
+      pending_step_ = 0;  // a pending directory is never loaded; a later commit clears it
+      pending_write_ = std::future<void>();
       resumed_from_ = dir;
       for (const auto& e : entries) {
         if (e.step == agreed && !e.run.empty()) run_ = e.run;  // the run goes on

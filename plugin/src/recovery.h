@@ -6,17 +6,28 @@
  * writes disk checkpoints and commits them once the next step confirms them, and resumes from
  * disk only after the whole checkpoint has been checked against the live model on every rank.
  *
- * Internal to the engine. Not thread-safe: the training thread drives it.
+ * Off the training thread: a RAM snapshot's tensors are copied in the background while the next
+ * forward and backward run (begin_snapshot() returns at once; finish_snapshot() waits), and a
+ * disk checkpoint is written in the background from the RAM copy of its step (one in flight per
+ * rank; a checkpoint due while one is still being written is skipped and counted). Every method
+ * that reads the snapshots waits for the copy in flight first; the engine calls finish_snapshot()
+ * before the optimizer next changes what the copy reads.
+ *
+ * Internal to the engine. Not thread-safe: the training thread drives it; the background threads
+ * only run the copies and writes it started.
  */
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <future>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "csrc/checkpoint/background.h"
 #include "csrc/checkpoint/payload.h"
 #include "csrc/checkpoint/snapshot.h"
 #include "csrc/consensus/consensus.h"
@@ -41,6 +52,10 @@ class RollbackFailure : public std::runtime_error {
 class Recovery {
  public:
   Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config);
+  /// Waits for the copy and the write in flight (a pending checkpoint stays pending on disk).
+  ~Recovery();
+  Recovery(const Recovery&) = delete;
+  Recovery& operator=(const Recovery&) = delete;
 
   /// Module buffers snapshots and checkpoints also hold.
   void track_buffers(std::vector<at::Tensor> buffers) { buffers_ = std::move(buffers); }
@@ -48,7 +63,24 @@ class Recovery {
   std::vector<NamedTensor> training_tensors() const;
 
   // RAM snapshots.
-  void take_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words);
+  /// Starts the snapshot of the state after `step`: the optimizer's opaque bytes, the RNG state
+  /// and the tracked buffers (a forward pass updates those) are captured now; parameters and
+  /// optimizer state tensors are copied in the background and must not change before
+  /// finish_snapshot(). Throws (and starts nothing) when the opaque bytes cannot be taken.
+  void begin_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words);
+  /// begin_snapshot() then finish_snapshot(): the snapshot is held when it returns.
+  void take_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words) {
+    begin_snapshot(step, std::move(guard_words));
+    finish_snapshot();
+  }
+  /// Waits for the copies in flight: the snapshot joins the ring, and the host copy a disk write
+  /// makes of its step is complete. Throws what made the snapshot's copy fail (the ring then
+  /// lacks it and the oldest snapshot whose buffers it refilled).
+  void finish_snapshot();
+  /// The step of the snapshot being copied, or 0.
+  std::int64_t snapshot_in_flight() const noexcept {
+    return ring_ && ring_->in_flight().valid() ? ring_->in_flight().step() : 0;
+  }
   /// The step every rank restores, given the confirmed snapshots (newest first): this rank's
   /// newest one whose copies pass their checksum, agreed by MIN across ranks; 0 for none. The
   /// damaged ones are dropped and listed in `damaged`. Throws RollbackFailure when snapshots
@@ -59,12 +91,24 @@ class Recovery {
   void restore_snapshot(std::int64_t step);
   /// Keeps only the snapshots of `steps` (the controller's book).
   void keep_snapshots(const std::vector<std::int64_t>& steps);
-  /// The copies (tests and tools).
-  const checkpoint::SnapshotRing* ring() const noexcept { return ring_.get(); }
-  std::size_t snapshots_held() const noexcept { return ring_ ? ring_->size() : 0; }
-  /// Whether the RAM snapshot of `step` is held.
-  bool holds_snapshot(std::int64_t step) const { return ring_ && ring_->at(step) != nullptr; }
-  std::int64_t snapshot_bytes() const noexcept { return ring_ ? ring_->bytes() : 0; }
+  /// The copies (tests and tools), once the copy in flight has landed.
+  const checkpoint::SnapshotRing* ring() {
+    finish_snapshot();
+    return ring_.get();
+  }
+  std::size_t snapshots_held() {
+    finish_snapshot();
+    return ring_ ? ring_->size() : 0;
+  }
+  /// Whether the RAM snapshot of `step` is held (after the copy in flight).
+  bool holds_snapshot(std::int64_t step) {
+    finish_snapshot();
+    return ring_ && ring_->at(step) != nullptr;
+  }
+  std::int64_t snapshot_bytes() {
+    finish_snapshot();
+    return ring_ ? ring_->bytes() : 0;
+  }
 
   // Disk checkpoints.
   /// Before the first step: agrees on the run id (the given one, the one resumed, or rank 0's
@@ -74,19 +118,39 @@ class Recovery {
   /// The run id of this run's checkpoints ("" before claim_checkpoint_dir or resume).
   const std::string& run_id() const noexcept { return run_; }
   bool disk_due(std::int64_t step, bool applied) const noexcept;
-  /// Writes this rank's file of `step`; it stays pending until settle_pending(). A write that
-  /// fails (disk full, permissions) is logged and counted, never thrown: training goes on, the
-  /// commit finds the file missing and discards the checkpoint, the last good one stays.
-  void write_checkpoint(const checkpoint::GuardRecord& record);
-  /// After step `step`: the checkpoint written after the step before becomes visible when
-  /// `clean` (rank 0 writes the manifest), is removed otherwise. Returns the step made visible, or
-  /// 0 (also when the commit failed: logged and counted).
-  std::int64_t settle_pending(std::int64_t step, bool clean);
-  /// Makes the pending checkpoint visible now (end of a run). Returns its step, or 0.
+  /// Starts writing this rank's file of `record.step` in the background, from the RAM snapshot of
+  /// that step when one is taken (else from a host copy made first, which finish_snapshot() also
+  /// waits for); the checkpoint stays pending until settle_pending(). Returns false, writing
+  /// nothing, when a checkpoint is still pending (one in flight at a time: the due one is skipped,
+  /// logged and counted). A write that fails (disk full, permissions) is logged and counted when
+  /// it is found finished, never thrown: training goes on, the commit finds the file missing and
+  /// discards the checkpoint, the last good one stays.
+  bool write_checkpoint(const checkpoint::GuardRecord& record);
+  /// The step of the pending checkpoint (being written, or written and not yet settled), or 0.
+  std::int64_t pending_checkpoint() const noexcept { return pending_step_; }
+  /// What this rank tells the others before a step's collective: true unless its write of the
+  /// pending checkpoint is still running. Never blocks; a failed write is logged and counted here.
+  bool checkpoint_written();
+  /// After step `step`: the first step after the pending checkpoint judges it (kept when `clean`).
+  /// Once `all_written` (every rank's write has finished, as the step's collective agreed), a kept
+  /// checkpoint becomes visible (rank 0 writes the manifest) and a judged-bad one is removed.
+  /// Returns the step made visible, or 0 (also when the commit failed: logged and counted).
+  std::int64_t settle_pending(std::int64_t step, bool clean, bool all_written);
+  /// Makes the pending checkpoint visible now (end of a run; call it on every rank): waits for
+  /// this rank's write and, with several ranks, for every rank's (one collective). Returns its
+  /// step, or 0.
   std::int64_t commit_pending();
+  /// Waits for this rank's write in flight; a failure is logged and counted now. The checkpoint
+  /// stays pending (it becomes visible at the next step, or at commit_pending()).
+  void wait_for_checkpoint();
   /// Checkpoint writes or commits that failed on this rank so far.
   std::int64_t checkpoint_failures() const noexcept { return checkpoint_failures_; }
+  /// Checkpoints skipped so far because one was still pending when they were due.
+  std::int64_t checkpoints_skipped() const noexcept { return checkpoints_skipped_; }
   double pending_write_seconds() const noexcept { return pending_seconds_; }
+  /// Tests only: called on the writer thread as each checkpoint write starts, with its step (an
+  /// empty function: none). Lets a test hold a write in flight without timing anything.
+  static void set_write_hook_for_testing(std::function<void(std::int64_t)> hook);
 
   /// Restores the newest checkpoint under `dir` that every rank holds intact and that
   /// `check_record` accepts (it throws to refuse), after checking all of it on every rank.
@@ -109,6 +173,14 @@ class Recovery {
                    const std::function<void(const checkpoint::GuardRecord&)>& check,
                    std::optional<checkpoint::DecodedPayload>* loaded) const;
   at::Device device() const;
+  /// training_tensors() with the tracked buffers cloned: a copy made in the background must not
+  /// read them (the next forward pass updates running statistics in place).
+  std::vector<NamedTensor> frozen_tensors() const;
+  checkpoint::BackgroundThread& writer();
+  /// Takes in the outcome of this rank's write once it has finished (waiting for it when `wait`).
+  void observe_write(bool wait);
+  /// Commits (when `keep`) or removes the pending checkpoint (rank 0); it is no longer pending.
+  std::int64_t finish_pending(bool keep);
 
   consensus::Consensus& consensus_;
   OptimizerPort& port_;
@@ -118,12 +190,22 @@ class Recovery {
   std::string run_;           ///< this run's id in its checkpoints
   std::string resumed_from_;  ///< the directory resume() loaded from
   bool claimed_ = false;
-  std::int64_t pending_step_ = 0;  ///< written, waiting for the next step's confirmation
-  std::int64_t checkpoint_failures_ = 0;
-  bool pending_failed_ = false;  ///< this rank could not write the pending checkpoint
   bool commit(std::int64_t step);
   void discard(std::int64_t step) noexcept;
+
+  // The pending checkpoint: written (or being written) by this rank, not yet settled.
+  enum class Verdict { kOpen, kKeep, kDrop };  ///< as the step after it judged it
+  std::int64_t pending_step_ = 0;
+  Verdict pending_verdict_ = Verdict::kOpen;
+  std::future<void> pending_write_;        ///< this rank's write on the writer thread
+  bool pending_seen_ = false;              ///< the write's outcome has been taken in
+  bool pending_failed_ = false;            ///< this rank could not write the pending checkpoint
+  std::shared_ptr<double> pending_timer_;  ///< seconds the write took, set by the writer
   double pending_seconds_ = 0.0;
+  std::int64_t checkpoint_failures_ = 0;
+  std::int64_t checkpoints_skipped_ = 0;
+  checkpoint::SnapshotCopy disk_copy_;  ///< a host copy made for a checkpoint alone, in flight
+  std::unique_ptr<checkpoint::BackgroundThread> writer_;  ///< last: joined first
 };
 
 }  // namespace stepguard

@@ -62,13 +62,22 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   event_log_ = open_trace(options_);
 }
 
-StepEngine::~StepEngine() = default;
+StepEngine::~StepEngine() {
+  settle_snapshot();
+  recovery_.wait_for_checkpoint();
+  report_checkpoint_counts();
+}
 
 StepReport StepEngine::step(const at::Tensor& loss) {
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
-  // forensics, and act leaves out the snapshot (timed in checkpoint_after).
+  // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
   stage_seconds_ = StageSeconds{};
   auto t = Clock::now();
+  // The snapshot copied while the loop ran forward and backward lands before anything below can
+  // change what it reads (a rollback, the optimizer step, a restore).
+  settle_snapshot();
+  const double settled = seconds_since(t);
+  t = Clock::now();
   check_can_step(loss);
   const std::int64_t step = step_ + 1;
   const Agreed agreed = inspect_and_agree(loss, step);
@@ -83,6 +92,7 @@ StepReport StepEngine::step(const at::Tensor& loss) {
   t = Clock::now();
   act(step, agreed.global, decided);
   stage_seconds_.act = seconds_since(t) - stage_seconds_.snapshot;
+  stage_seconds_.snapshot += settled;  // the wait for the last step's copy
   t = Clock::now();
   StepReport report = record(step, agreed, decided, findings);
   stage_seconds_.record += seconds_since(t);
@@ -133,6 +143,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     local_evidence.inputs_counted = input_check_->any_counted();
   }
   local_evidence.probe_bad = probes_.any_nonfinite();
+  local_evidence.checkpoint_written = recovery_.checkpoint_written();
   std::optional<at::Tensor> fingerprint;
   if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
   buffer.pack(loss, controller_.digest(step_), local_evidence, fingerprint);
@@ -229,47 +240,78 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
     skipped_ranges_.push_back({data_position_, decision.batches_to_skip});
     data_position_ += decision.batches_to_skip;
   }
-  checkpoint_after(step, decided);
+  checkpoint_after(step, decided, global);
 }
 
-void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided) {
+void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided,
+                                  const GlobalStats& global) {
   const bool applied = decided.decision.outcome == Outcome::kApplied;
-  // The disk checkpoint written after the previous step becomes visible only if this step is
-  // clean.
-  const std::int64_t failures_before = recovery_.checkpoint_failures();
-  if (const std::int64_t committed = recovery_.settle_pending(step, !decided.signals.any())) {
+  // The disk checkpoint written after an earlier step becomes visible once the step after it
+  // came out clean and every rank has finished writing (the step's collective says so).
+  const bool all_written = global.checkpoint_written_ranks >= consensus_->world_size();
+  if (const std::int64_t committed =
+          recovery_.settle_pending(step, !decided.signals.any(), all_written)) {
     ++checkpoints_written_;
     if (metrics_) metrics_->record_checkpoint(committed, recovery_.pending_write_seconds());
   }
   const auto t_snapshot = Clock::now();
   if (controller_.snapshot_due(step, decided.decision.outcome)) {
+    last_snapshot_step_ = step;  // the replica-check schedule is the same on every rank
     try {
-      recovery_.take_snapshot(step, controller_.encode());
-      last_snapshot_step_ = step;
+      // Copied in the background; it lands (or is reported failed) at the next settle_snapshot().
+      recovery_.begin_snapshot(step, controller_.encode());
       ++totals_.snapshots;
-      if (metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
     } catch (const std::exception& e) {
-      // Out of host memory, or optimizer state that cannot be copied: the step stands, and so
-      // does every snapshot still held; the book forgets those the ring no longer has.
-      for (std::int64_t s : controller_.snapshots().steps()) {
-        if (!recovery_.holds_snapshot(s)) controller_.snapshots().drop(s);
-      }
-      std::fprintf(stderr,
-                   "stepguard: step %" PRId64
-                   ": the RAM snapshot could not be taken (%s); training goes on, %zu older "
-                   "snapshot(s) held\n",
-                   step, e.what(), recovery_.snapshots_held());
-      if (metrics_) metrics_->record_snapshot_failure();
+      snapshot_failed(step, e.what());
     }
   }
   stage_seconds_.snapshot = seconds_since(t_snapshot);
   recovery_.keep_snapshots(controller_.snapshots().steps());
+  // One checkpoint in flight: one due while the last is still being written is skipped.
   if (recovery_.disk_due(step, applied)) recovery_.write_checkpoint(guard_record(step));
-  if (metrics_) {
-    for (auto n = failures_before; n < recovery_.checkpoint_failures(); ++n) {
-      metrics_->record_checkpoint_failure();
-    }
+  report_checkpoint_counts();
+}
+
+void StepEngine::settle_snapshot() noexcept {
+  const std::int64_t flying = recovery_.snapshot_in_flight();
+  try {
+    recovery_.finish_snapshot();
+    if (flying != 0 && metrics_) metrics_->record_snapshot(recovery_.snapshot_bytes());
+  } catch (const std::exception& e) {
+    --totals_.snapshots;  // counted when it started
+    snapshot_failed(flying, e.what());
   }
+}
+
+void StepEngine::snapshot_failed(std::int64_t step, const char* why) {
+  // Out of host memory, or optimizer state that cannot be copied: the step stands, and so does
+  // every snapshot still held; the book forgets those the ring no longer has.
+  for (std::int64_t s : controller_.snapshots().steps()) {
+    if (!recovery_.holds_snapshot(s)) controller_.snapshots().drop(s);
+  }
+  std::fprintf(stderr,
+               "stepguard: step %" PRId64
+               ": the RAM snapshot could not be taken (%s); training goes on, %zu older "
+               "snapshot(s) held\n",
+               step, why, recovery_.snapshots_held());
+  if (metrics_) metrics_->record_snapshot_failure();
+}
+
+void StepEngine::report_checkpoint_counts() {
+  for (; checkpoint_failures_reported_ < recovery_.checkpoint_failures();
+       ++checkpoint_failures_reported_) {
+    if (metrics_) metrics_->record_checkpoint_failure();
+  }
+  for (; checkpoints_skipped_reported_ < recovery_.checkpoints_skipped();
+       ++checkpoints_skipped_reported_) {
+    if (metrics_) metrics_->record_checkpoint_skipped();
+  }
+}
+
+void StepEngine::synchronize() {
+  settle_snapshot();
+  recovery_.wait_for_checkpoint();
+  report_checkpoint_counts();
 }
 
 // Every replica_every steps, on the step after each snapshot (so a rollback knows which
@@ -286,7 +328,8 @@ void StepEngine::abort_with(const std::string& reason) {
   abort_reason_ = reason;
 }
 
-GuardState StepEngine::state() const {
+GuardState StepEngine::state() {
+  settle_snapshot();  // a copy that failed changes the book the words hold
   GuardState g;
   g.step = step_;
   g.words = controller_.encode();
@@ -299,6 +342,7 @@ GuardState StepEngine::state() const {
 
 void StepEngine::restore_state(const GuardState& state) {
   TORCH_CHECK(state.step >= 0, "stepguard: restore_state got a negative step ", state.step);
+  settle_snapshot();
   if (state.words.empty()) {
     controller_.reset();
   } else {
@@ -358,11 +402,13 @@ void StepEngine::load_record(const checkpoint::GuardRecord& record) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stepguard: the guard state does not fit this guard: ", e.what());
   }
+  settle_snapshot();
   restore_record(record);
 }
 
 std::int64_t StepEngine::resume(const std::string& dir) {
   TORCH_CHECK(!aborted_, "stepguard: resume() after an abort");
+  settle_snapshot();
   // A record is accepted only when all of it can be restored.
   auto check = [this](const checkpoint::GuardRecord& r) { check_record(r); };
   const std::optional<checkpoint::GuardRecord> record = recovery_.resume(dir, check);
@@ -383,14 +429,12 @@ void StepEngine::set_data_position(std::int64_t position) {
 
 void StepEngine::commit_pending_checkpoint() {
   if (aborted_) return;
-  const std::int64_t failures_before = recovery_.checkpoint_failures();
+  settle_snapshot();
   if (const std::int64_t step = recovery_.commit_pending()) {
     ++checkpoints_written_;
     if (metrics_) metrics_->record_checkpoint(step, recovery_.pending_write_seconds());
   }
-  if (metrics_ && recovery_.checkpoint_failures() > failures_before) {
-    metrics_->record_checkpoint_failure();
-  }
+  report_checkpoint_counts();
 }
 
 }  // namespace stepguard

@@ -10,6 +10,15 @@
  * Each stage is a short call into the module that owns it. The LibTorch GuardedOptimizer and the
  * Python package are its two front ends; their documentation is the user's. Internal to the
  * engine (not installed). Not thread-safe: one training thread drives one engine.
+ *
+ * Background work: the RAM snapshot taken at the end of a step is copied while the training loop
+ * runs its next forward and backward, and a disk checkpoint is written meanwhile too. The
+ * contract with the loop: parameters and optimizer state change only inside step() (zero_grad,
+ * forward and backward touch neither), so the copy is waited for at the start of the next step(),
+ * before anything there can change them; a loop that changes them in place between steps (loading
+ * a state dict, weight surgery) calls synchronize() first. Everything that reads or restores
+ * snapshots (rollback, resume, state(), restore_state(), the snapshot counts) waits for the copy
+ * first, and a copy that failed is reported then, as a failure to take the snapshot.
  */
 #pragma once
 
@@ -50,14 +59,19 @@ class StepEngine {
   /// when `options` are bad, the policy does not parse, the trace cannot be opened or the metrics
   /// port cannot be served.
   StepEngine(OptimizerPort& port, GuardOptions options);
+  /// Waits for the snapshot copy and the checkpoint write in flight.
   ~StepEngine();
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
 
   StepReport step(const at::Tensor& loss);
 
-  GuardState state() const;
+  /// The decision state (after the snapshot in flight has landed or failed).
+  GuardState state();
   void restore_state(const GuardState& state);
+  /// Waits for the background work of the last step: the snapshot copy (a failure is reported
+  /// as one to take it) and this rank's checkpoint write (a failure is logged and counted).
+  void synchronize();
   at::Tensor scale_loss(const at::Tensor& loss) const;
   InputVerdict check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
   void set_replay(forensics::Recompute recompute);
@@ -86,8 +100,15 @@ class StepEngine {
     return skipped_ranges_;
   }
   std::int64_t checkpoints_written() const noexcept { return checkpoints_written_; }
-  std::size_t snapshots_held() const noexcept { return recovery_.snapshots_held(); }
-  std::int64_t snapshot_bytes() const noexcept { return recovery_.snapshot_bytes(); }
+  /// RAM snapshots held and their bytes, once the copy in flight has landed.
+  std::size_t snapshots_held() {
+    settle_snapshot();
+    return recovery_.snapshots_held();
+  }
+  std::int64_t snapshot_bytes() {
+    settle_snapshot();
+    return recovery_.snapshot_bytes();
+  }
   std::int64_t step_count() const noexcept { return step_; }
   GuardTotals totals() const noexcept { return totals_; }
   bool aborted() const noexcept { return aborted_; }
@@ -123,7 +144,13 @@ class StepEngine {
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
   void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
-  void checkpoint_after(std::int64_t step, const StepDecision& decided);
+  void checkpoint_after(std::int64_t step, const StepDecision& decided, const GlobalStats& global);
+  /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)
+  /// as a snapshot that could not be taken. Never throws.
+  void settle_snapshot() noexcept;
+  void snapshot_failed(std::int64_t step, const char* why);
+  /// Brings the checkpoint failure and skip counters in the metrics up to Recovery's.
+  void report_checkpoint_counts();
   StepReport record(std::int64_t step, const Agreed& agreed, const StepDecision& decided,
                     const Findings& findings);
   std::optional<Incident> make_incident(std::int64_t step, const Agreed& agreed,
@@ -153,6 +180,8 @@ class StepEngine {
   bool aborted_ = false;
   std::string abort_reason_;
   std::int64_t checkpoints_written_ = 0;
+  std::int64_t checkpoint_failures_reported_ = 0;
+  std::int64_t checkpoints_skipped_reported_ = 0;
   std::int64_t data_position_ = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges_;
   at::Device step_device_ = at::kCPU;  ///< where this step's buffers live (the loss's device)

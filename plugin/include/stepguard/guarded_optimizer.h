@@ -143,6 +143,12 @@ class GuardedOptimizer {
   /// (normally the next clean step confirms it). Call it at the end of a run that ended well, on
   /// every rank, after every rank has finished its last step (e.g. after a barrier).
   void commit_pending_checkpoint();
+  /// Waits for the background work of the last step(): the RAM snapshot copy and this rank's
+  /// disk checkpoint write (a failure of either is logged and counted now). step() already waits
+  /// for the copy before it changes anything, and so does everything that reads snapshots; call
+  /// this before changing parameters or optimizer state in place between steps (loading a state
+  /// dict, weight surgery), or to see a write's outcome at once (tests).
+  void synchronize();
 
   /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`).
   std::size_t snapshots_held() const noexcept;

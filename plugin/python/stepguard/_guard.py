@@ -161,6 +161,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Makes the checkpoint written after the last step visible (end of a good run)."""
         self._guard.commit_pending_checkpoint()
 
+    def synchronize(self):
+        """Waits for the background work of the last step: the RAM snapshot copy and this rank's
+        disk checkpoint write (a failure of either is logged and counted now). step() waits for
+        the copy before it changes anything; call this before changing parameters or optimizer
+        state in place between steps (model.load_state_dict, weight surgery)."""
+        self._guard.synchronize()
+
     # -- state dict: the wrapped optimizer's and the guard's -----------------------------------
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "stepguard": self._guard.record()}

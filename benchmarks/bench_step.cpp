@@ -1,0 +1,359 @@
+// A guarded C++ training iteration against the same iteration unguarded, in one process.
+//
+//   build/bin/bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] [--only TEXT]
+//                        [--threads T]
+//
+// Models: the demo's character transformer (integration/demo/model.h, its default dimensions,
+// batch 32 x 64 tokens) and the same class at d_model 768, 8 blocks, 12 heads (57M parameters,
+// batch N x 128 tokens, N = 4 by default: 1.4 s an iteration on 2 cores; the guard's work grows
+// with the parameters, not the tokens, so a smaller batch shows a larger overhead); batches are
+// windows of the demo's corpus, as the demo reads them.
+// Policies: configs/policies/default.yaml (RAM snapshots every 50 steps, 2 kept) and the same
+// detectors and rules without snapshots (rollbacks become skips).
+//
+// One model and one AdamW over its parameters: "plain" calls adamw.step(), "guarded" calls
+// guard.step(loss) on a GuardedOptimizer around that same AdamW; both then adamw.zero_grad(). So
+// the two iterations differ in the step call only, not in where the optimizer state lives. A
+// timed iteration is forward, backward, step and zero_grad. After two untimed iterations of each,
+// R rounds alternate a block of B plain iterations with a block of B guarded ones (B: --block for
+// the demo model, --large-block for the large one).
+//
+// Snapshots are counted in proportion: with the default policy R x B must be a multiple of 50,
+// so the timed guarded iterations hold exactly R x B / 50 snapshot steps. Before timing, the
+// guard's step counter is moved (restore_state) to just before steps 50 and 100 for one untimed
+// iteration each, so both ring slots exist and every timed snapshot refills one as in a long run
+// (only a run's first two allocate theirs); then to where each snapshot step falls in the middle
+// of a guarded block, so the next iteration, which the snapshot's background copy overlaps, is a
+// guarded one too.
+//
+// One JSON object per case: plain_ms and guarded_ms are median iterations, overhead = guarded /
+// plain - 1 from them (a median leaves out the snapshot steps); overhead_mean from means.
+// snapshot_extra_ms is what one snapshot adds to the guarded iterations it touches (its step and
+// the next, beyond the median), and overhead_snapshots = (guarded_ms + snapshot_extra_ms x
+// snapshots / iterations) / plain_ms - 1: the overhead with snapshots in proportion, from
+// medians. plain_step_ms and guard_step_ms are the mean times of the two step calls alone, and
+// step_overhead = (guard_step_ms - plain_step_ms) / plain_ms: the guard's cost per iteration
+// measured at the call (its training-thread time: not a background copy's); plain_rest_ms and
+// guarded_rest_ms are the medians of the rest of each iteration (forward, backward, zero_grad),
+// which the guard leaves alone but a background copy slows down. The stage split
+// (GuardedOptimizer::last_stage_seconds) gives means per guarded step: inspect_ms, agree_ms,
+// decide_ms, act_ms (holds AdamW's own step), snapshot_ms (starting the copy and waiting for it,
+// over all steps), record_ms.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "integration/demo/corpus.h"
+#include "integration/demo/model.h"
+#include "stepguard/stepguard.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using stepguard::demo::CharTransformer;
+using stepguard::demo::Corpus;
+using stepguard::demo::ModelConfig;
+
+// configs/policies/default.yaml's snapshot cadence and ring size.
+constexpr std::int64_t kSnapshotEvery = 50;
+constexpr std::int64_t kSnapshotKeep = 2;
+
+// default.yaml's detectors and rules with no RAM snapshots: its rollbacks become skips.
+constexpr const char* kNoSnapshotsPolicy = R"(version: 1
+detectors:
+  loss_spike: {z: 6, warmup: 100, decay: 0.99, early_factor: 10}
+  grad_norm_spike: {z: 6, warmup: 100, decay: 0.99, early_factor: 30}
+rules:
+  - {name: skip-nonfinite, on: nonfinite, action: skip_batch}
+  - {name: cool-down-lr, on: nonfinite, consecutive: 3, action: lower_lr, factor: 0.5,
+     floor: 0.05, recover_after: 50, recover_over: 500}
+  - {name: skip-loss-spike, on: loss_spike, action: skip_batch}
+  - {name: clip-grad-norm-spike, on: grad_norm_spike, action: clip}
+limits:
+  max_consecutive_bad_steps: 50
+  max_skips: {count: 100, within: 1000, action: abort}
+)";
+
+struct Args {
+  int rounds = 5;
+  int block = 50;
+  int large_block = 10;
+  int large_batch = 4;
+  int threads = 0;  // 0: every CPU, as the demo runs
+  std::string only;
+  std::string corpus = "/usr/share/common-licenses";
+};
+
+struct Case {
+  const char* name;
+  ModelConfig model;
+  std::int64_t batch;
+  bool snapshots;  // default.yaml, else kNoSnapshotsPolicy
+  int block;
+};
+
+struct Batch {
+  torch::Tensor input, target;
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double mean(const std::vector<double>& v) {
+  return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+}
+
+// The demo's batches: windows of the corpus, input and next-character target.
+std::vector<Batch> make_batches(const Corpus& corpus, std::int64_t count, std::int64_t batch,
+                                std::int64_t context) {
+  std::vector<Batch> out;
+  const auto& tokens = corpus.tokens();
+  for (std::int64_t i = 0; i < count; ++i) {
+    const auto offsets = corpus.batch_offsets(1234, i, batch, context);
+    Batch b{torch::empty({batch, context}, torch::kLong),
+            torch::empty({batch, context}, torch::kLong)};
+    auto* in = b.input.data_ptr<std::int64_t>();
+    auto* tg = b.target.data_ptr<std::int64_t>();
+    for (std::int64_t r = 0; r < batch; ++r) {
+      for (std::int64_t t = 0; t < context; ++t) {
+        in[r * context + t] = tokens[offsets[r] + t];
+        tg[r * context + t] = tokens[offsets[r] + t + 1];
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+void run_case(const Case& c, const Corpus& corpus, const Args& args) {
+  const int rounds = args.rounds;
+  const std::int64_t timed = static_cast<std::int64_t>(rounds) * c.block;
+  TORCH_CHECK(!c.snapshots || timed % kSnapshotEvery == 0, "bench_step: ", c.name,
+              ": rounds x block (", timed, ") must be a multiple of ", kSnapshotEvery,
+              " to count snapshots in proportion");
+  torch::manual_seed(0);
+  CharTransformer model(c.model);
+  const auto params = model->parameters();
+  std::int64_t num_params = 0;
+  for (const auto& p : params) num_params += p.numel();
+  const auto adamw_options = torch::optim::AdamWOptions(3e-4).betas({0.9, 0.99}).weight_decay(0.01);
+  torch::optim::AdamW adamw(params, adamw_options);
+  stepguard::GuardOptions options;
+  if (c.snapshots) {
+    options.policy_file(STEPGUARD_SOURCE_DIR "/configs/policies/default.yaml");
+  } else {
+    options.policy_yaml(kNoSnapshotsPolicy);
+  }
+  stepguard::GuardedOptimizer guard(adamw, model->named_parameters(), options);
+  const std::vector<Batch> batches = make_batches(corpus, 16, c.batch, c.model.context);
+
+  std::int64_t next_batch = 0;
+  std::vector<double> plain_times, guarded_times, plain_steps, guard_steps;
+  std::vector<stepguard::StageSeconds> stages;
+  std::int64_t guard_step = 0;  // the guard's number of the last guarded iteration's step
+  // One iteration; `guarded` picks the step. Returns its seconds and the step call's.
+  auto iteration = [&](bool guarded, double* step_seconds) {
+    const Batch& b = batches[static_cast<std::size_t>(next_batch++ % 16)];
+    const auto t0 = Clock::now();
+    auto logits = model->forward(b.input);
+    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, c.model.vocab_size}),
+                                                     b.target.view({-1}));
+    loss.backward();
+    const auto t_step = Clock::now();
+    if (guarded) {
+      guard_step = guard.step(loss.detach()).step;
+    } else {
+      adamw.step();
+    }
+    *step_seconds = seconds_since(t_step);
+    adamw.zero_grad();
+    return seconds_since(t0);
+  };
+  double ignored = 0.0;
+  for (int i = 0; i < 2; ++i) {
+    iteration(false, &ignored);
+    iteration(true, &ignored);
+  }
+  // The step counter moves, the decision state stays (the guard's own state() and restore).
+  auto move_step_counter = [&](std::int64_t to) {
+    stepguard::GuardState state = guard.state();
+    state.step = to;
+    guard.restore_state(state);
+  };
+  if (c.snapshots) {
+    for (std::int64_t k = 1; k <= kSnapshotKeep; ++k) {
+      move_step_counter(k * kSnapshotEvery - 1);
+      iteration(true, &ignored);
+    }
+    TORCH_CHECK(guard.snapshots_held() == static_cast<std::size_t>(kSnapshotKeep),
+                "bench_step: the snapshot ring was not filled before timing");
+    // Snapshot steps in mid-block: the iteration after each, which the copy overlaps, is guarded.
+    move_step_counter((kSnapshotKeep + 1) * kSnapshotEvery - (c.block / 2) % kSnapshotEvery);
+  }
+  const std::int64_t snapshots_before = guard.totals().snapshots;
+  const std::int64_t applied_before = guard.totals().applied;
+
+  std::vector<std::size_t> snapshot_steps;  // indices into guarded_times
+  const auto t_case = Clock::now();
+  for (int r = 0; r < rounds; ++r) {
+    for (const bool guarded : {false, true}) {
+      for (int i = 0; i < c.block; ++i) {
+        double step_seconds = 0.0;
+        const double seconds = iteration(guarded, &step_seconds);
+        (guarded ? guard_steps : plain_steps).push_back(step_seconds);
+        if (!guarded) {
+          plain_times.push_back(seconds);
+          continue;
+        }
+        if (c.snapshots && guard_step % kSnapshotEvery == 0) {
+          snapshot_steps.push_back(guarded_times.size());
+        }
+        guarded_times.push_back(seconds);
+        stages.push_back(guard.last_stage_seconds());
+      }
+    }
+  }
+  const double case_seconds = seconds_since(t_case);
+
+  auto stage_ms = [&](double stepguard::StageSeconds::*field) {
+    double sum = 0.0;
+    for (const auto& s : stages) sum += s.*field;
+    return 1e3 * sum / static_cast<double>(stages.size());
+  };
+  const std::int64_t snapshots = guard.totals().snapshots - snapshots_before;
+  const std::int64_t applied = guard.totals().applied - applied_before;
+  const double plain_ms = 1e3 * median(plain_times);
+  const double guarded_ms = 1e3 * median(guarded_times);
+  const double plain_mean_ms = 1e3 * mean(plain_times);
+  const double guarded_mean_ms = 1e3 * mean(guarded_times);
+  const double plain_step_ms = 1e3 * mean(plain_steps);
+  const double guard_step_ms = 1e3 * mean(guard_steps);
+  // The rest of an iteration (forward, backward, zero_grad), which the guard should not change.
+  auto rest_ms = [](const std::vector<double>& iterations, const std::vector<double>& steps) {
+    std::vector<double> rest;
+    for (std::size_t i = 0; i < iterations.size(); ++i) rest.push_back(iterations[i] - steps[i]);
+    return 1e3 * median(rest);
+  };
+  const double snapshot_ms = stage_ms(&stepguard::StageSeconds::snapshot);
+  // What a snapshot adds to the iterations it touches: its step, and the next one, which its
+  // background copy overlaps; beyond the median guarded iteration, per snapshot.
+  double snapshot_extra_ms = 0.0;
+  for (const std::size_t j : snapshot_steps) {
+    for (std::size_t k = j; k < std::min(j + 2, guarded_times.size()); ++k) {
+      snapshot_extra_ms += 1e3 * guarded_times[k] - guarded_ms;
+    }
+  }
+  if (!snapshot_steps.empty()) snapshot_extra_ms /= static_cast<double>(snapshot_steps.size());
+  const double guarded_with_snapshots_ms =
+      guarded_ms +
+      snapshot_extra_ms * static_cast<double>(snapshot_steps.size()) / static_cast<double>(timed);
+  std::printf(
+      "{\"case\": \"%s\", \"params\": %" PRId64 ", \"threads\": %d, \"iterations\": %" PRId64
+      ", \"plain_ms\": %.3f, \"guarded_ms\": %.3f, \"overhead\": %.4f, \"plain_mean_ms\": %.3f, "
+      "\"guarded_mean_ms\": %.3f, \"overhead_mean\": %.4f, \"plain_step_ms\": %.3f, "
+      "\"guard_step_ms\": %.3f, \"step_overhead\": %.4f, \"plain_rest_ms\": %.3f, "
+      "\"guarded_rest_ms\": %.3f, \"inspect_ms\": %.3f, \"agree_ms\": %.3f, "
+      "\"decide_ms\": %.3f, \"act_ms\": %.3f, \"snapshot_ms\": %.3f, \"record_ms\": %.3f, "
+      "\"snapshots\": %" PRId64
+      ", \"snapshot_extra_ms\": %.3f, \"overhead_snapshots\": %.4f, "
+      "\"applied\": %" PRId64 ", \"incidents\": %" PRId64 ", \"seconds\": %.1f}\n",
+      c.name, num_params, torch::get_num_threads(), timed, plain_ms, guarded_ms,
+      guarded_ms / plain_ms - 1.0, plain_mean_ms, guarded_mean_ms,
+      guarded_mean_ms / plain_mean_ms - 1.0, plain_step_ms, guard_step_ms,
+      (guard_step_ms - plain_step_ms) / plain_ms, rest_ms(plain_times, plain_steps),
+      rest_ms(guarded_times, guard_steps), stage_ms(&stepguard::StageSeconds::inspect),
+      stage_ms(&stepguard::StageSeconds::agree), stage_ms(&stepguard::StageSeconds::decide),
+      stage_ms(&stepguard::StageSeconds::act), snapshot_ms,
+      stage_ms(&stepguard::StageSeconds::record), snapshots, snapshot_extra_ms,
+      guarded_with_snapshots_ms / plain_ms - 1.0, applied, guard.totals().incidents, case_seconds);
+  std::fflush(stdout);
+}
+
+int parse_int(const char* flag, const char* value) {
+  char* end = nullptr;
+  const long v = value ? std::strtol(value, &end, 10) : 0;
+  if (!value || *end != '\0' || v < 0 || v > 100000) {
+    std::fprintf(stderr, "bench_step: %s needs a count, got '%s'\n", flag, value ? value : "");
+    std::exit(2);
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
+    if (flag == "--rounds") {
+      args.rounds = parse_int("--rounds", value);
+    } else if (flag == "--block") {
+      args.block = parse_int("--block", value);
+    } else if (flag == "--large-block") {
+      args.large_block = parse_int("--large-block", value);
+    } else if (flag == "--large-batch") {
+      args.large_batch = parse_int("--large-batch", value);
+    } else if (flag == "--threads") {
+      args.threads = parse_int("--threads", value);
+    } else if (flag == "--only" && value) {
+      args.only = value;
+    } else if (flag == "--corpus" && value) {
+      args.corpus = value;
+    } else {
+      std::fprintf(stderr,
+                   "usage: bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] "
+                   "[--only TEXT] [--threads T] [--corpus DIR]\n");
+      return 2;
+    }
+    ++i;
+  }
+  if (args.rounds < 1 || args.block < 1 || args.large_block < 1 || args.large_batch < 1) {
+    std::fprintf(stderr,
+                 "bench_step: --rounds, --block, --large-block and --large-batch must be >= 1\n");
+    return 2;
+  }
+  torch::set_num_threads(args.threads > 0
+                             ? args.threads
+                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  const Corpus corpus = Corpus::load(args.corpus);
+
+  ModelConfig demo;  // the demo's own dimensions
+  demo.vocab_size = corpus.vocab_size();
+  ModelConfig large = demo;
+  large.d_model = 768;
+  large.heads = 12;
+  large.layers = 8;
+  large.context = 128;
+  const Case cases[] = {
+      {"demo/default_policy", demo, 32, true, args.block},
+      {"demo/no_snapshots", demo, 32, false, args.block},
+      {"57M/default_policy", large, args.large_batch, true, args.large_block},
+      {"57M/no_snapshots", large, args.large_batch, false, args.large_block},
+  };
+  try {
+    for (const Case& c : cases) {
+      if (!args.only.empty() && std::string(c.name).find(args.only) == std::string::npos) continue;
+      run_case(c, corpus, args);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_step: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

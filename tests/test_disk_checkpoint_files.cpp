@@ -307,6 +307,27 @@ TEST(DiskCheckpoint, AFailedRewriteNeverCommitsAnEarlierAttemptsFile) {
   EXPECT_TRUE(list_checkpoints(root).empty());
 }
 
+// Deleting a pruned checkpoint takes a while: the engine leaves it to its writer thread. The
+// commit has already hidden it (renamed out of sight, durably); nothing lists or loads it.
+TEST(DiskCheckpoint, ACommitCanLeaveTheDeletionOfWhatItPrunedToTheCaller) {
+  const std::string root = fresh_dir("deferred");
+  write_checkpoint(root, 10, 1, 1);
+  write_rank_file(root, kRun, 20, 0, payload_for(200));
+  std::vector<std::string> hidden;
+  commit_checkpoint(root, kRun, 20, 1, 1, &hidden);
+  ASSERT_EQ(hidden.size(), 1u);
+  EXPECT_TRUE(fs::exists(hidden[0]));
+  EXPECT_FALSE(fs::exists(step_dir(root, 10)));
+  ASSERT_EQ(list_checkpoints(root).size(), 1u);
+  EXPECT_EQ(list_checkpoints(root)[0].step, 20);
+  EXPECT_EQ(verify_all(root).size(), 1u);
+  remove_hidden(hidden);
+  EXPECT_FALSE(fs::exists(hidden[0]));
+  std::size_t entries = 0;
+  for (const auto& e : fs::directory_iterator(root)) entries += e.path().string().empty() ? 0 : 1;
+  EXPECT_EQ(entries, 1u);  // step 20 alone
+}
+
 TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
   try {
     write_rank_file("/proc/stepguard-no", kRun, 1, 0, "x");

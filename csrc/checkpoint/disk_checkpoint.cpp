@@ -207,22 +207,36 @@ bool check_rank_file(const CheckpointEntry& entry, int rank, std::string* payloa
   return true;
 }
 
-// Deletes a checkpoint directory: first renamed out of sight (atomic, durable), then removed, so a
-// crash part-way leaves a hidden remnant that the next commit clears, never a damaged checkpoint.
-void remove_checkpoint_dir(const std::string& root, const std::string& dir) {
+// Renames a checkpoint directory out of sight (atomic, durable) and returns where it went, so a
+// crash before it is removed leaves a hidden remnant that the next commit clears, never a damaged
+// checkpoint. "" when there was nothing to hide, or it could not be renamed (permissions): then
+// it is made incomplete first, durably, and removed in place.
+std::string hide_checkpoint_dir(const std::string& root, const std::string& dir) {
   std::error_code ec;
-  if (!fs::exists(dir, ec)) return;
+  if (!fs::exists(dir, ec)) return {};
   const std::string trash = root + "/" + kTrashPrefix + fs::path(dir).filename().string() + "." +
                             std::to_string(::getpid());
   fs::remove_all(trash, ec);
   if (::rename(dir.c_str(), trash.c_str()) != 0) {
-    // Cannot rename (permissions): make it incomplete first, durably, then remove the rest.
     if (fs::remove(fs::path(dir) / kManifest, ec)) fsync_dir(dir);
     fs::remove_all(dir, ec);
-    return;
+    return {};
   }
   fsync_dir(root);
-  fs::remove_all(trash, ec);
+  return trash;
+}
+
+// Hides a checkpoint directory, then removes it now or lists it in `deferred` for later.
+void remove_checkpoint_dir(const std::string& root, const std::string& dir,
+                           std::vector<std::string>* deferred = nullptr) {
+  const std::string hidden = hide_checkpoint_dir(root, dir);
+  if (hidden.empty()) return;
+  if (deferred != nullptr) {
+    deferred->push_back(hidden);
+  } else {
+    std::error_code ec;
+    fs::remove_all(hidden, ec);
+  }
 }
 
 }  // namespace
@@ -339,7 +353,7 @@ void write_rank_file(const std::string& root, const std::string& run, std::int64
 }
 
 void commit_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
-                       int world_size, int keep) {
+                       int world_size, int keep, std::vector<std::string>* deferred) {
   const std::string pending = pending_dir(root, run, step);
   const std::string dir = step_dir(root, step);
   // Every rank's file must be there, whole, before the checkpoint may become visible (a rank
@@ -370,7 +384,7 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
   write_file_atomically(pending + "/" + kManifest, manifest.dump(2) + "\n");
   // An older directory of this step (a timeline the run went back from) goes before the new
   // one takes its name; never rewritten in place.
-  remove_checkpoint_dir(root, dir);
+  remove_checkpoint_dir(root, dir, deferred);
   errno = 0;
   if (::rename(pending.c_str(), dir.c_str()) != 0)
     fail(dir, "cannot move the checkpoint into place");
@@ -406,16 +420,26 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
     stale.push_back(step_dir(root, complete[i]));
   }
   for (const auto& d : stale) {
-    if (fs::path(d).filename().string().rfind(kTrashPrefix, 0) == 0) {
-      fs::remove_all(d, ec);
+    if (fs::path(d).filename().string().rfind(kTrashPrefix, 0) != 0) {
+      remove_checkpoint_dir(root, d, deferred);
+    } else if (deferred != nullptr) {
+      deferred->push_back(d);
     } else {
-      remove_checkpoint_dir(root, d);
+      fs::remove_all(d, ec);
     }
   }
 }
 
-void discard_checkpoint(const std::string& root, const std::string& run, std::int64_t step) {
-  remove_checkpoint_dir(root, pending_dir(root, run, step));
+void discard_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
+                        std::vector<std::string>* deferred) {
+  remove_checkpoint_dir(root, pending_dir(root, run, step), deferred);
+}
+
+void remove_hidden(const std::vector<std::string>& dirs) noexcept {
+  for (const auto& d : dirs) {
+    std::error_code ec;
+    fs::remove_all(d, ec);  // what is left stays hidden; the next commit clears it
+  }
 }
 
 std::vector<CheckpointEntry> list_checkpoints(const std::string& root) {

@@ -99,11 +99,18 @@ void write_rank_file(const std::string& root, const std::string& run, std::int64
 /// renames the pending directory into place, replacing an older directory of that step. Then
 /// deletes the run's checkpoints of later steps, all but its newest `keep`, and its pending
 /// directories of earlier steps (a later one may be in the making on another rank); other runs'
-/// checkpoints are never touched.
+/// checkpoints are never touched. Whatever goes is first renamed out of sight, durably; with
+/// `deferred` it is only listed there for remove_hidden() to delete later (off the caller's
+/// thread: deleting a large checkpoint takes a while), otherwise deleted before this returns.
 void commit_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
-                       int world_size, int keep);
-/// Removes the pending `step` of `run` (a checkpoint whose state turned out bad).
-void discard_checkpoint(const std::string& root, const std::string& run, std::int64_t step);
+                       int world_size, int keep, std::vector<std::string>* deferred = nullptr);
+/// Removes the pending `step` of `run` (a checkpoint whose state turned out bad); `deferred` as
+/// for commit_checkpoint().
+void discard_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
+                        std::vector<std::string>* deferred = nullptr);
+/// Deletes directories commit_checkpoint() or discard_checkpoint() hid. Never throws: what is
+/// left stays hidden and the next commit clears it.
+void remove_hidden(const std::vector<std::string>& dirs) noexcept;
 
 /// Checkpoints under `root` with a manifest, oldest first. A root that does not exist holds none;
 /// a manifest that cannot be read is skipped (verify_all reports it).

@@ -75,7 +75,7 @@ class SnapshotCopy {
   friend class SnapshotRing;
   friend SnapshotCopy start_copy(BackgroundThread&, std::int64_t, std::vector<NamedTensor>,
                                  std::string, std::vector<std::int64_t>,
-                                 const std::shared_ptr<const Snapshot>&);
+                                 const std::shared_ptr<const Snapshot>&, bool);
   std::shared_ptr<State> state_;
 };
 
@@ -84,11 +84,13 @@ class SnapshotCopy {
 /// tensor whose copy would run Python code (a subclass with __torch_dispatch__). Every other
 /// tensor is read in the background and must not change until the copy has finished. `reuse`
 /// (nobody else may write it) lends its host buffers: the copy refills those whose name, shape and
-/// dtype match. Throws only what the calling thread's part throws.
+/// dtype match. Without `checksum` the snapshot's checksum stays 0 (a copy a disk write makes for
+/// itself: the file gets its own). Throws only what the calling thread's part throws.
 SnapshotCopy start_copy(BackgroundThread& thread, std::int64_t step,
                         std::vector<NamedTensor> tensors, std::string opaque,
                         std::vector<std::int64_t> guard_state,
-                        const std::shared_ptr<const Snapshot>& reuse = nullptr);
+                        const std::shared_ptr<const Snapshot>& reuse = nullptr,
+                        bool checksum = true);
 
 /// Tests only: called on the background thread as each copy starts, with its step (an empty
 /// function: none). Lets a test hold a copy in flight without timing anything.

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -290,23 +291,33 @@ bool Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
     checkpoint::SnapshotCopy copy =
         ring_ ? ring_->copy_of(record.step) : checkpoint::SnapshotCopy();
     if (!copy.valid()) {
-      disk_copy_ =
-          checkpoint::start_copy(writer(), record.step, frozen_tensors(), port_.state_bytes(), {});
+      std::shared_ptr<const checkpoint::Snapshot> reuse = std::move(disk_spare_);
+      if (reuse && reuse.use_count() != 1) reuse.reset();   // still held: never refilled
+      std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the holder's release
+      disk_copy_ = checkpoint::start_copy(writer(), record.step, frozen_tensors(),
+                                          port_.state_bytes(), {}, reuse, /*checksum=*/false);
       copy = disk_copy_;
+      pending_copy_ = disk_copy_;
     }
     auto timer = std::make_shared<double>(0.0);
     pending_timer_ = timer;
-    pending_write_ = writer().submit(
-        [copy, record, timer, dir = config_.checkpoint_dir, run = run_, rank = consensus_.rank()] {
-          using Clock = std::chrono::steady_clock;
-          run_write_hook(record.step);
-          const auto start = Clock::now();
-          const std::shared_ptr<const checkpoint::Snapshot> s = copy.get();
-          const checkpoint::EncodedPayload payload =
-              checkpoint::encode_payload(record, s->tensors, s->opaque, s->rng);
-          checkpoint::write_rank_file(dir, run, record.step, rank, payload.pieces());
-          *timer = std::chrono::duration<double>(Clock::now() - start).count();
-        });
+    pending_write_ = writer().submit([copy, record, timer, dir = config_.checkpoint_dir, run = run_,
+                                      rank = consensus_.rank()]() mutable {
+      using Clock = std::chrono::steady_clock;
+      // The job lets go of the copy before its future is ready: by then only the training
+      // thread holds it (so its buffers can be refilled).
+      struct Release {
+        checkpoint::SnapshotCopy& copy;
+        ~Release() { copy = checkpoint::SnapshotCopy(); }
+      } release{copy};
+      run_write_hook(record.step);
+      const auto start = Clock::now();
+      const std::shared_ptr<const checkpoint::Snapshot> s = copy.get();
+      const checkpoint::EncodedPayload payload =
+          checkpoint::encode_payload(record, s->tensors, s->opaque, s->rng);
+      checkpoint::write_rank_file(dir, run, record.step, rank, payload.pieces());
+      *timer = std::chrono::duration<double>(Clock::now() - start).count();
+    });
   } catch (const std::exception& e) {
     // Nothing started (the opaque state could not be taken, no thread): a failed write.
     pending_write_ = std::future<void>();
@@ -349,12 +360,25 @@ bool Recovery::checkpoint_written() {
 
 void Recovery::wait_for_checkpoint() { observe_write(true); }
 
+void Recovery::remove_later(std::vector<std::string> hidden) noexcept {
+  if (hidden.empty()) return;
+  try {
+    // Behind the writes on the writer thread: the next commit comes after it.
+    (void)writer().submit([hidden] { checkpoint::remove_hidden(hidden); });
+  } catch (const std::exception&) {
+    checkpoint::remove_hidden(hidden);
+  }
+}
+
 bool Recovery::commit(std::int64_t step) {
+  std::vector<std::string> hidden;  // pruned checkpoints, out of sight, deleted in the background
   try {
     checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, step, consensus_.world_size(),
-                                  config_.disk_keep);
+                                  config_.disk_keep, &hidden);
+    remove_later(std::move(hidden));
     return true;
   } catch (const std::exception& e) {
+    remove_later(std::move(hidden));
     ++checkpoint_failures_;
     std::fprintf(stderr,
                  "stepguard: step %" PRId64
@@ -367,9 +391,12 @@ bool Recovery::commit(std::int64_t step) {
 }
 
 void Recovery::discard(std::int64_t step) noexcept {
+  std::vector<std::string> hidden;
   try {
-    checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, step);
+    checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, step, &hidden);
+    remove_later(std::move(hidden));
   } catch (const std::exception& e) {
+    remove_later(std::move(hidden));
     // What is left is pending and never loaded; the next commit clears it.
     std::fprintf(stderr, "stepguard: step %" PRId64 ": removing a pending checkpoint failed (%s)\n",
                  step, e.what());
@@ -381,6 +408,16 @@ std::int64_t Recovery::finish_pending(bool keep) {
   pending_step_ = 0;
   pending_write_ = std::future<void>();
   pending_timer_.reset();
+  if (pending_copy_.valid()) {
+    // Written: its buffers serve the next checkpoint that needs a copy of its own.
+    if (!pending_failed_ && pending_copy_.finished()) {
+      try {
+        disk_spare_ = pending_copy_.get();
+      } catch (const std::exception&) {
+      }
+    }
+    pending_copy_ = checkpoint::SnapshotCopy();
+  }
   // Rank 0 writes the manifest: every rank's write has finished (agreed by a collective).
   if (consensus_.rank() == 0) {
     if (keep && pending_failed_) {

@@ -192,6 +192,8 @@ class Recovery {
   bool claimed_ = false;
   bool commit(std::int64_t step);
   void discard(std::int64_t step) noexcept;
+  /// Deletes checkpoint directories the commit hid, on the writer thread.
+  void remove_later(std::vector<std::string> hidden) noexcept;
 
   // The pending checkpoint: written (or being written) by this rank, not yet settled.
   enum class Verdict { kOpen, kKeep, kDrop };  ///< as the step after it judged it
@@ -204,7 +206,11 @@ class Recovery {
   double pending_seconds_ = 0.0;
   std::int64_t checkpoint_failures_ = 0;
   std::int64_t checkpoints_skipped_ = 0;
-  checkpoint::SnapshotCopy disk_copy_;  ///< a host copy made for a checkpoint alone, in flight
+  checkpoint::SnapshotCopy disk_copy_;     ///< a host copy made for a checkpoint alone, in flight
+  checkpoint::SnapshotCopy pending_copy_;  ///< that copy, until the write of it has finished
+  /// The host copy of the last checkpoint written from a copy of its own: the next such copy
+  /// refills its buffers (fresh host memory is slow to fault in; memory stays one copy).
+  std::shared_ptr<const checkpoint::Snapshot> disk_spare_;
   std::unique_ptr<checkpoint::BackgroundThread> writer_;  ///< last: joined first
 };
 

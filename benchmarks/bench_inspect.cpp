@@ -9,13 +9,15 @@
 //   D3  D1 with every other tensor in bf16
 // Cases: Fused (stepguard's pass), TorchWay (per tensor isfinite(g).all() + g.norm()), and
 // Ceiling (a read-only vectorized sum over the same bytes, parallel over the same chunks).
-// The Fused case reports user counters measured in the same run:
+// The Fused case reports user counters measured in the same run, from alternating blocks of the
+// two passes (median block of each, so both see the same drift of a shared machine):
 //   vs_torch   = TorchWay time / Fused time
 //   vs_ceiling = Fused throughput / Ceiling throughput
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -117,24 +119,44 @@ void fused(const std::vector<at::Tensor>& grads) {
   benchmark::DoNotOptimize(s.sum_squares);
 }
 
-double seconds_per_call(const std::function<void()>& fn) {
-  fn();  // warm
-  int reps = 0;
+// Seconds per call of `fn`, over `reps` calls.
+double seconds_of(const std::function<void()>& fn, int reps) {
   const auto t0 = Clock::now();
-  do {
-    fn();
-    ++reps;
-  } while (Clock::now() - t0 < std::chrono::milliseconds(500));
+  for (int i = 0; i < reps; ++i) fn();
   return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// time(baseline) / time(ours), from blocks of each run alternately (about 0.1 s a block, 9 rounds)
+// and the median block of each: the load and clock of a shared machine drift within a run, and
+// alternating blocks see the same drift.
+double speed_ratio(const std::function<void()>& ours, const std::function<void()>& baseline) {
+  ours();  // warm
+  baseline();
+  auto reps_for = [](const std::function<void()>& fn) {
+    return std::max(1, static_cast<int>(0.1 / seconds_of(fn, 1)));
+  };
+  const int reps_ours = reps_for(ours);
+  const int reps_base = reps_for(baseline);
+  std::vector<double> t_ours;
+  std::vector<double> t_base;
+  for (int round = 0; round < 9; ++round) {
+    t_ours.push_back(seconds_of(ours, reps_ours));
+    t_base.push_back(seconds_of(baseline, reps_base));
+  }
+  return median(t_base) / median(t_ours);
 }
 
 void BM_Fused(benchmark::State& state, const std::string& set) {
   const auto& grads = data_set(set);
   for (auto _ : state) fused(grads);
   state.SetBytesProcessed(state.iterations() * bytes_of(grads));
-  const double t_fused = seconds_per_call([&] { fused(grads); });
-  state.counters["vs_torch"] = seconds_per_call([&] { torch_way(grads); }) / t_fused;
-  state.counters["vs_ceiling"] = seconds_per_call([&] { ceiling(grads); }) / t_fused;
+  state.counters["vs_torch"] = speed_ratio([&] { fused(grads); }, [&] { torch_way(grads); });
+  state.counters["vs_ceiling"] = speed_ratio([&] { fused(grads); }, [&] { ceiling(grads); });
   state.counters["threads"] = at::get_num_threads();
   state.counters["tensors"] = static_cast<double>(grads.size());
 }

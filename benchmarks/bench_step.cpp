@@ -1,7 +1,7 @@
 // A guarded C++ training iteration against the same iteration unguarded, in one process.
 //
 //   build/bin/bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] [--only TEXT]
-//                        [--threads T]
+//                        [--threads T] [--per-iteration]
 //
 // Models: the demo's character transformer (integration/demo/model.h, its default dimensions,
 // batch 32 x 64 tokens) and the same class at d_model 768, 8 blocks, 12 heads (57M parameters,
@@ -87,7 +87,8 @@ struct Args {
   int block = 50;
   int large_block = 10;
   int large_batch = 4;
-  int threads = 0;  // 0: every CPU, as the demo runs
+  int threads = 0;             // 0: every CPU, as the demo runs
+  bool per_iteration = false;  // every timed iteration on stderr, to see where time went
   std::string only;
   std::string corpus = "/usr/share/common-licenses";
 };
@@ -216,6 +217,10 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
         double step_seconds = 0.0;
         const double seconds = iteration(guarded, &step_seconds);
         (guarded ? guard_steps : plain_steps).push_back(step_seconds);
+        if (args.per_iteration) {
+          std::fprintf(stderr, "%s round %d %s %d: %.3f ms, step %.3f ms\n", c.name, r,
+                       guarded ? "guarded" : "plain", i, 1e3 * seconds, 1e3 * step_seconds);
+        }
         if (!guarded) {
           plain_times.push_back(seconds);
           continue;
@@ -311,6 +316,9 @@ int main(int argc, char** argv) {
       args.large_batch = parse_int("--large-batch", value);
     } else if (flag == "--threads") {
       args.threads = parse_int("--threads", value);
+    } else if (flag == "--per-iteration") {
+      args.per_iteration = true;
+      continue;
     } else if (flag == "--only" && value) {
       args.only = value;
     } else if (flag == "--corpus" && value) {
@@ -318,7 +326,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] "
-                   "[--only TEXT] [--threads T] [--corpus DIR]\n");
+                   "[--only TEXT] [--threads T] [--corpus DIR] [--per-iteration]\n");
       return 2;
     }
     ++i;

@@ -227,6 +227,33 @@ TEST(Inspect, RejectsBadInvScale) {
   EXPECT_THROW(inspect_gradients({f32({1})}, opt), c10::Error);
 }
 
+TEST(Inspect, ManySmallTensorsKeepExactPerTensorResults) {
+  // 3,000 small fp32/bf16/fp16 tensors walked back to back: each tensor's sum and flag is its own
+  // (NaN in a bf16, -Inf in an fp32, +Inf in an fp16 tensor).
+  // Constant small dyadic values, so every sum is exact in any order: n * c^2.
+  std::vector<at::Tensor> grads;
+  std::vector<double> expected;
+  for (int i = 0; i < 3000; ++i) {
+    const std::int64_t n = 1 + (i * 37) % 5000;
+    const double c = 0.5 * (1 + i % 5);
+    const at::ScalarType dtype = i % 3 == 0 ? at::kFloat : i % 3 == 1 ? at::kBFloat16 : at::kHalf;
+    grads.push_back(at::full({n}, c, at::TensorOptions().dtype(dtype)));
+    expected.push_back(static_cast<double>(n) * c * c);
+  }
+  grads[7][0] = kNaN;
+  grads[1500][grads[1500].numel() - 1] = -kInf;
+  grads[2999][3] = kInf;
+  for (const int i : {7, 1500, 2999}) {
+    const double c = 0.5 * (1 + i % 5);
+    expected[i] -= c * c;  // the non-finite element adds nothing
+  }
+  const LocalStats s = inspect_gradients(grads);
+  EXPECT_EQ(s.nan_count, 1);
+  EXPECT_EQ(s.inf_count, 2);
+  EXPECT_EQ(s.nonfinite_tensors, std::vector<std::int64_t>({7, 1500, 2999}));
+  EXPECT_EQ(s.tensor_sum_squares, expected);
+}
+
 TEST(Inspect, MatchesAnIndependentReferenceAndIsDeterministicAcrossThreadCounts) {
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 3.0f);

@@ -1,6 +1,7 @@
 /*
- * Per-element and per-chunk gradient inspection, shared by the CPU path and the CUDA kernel so
- * that the CPU tests exercise the very code the GPU runs. Torch-free: plain bits and pointers.
+ * Per-element gradient inspection and the per-chunk reduction order, shared by the CPU pass
+ * (cpu_chunk.h) and the CUDA kernel so that the CPU tests exercise the very code the GPU runs.
+ * Torch-free: plain bits and pointers.
  *
  * Non-finite values are found by exponent-bit tests rather than isfinite(), so fast-math flags
  * cannot fold the check away. Squares accumulate in fp64 in a fixed order per chunk.
@@ -170,56 +171,6 @@ SG_HOST_DEVICE ElementContribution contribution(typename Element<DT>::Bits b, do
 template <GradDtype DT>
 SG_HOST_DEVICE bool is_nonfinite(typename Element<DT>::Bits b) {
   return (b & Element<DT>::kMagnitudeMask) >= Element<DT>::kInfBits;
-}
-
-/// NaN elements among `n` (the slow path, taken only for a chunk that holds non-finite values).
-template <GradDtype DT>
-inline std::int64_t count_nan(const typename Element<DT>::Bits* p, std::int64_t n) {
-  std::int64_t nan = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    nan += (p[i] & Element<DT>::kMagnitudeMask) > Element<DT>::kInfBits ? 1 : 0;
-  }
-  return nan;
-}
-
-/// One chunk on the CPU, in the GPU block's order: `n` elements starting at `p` (the chunk's
-/// first element, at a multiple of lanes_per_row within its tensor). The hot loop only sums and
-/// counts non-finite elements; NaNs are told from Infs in a second look at a chunk that has any.
-/// With kScaled false, inv_scale is 1 and its multiply is left out (x * 1.0 == x exactly).
-/// Always inlined, so each CPU target clone (AVX-512, AVX2, baseline) compiles its own copy.
-template <GradDtype DT, bool kScaled>
-__attribute__((always_inline)) inline ChunkStats inspect_chunk(const typename Element<DT>::Bits* p,
-                                                               std::int64_t n, double inv_scale) {
-  using E = Element<DT>;
-  using Bits = typename E::Bits;
-  constexpr int kSlots = kPacketBytes / sizeof(Bits);
-  constexpr int kLanes = kThreadsPerChunk * kSlots;
-  alignas(64) double lanes[kLanes];
-  for (int k = 0; k < kLanes; ++k) lanes[k] = 0.0;
-  std::int64_t nonfinite_count = 0;
-  for (std::int64_t base = 0; base < n; base += kLanes) {
-    const int m = n - base < kLanes ? static_cast<int>(n - base) : kLanes;
-    const Bits* row = p + base;
-    std::int32_t row_nonfinite = 0;  // 32-bit inside a row keeps the vector lanes narrow
-    for (int k = 0; k < m; ++k) {
-      const Bits mag = row[k] & E::kMagnitudeMask;
-      const Bits finite = mag < E::kInfBits;
-      const double x = E::magnitude(mag & static_cast<Bits>(Bits{0} - finite));
-      const double v = kScaled ? x * inv_scale : x;
-      lanes[k] += v * v;
-      row_nonfinite += static_cast<std::int32_t>(1 - finite);
-    }
-    nonfinite_count += row_nonfinite;
-  }
-  alignas(64) double per_thread[kThreadsPerChunk];
-  for (int t = 0; t < kThreadsPerChunk; ++t) {
-    per_thread[t] = combine_slots(lanes + t * kSlots, kSlots);
-  }
-  ChunkStats out;
-  out.sum_squares = tree_sum_threads(per_thread);
-  out.nan_count = nonfinite_count > 0 ? count_nan<DT>(p, n) : 0;
-  out.inf_count = nonfinite_count - out.nan_count;
-  return out;
 }
 
 }  // namespace inspect

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "csrc/inspect/cpu_chunk.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
 
 namespace stepguard {
@@ -42,11 +43,42 @@ GradDtype grad_dtype_of(const at::Tensor& grad, std::size_t index) {
 
 namespace {
 
-// One unit of work: a fixed-size slice of one gradient.
+// One unit of work: a fixed-size slice of one gradient, with its address resolved up front so the
+// workers touch no at::Tensor (many small gradients: one chunk each, walked back to back).
 struct Chunk {
-  std::size_t tensor;
-  std::int64_t begin;
-  std::int64_t end;
+  void* data;
+  std::int64_t count;
+  std::int32_t tensor;
+  GradDtype dtype;
+};
+
+// The gradients as the passes read them: a contiguous gradient itself, any other through a
+// contiguous copy held here. No at::Tensor handle is copied per gradient (that is an atomic
+// reference count up and down each, which adds up over many small gradients).
+class GradViews {
+ public:
+  explicit GradViews(const std::vector<at::Tensor>& grads)
+      : grads_(grads), copies_(grads.size()), dtypes_(grads.size(), GradDtype::kFloat32) {}
+  std::size_t size() const { return grads_.size(); }
+  const at::Tensor& operator[](std::size_t i) const {
+    return copies_[i].defined() ? copies_[i] : grads_[i];
+  }
+  GradDtype dtype(std::size_t i) const { return dtypes_[i]; }
+  void set(std::size_t i, GradDtype dtype) {
+    dtypes_[i] = dtype;
+    if (!grads_[i].is_contiguous()) copies_[i] = grads_[i].contiguous();
+  }
+  /// Writes unscaled copies back into their gradients.
+  void copy_back() const {
+    for (std::size_t i = 0; i < copies_.size(); ++i) {
+      if (copies_[i].defined()) grads_[i].copy_(copies_[i]);
+    }
+  }
+
+ private:
+  const std::vector<at::Tensor>& grads_;
+  std::vector<at::Tensor> copies_;  ///< defined for the non-contiguous gradients only
+  std::vector<GradDtype> dtypes_;
 };
 
 // The hot loops, compiled for AVX-512, AVX2 and the baseline; the loader picks one at start-up.
@@ -57,25 +89,29 @@ struct Chunk {
 #define SG_CPU_CLONES
 #endif
 
-SG_CPU_CLONES ChunkStats chunk_f32(const void* p, std::int64_t n, double inv_scale) {
+SG_CPU_CLONES ChunkStats chunk_f32(const void* p, std::int64_t n, double inv_scale,
+                                   const void* next) {
   const auto* bits = static_cast<const std::uint32_t*>(p);
-  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat32, false>(bits, n, inv_scale)
-                          : inspect_chunk<GradDtype::kFloat32, true>(bits, n, inv_scale);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat32, false>(bits, n, inv_scale, next)
+                          : inspect_chunk<GradDtype::kFloat32, true>(bits, n, inv_scale, next);
 }
-SG_CPU_CLONES ChunkStats chunk_f16(const void* p, std::int64_t n, double inv_scale) {
+SG_CPU_CLONES ChunkStats chunk_f16(const void* p, std::int64_t n, double inv_scale,
+                                   const void* next) {
   const auto* bits = static_cast<const std::uint16_t*>(p);
-  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat16, false>(bits, n, inv_scale)
-                          : inspect_chunk<GradDtype::kFloat16, true>(bits, n, inv_scale);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat16, false>(bits, n, inv_scale, next)
+                          : inspect_chunk<GradDtype::kFloat16, true>(bits, n, inv_scale, next);
 }
-SG_CPU_CLONES ChunkStats chunk_bf16(const void* p, std::int64_t n, double inv_scale) {
+SG_CPU_CLONES ChunkStats chunk_bf16(const void* p, std::int64_t n, double inv_scale,
+                                    const void* next) {
   const auto* bits = static_cast<const std::uint16_t*>(p);
-  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kBFloat16, false>(bits, n, inv_scale)
-                          : inspect_chunk<GradDtype::kBFloat16, true>(bits, n, inv_scale);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kBFloat16, false>(bits, n, inv_scale, next)
+                          : inspect_chunk<GradDtype::kBFloat16, true>(bits, n, inv_scale, next);
 }
-SG_CPU_CLONES ChunkStats chunk_f64(const void* p, std::int64_t n, double inv_scale) {
+SG_CPU_CLONES ChunkStats chunk_f64(const void* p, std::int64_t n, double inv_scale,
+                                   const void* next) {
   const auto* bits = static_cast<const std::uint64_t*>(p);
-  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat64, false>(bits, n, inv_scale)
-                          : inspect_chunk<GradDtype::kFloat64, true>(bits, n, inv_scale);
+  return inv_scale == 1.0 ? inspect_chunk<GradDtype::kFloat64, false>(bits, n, inv_scale, next)
+                          : inspect_chunk<GradDtype::kFloat64, true>(bits, n, inv_scale, next);
 }
 
 // In-place unscale of finite fp32 elements (in fp32, as GradScaler does) while the chunk is hot.
@@ -116,16 +152,18 @@ void unscale_chunk(GradDtype dtype, void* p, std::int64_t n, double inv_scale) {
   }
 }
 
-ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, double inv_scale) {
+// `next`: the chunk the caller reads after this one, prefetched at the end (or null).
+ChunkStats inspect_one_chunk(GradDtype dtype, const void* p, std::int64_t n, double inv_scale,
+                             const void* next) {
   switch (dtype) {
     case GradDtype::kFloat32:
-      return chunk_f32(p, n, inv_scale);
+      return chunk_f32(p, n, inv_scale, next);
     case GradDtype::kFloat16:
-      return chunk_f16(p, n, inv_scale);
+      return chunk_f16(p, n, inv_scale, next);
     case GradDtype::kBFloat16:
-      return chunk_bf16(p, n, inv_scale);
+      return chunk_bf16(p, n, inv_scale, next);
     case GradDtype::kFloat64:
-      return chunk_f64(p, n, inv_scale);
+      return chunk_f64(p, n, inv_scale, next);
   }
   return {};
 }
@@ -207,9 +245,8 @@ cuda::FusedInspector& inspector_for(at::Device device, void* stream) {
 }
 
 // One fused launch writing `head` in place, on the current stream; no host read, no host wait.
-void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& views,
-                     const std::vector<GradDtype>& dtypes, const InspectOptions& options,
-                     const at::Tensor& head, LocalStats* stats, DeferredBlame* blame) {
+void inspect_on_cuda(const GradViews& views, const InspectOptions& options, const at::Tensor& head,
+                     LocalStats* stats, DeferredBlame* blame) {
   const at::Device device = head.device();
   // The caller's current device comes back on every path out, through PyTorch's own device switch
   // (as its ops do); FusedInspector then finds the device current and switches nothing.
@@ -220,7 +257,7 @@ void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at:
   std::vector<cuda::DeviceGradient> device_grads(views.size());
   for (std::size_t i = 0; i < views.size(); ++i) {
     if (!views[i].defined()) continue;
-    device_grads[i] = {views[i].data_ptr(), views[i].numel(), dtypes[i]};
+    device_grads[i] = {views[i].data_ptr(), views[i].numel(), views.dtype(i)};
     stats->num_elements += views[i].numel();
   }
   const auto on_device = at::TensorOptions().device(device);
@@ -262,24 +299,18 @@ void inspect_on_cuda(const std::vector<at::Tensor>& grads, const std::vector<at:
       launched.block(current);
     }
   }
-  if (unscale) {
-    for (std::size_t i = 0; i < views.size(); ++i) {
-      if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
-    }
-  }
+  if (unscale) views.copy_back();
 }
 
 // Checks every gradient before anything is touched, so a bad list changes no gradient; fills the
 // contiguous views and dtypes. Returns the first defined gradient, or nullptr.
 const at::Tensor* validate(const std::vector<at::Tensor>& grads, const at::Tensor& head,
-                           std::vector<at::Tensor>* views, std::vector<GradDtype>* dtypes) {
+                           GradViews* views) {
   TORCH_CHECK(head.defined() && head.dim() == 1 && head.numel() == inspect_slot::kCount &&
                   head.scalar_type() == at::kDouble,
               "stepguard: inspection results need a float64 tensor of 4 elements");
   const at::Tensor* first = nullptr;
   std::size_t first_index = 0;
-  views->assign(grads.size(), at::Tensor());
-  dtypes->assign(grads.size(), GradDtype::kFloat32);
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     if (!g.defined()) continue;
@@ -296,8 +327,7 @@ const at::Tensor* validate(const std::vector<at::Tensor>& grads, const at::Tenso
     TORCH_CHECK(g.device().is_cpu() || (g.device().is_cuda() && cuda::compiled_with_cuda()),
                 "stepguard: gradient ", i, " is on ", g.device(), "; this build inspects ",
                 cuda::compiled_with_cuda() ? "CPU and CUDA" : "CPU", " gradients only");
-    (*dtypes)[i] = grad_dtype_of(g, i);
-    (*views)[i] = g.is_contiguous() ? g : g.contiguous();
+    views->set(i, grad_dtype_of(g, i));
   }
   if (first != nullptr) {
     TORCH_CHECK(head.device() == first->device(), "stepguard: inspection results are on ",
@@ -307,39 +337,40 @@ const at::Tensor* validate(const std::vector<at::Tensor>& grads, const at::Tenso
 }
 
 // The CPU path: chunks in parallel, combined in a fixed order, results into `head`.
-void inspect_on_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& views,
-                    const std::vector<GradDtype>& dtypes, const InspectOptions& options,
-                    const at::Tensor& head, LocalStats* out) {
+void inspect_on_cpu(const GradViews& views, const InspectOptions& options, const at::Tensor& head,
+                    LocalStats* out) {
   LocalStats& stats = *out;
   std::vector<Chunk> chunks;
+  chunks.reserve(views.size());
   for (std::size_t i = 0; i < views.size(); ++i) {
     if (!views[i].defined()) continue;
     const std::int64_t n = views[i].numel();
+    if (n == 0) continue;
     stats.num_elements += n;
+    char* base = static_cast<char*>(views[i].data_ptr());
+    const GradDtype dt = views.dtype(i);
     for (std::int64_t b = 0; b < n; b += kChunkElements) {
-      chunks.push_back({i, b, std::min(n, b + kChunkElements)});
+      chunks.push_back({base + b * element_bytes(dt), std::min(kChunkElements, n - b),
+                        static_cast<std::int32_t>(i), dt});
     }
   }
 
   const bool unscale_here = options.unscale_in_place && options.inv_scale != 1.0;
   std::vector<ChunkStats> partial(chunks.size());
   // A few chunks per task: enough to spread over threads, few enough to keep tasks cheap.
-  at::parallel_for(0, static_cast<std::int64_t>(chunks.size()), 4,
-                   [&](std::int64_t lo, std::int64_t hi) {
-                     for (std::int64_t c = lo; c < hi; ++c) {
-                       const Chunk& ch = chunks[c];
-                       const GradDtype dt = dtypes[ch.tensor];
-                       char* base = static_cast<char*>(views[ch.tensor].data_ptr());
-                       void* first = base + ch.begin * element_bytes(dt);
-                       const std::int64_t n = ch.end - ch.begin;
-                       partial[c] = inspect_one_chunk(dt, first, n, options.inv_scale);
-                       // In the same visit, while the chunk is in cache.
-                       if (unscale_here) unscale_chunk(dt, first, n, options.inv_scale);
-                     }
-                   });
+  at::parallel_for(
+      0, static_cast<std::int64_t>(chunks.size()), 4, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t c = lo; c < hi; ++c) {
+          const Chunk& ch = chunks[c];
+          const void* next = c + 1 < hi ? chunks[c + 1].data : nullptr;
+          partial[c] = inspect_one_chunk(ch.dtype, ch.data, ch.count, options.inv_scale, next);
+          // In the same visit, while the chunk is in cache.
+          if (unscale_here) unscale_chunk(ch.dtype, ch.data, ch.count, options.inv_scale);
+        }
+      });
 
   // Fixed order: chunks within a tensor, then tensors in parameter order.
-  std::vector<std::int64_t> tensor_nonfinite(grads.size(), 0);
+  std::vector<std::int64_t> tensor_nonfinite(views.size(), 0);
   for (std::size_t c = 0; c < chunks.size(); ++c) {
     const ChunkStats& p = partial[c];
     stats.tensor_sum_squares[chunks[c].tensor] += p.sum_squares;
@@ -347,17 +378,13 @@ void inspect_on_cpu(const std::vector<at::Tensor>& grads, const std::vector<at::
     stats.nan_count += p.nan_count;
     stats.inf_count += p.inf_count;
   }
-  for (std::size_t i = 0; i < grads.size(); ++i) {
+  for (std::size_t i = 0; i < views.size(); ++i) {
     stats.sum_squares += stats.tensor_sum_squares[i];
     if (tensor_nonfinite[i] > 0) stats.nonfinite_tensors.push_back(static_cast<std::int64_t>(i));
   }
   stats.sum_squares_overflow = !std::isfinite(stats.sum_squares);
 
-  if (unscale_here) {
-    for (std::size_t i = 0; i < grads.size(); ++i) {
-      if (views[i].defined() && !views[i].is_same(grads[i])) grads[i].copy_(views[i]);
-    }
-  }
+  if (unscale_here) views.copy_back();
   double block[inspect_slot::kCount] = {};
   block[inspect_slot::kNanCount] = static_cast<double>(stats.nan_count);
   block[inspect_slot::kInfCount] = static_cast<double>(stats.inf_count);
@@ -373,18 +400,17 @@ void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& op
                   const at::Tensor& head, LocalStats* out, DeferredBlame* blame) {
   TORCH_CHECK(std::isfinite(options.inv_scale) && options.inv_scale > 0.0,
               "stepguard: inv_scale must be finite and positive, got ", options.inv_scale);
-  std::vector<at::Tensor> views;
-  std::vector<GradDtype> dtypes;
-  const at::Tensor* first = validate(grads, head, &views, &dtypes);
+  GradViews views(grads);
+  const at::Tensor* first = validate(grads, head, &views);
   *out = LocalStats();
   *blame = DeferredBlame();
   out->num_tensors = static_cast<std::int64_t>(grads.size());
   out->tensor_sum_squares.assign(grads.size(), 0.0);
   if (first != nullptr && first->is_cuda()) {
-    inspect_on_cuda(grads, views, dtypes, options, head, out, blame);
+    inspect_on_cuda(views, options, head, out, blame);
     return;
   }
-  inspect_on_cpu(grads, views, dtypes, options, head, out);
+  inspect_on_cpu(views, options, head, out);
 }
 
 void DeferredBlame::fetch(LocalStats* stats) const {

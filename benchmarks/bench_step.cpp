@@ -1,13 +1,15 @@
 // A guarded C++ training iteration against the same iteration unguarded, in one process.
 //
 //   build/bin/bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] [--only TEXT]
-//                        [--threads T] [--per-iteration]
+//                        [--threads T] [--per-iteration] [--device cpu|cuda[:N]]
 //
 // Models: the demo's character transformer (integration/demo/model.h, its default dimensions,
 // batch 32 x 64 tokens) and the same class at d_model 768, 8 blocks, 12 heads (57M parameters,
 // batch N x 128 tokens, N = 4 by default: 1.4 s an iteration on 2 cores; the guard's work grows
 // with the parameters, not the tokens, so a smaller batch shows a larger overhead); batches are
-// windows of the demo's corpus, as the demo reads them.
+// windows of the demo's corpus, as the demo reads them. With --device cuda the model, its
+// gradients and the batches live on the GPU and every timed span ends with a device synchronize
+// (benchmarks/gpu_check.sh runs it so on a GPU machine).
 // Policies: configs/policies/default.yaml (RAM snapshots every 50 steps, 2 kept) and the same
 // detectors and rules without snapshots (rollbacks become skips).
 //
@@ -39,6 +41,7 @@
 // (GuardedOptimizer::last_stage_seconds) gives means per guarded step: inspect_ms, agree_ms,
 // decide_ms, act_ms (holds AdamW's own step), snapshot_ms (starting the copy and waiting for it,
 // over all steps), record_ms.
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -89,6 +92,7 @@ struct Args {
   int large_batch = 4;
   int threads = 0;             // 0: every CPU, as the demo runs
   bool per_iteration = false;  // every timed iteration on stderr, to see where time went
+  std::string device = "cpu";
   std::string only;
   std::string corpus = "/usr/share/common-licenses";
 };
@@ -148,7 +152,9 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
               ": rounds x block (", timed, ") must be a multiple of ", kSnapshotEvery,
               " to count snapshots in proportion");
   torch::manual_seed(0);
+  const torch::Device device(args.device);
   CharTransformer model(c.model);
+  model->to(device);
   const auto params = model->parameters();
   std::int64_t num_params = 0;
   for (const auto& p : params) num_params += p.numel();
@@ -161,7 +167,12 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
     options.policy_yaml(kNoSnapshotsPolicy);
   }
   stepguard::GuardedOptimizer guard(adamw, model->named_parameters(), options);
-  const std::vector<Batch> batches = make_batches(corpus, 16, c.batch, c.model.context);
+  std::vector<Batch> batches = make_batches(corpus, 16, c.batch, c.model.context);
+  for (Batch& b : batches) b = {b.input.to(device), b.target.to(device)};
+  // Ends a timed span: on a GPU the host runs ahead of the kernels it queued.
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
 
   std::int64_t next_batch = 0;
   std::vector<double> plain_times, guarded_times, plain_steps, guard_steps;
@@ -175,14 +186,17 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
     auto loss = torch::nn::functional::cross_entropy(logits.view({-1, c.model.vocab_size}),
                                                      b.target.view({-1}));
     loss.backward();
+    sync();
     const auto t_step = Clock::now();
     if (guarded) {
       guard_step = guard.step(loss.detach()).step;
     } else {
       adamw.step();
     }
+    sync();
     *step_seconds = seconds_since(t_step);
     adamw.zero_grad();
+    sync();
     return seconds_since(t0);
   };
   double ignored = 0.0;
@@ -268,7 +282,7 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
       guarded_ms +
       snapshot_extra_ms * static_cast<double>(snapshot_steps.size()) / static_cast<double>(timed);
   std::printf(
-      "{\"case\": \"%s\", \"params\": %" PRId64 ", \"threads\": %d, \"iterations\": %" PRId64
+      "{\"case\": \"%s\", \"device\": \"%s\", \"params\": %" PRId64 ", \"threads\": %d, \"iterations\": %" PRId64
       ", \"plain_ms\": %.3f, \"guarded_ms\": %.3f, \"overhead\": %.4f, \"plain_mean_ms\": %.3f, "
       "\"guarded_mean_ms\": %.3f, \"overhead_mean\": %.4f, \"plain_step_ms\": %.3f, "
       "\"guard_step_ms\": %.3f, \"step_overhead\": %.4f, \"plain_rest_ms\": %.3f, "
@@ -277,7 +291,7 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
       "\"snapshots\": %" PRId64
       ", \"snapshot_extra_ms\": %.3f, \"overhead_snapshots\": %.4f, "
       "\"applied\": %" PRId64 ", \"incidents\": %" PRId64 ", \"seconds\": %.1f}\n",
-      c.name, num_params, torch::get_num_threads(), timed, plain_ms, guarded_ms,
+      c.name, args.device.c_str(), num_params, torch::get_num_threads(), timed, plain_ms, guarded_ms,
       guarded_ms / plain_ms - 1.0, plain_mean_ms, guarded_mean_ms,
       guarded_mean_ms / plain_mean_ms - 1.0, plain_step_ms, guard_step_ms,
       (guard_step_ms - plain_step_ms) / plain_ms, rest_ms(plain_times, plain_steps),
@@ -302,6 +316,14 @@ int parse_int(const char* flag, const char* value) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Steady host memory for both loops. By default glibc maps blocks above a moving threshold fresh
+  // and returns free memory above another to the OS, so AdamW's per-step temporaries (up to 9 MB
+  // each here) fault their pages in again on some steps and not on others: with the 1.4 GB
+  // snapshot ring resident, plain AdamW steps of the 57M model took either about 90 ms or 700-900
+  // ms (this VM faults memory in at about 5 s per GB), in the plain and the guarded loop alike.
+  // Fixed thresholds keep those blocks in the heap, as a GPU job's caching allocator does.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest: half of a thread arena's heap
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   Args args;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -321,12 +343,15 @@ int main(int argc, char** argv) {
       continue;
     } else if (flag == "--only" && value) {
       args.only = value;
+    } else if (flag == "--device" && value) {
+      args.device = value;
     } else if (flag == "--corpus" && value) {
       args.corpus = value;
     } else {
       std::fprintf(stderr,
                    "usage: bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] "
-                   "[--only TEXT] [--threads T] [--corpus DIR] [--per-iteration]\n");
+                   "[--only TEXT] [--threads T] [--corpus DIR] [--per-iteration] "
+                   "[--device cpu|cuda[:N]]\n");
       return 2;
     }
     ++i;
@@ -339,6 +364,23 @@ int main(int argc, char** argv) {
   torch::set_num_threads(args.threads > 0
                              ? args.threads
                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  try {
+    const torch::Device device(args.device);
+    if (device.is_cuda() && !torch::cuda::is_available()) {
+      std::fprintf(stderr, "bench_step: --device %s: no CUDA device is available\n",
+                   args.device.c_str());
+      return 2;
+    }
+    if (!device.is_cpu() && !device.is_cuda()) {
+      std::fprintf(stderr, "bench_step: --device %s: only cpu and cuda are measured\n",
+                   args.device.c_str());
+      return 2;
+    }
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "bench_step: --device '%s' is not a device (cpu, cuda, cuda:N)\n",
+                 args.device.c_str());
+    return 2;
+  }
   const Corpus corpus = Corpus::load(args.corpus);
 
   ModelConfig demo;  // the demo's own dimensions

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: builds stepguard against the GPU machine's CUDA LibTorch, runs the GPU tests and
-# the GPU benchmark, and writes everything into the folder named by its argument.
+# the GPU benchmarks (the inspection kernel, and a guarded training iteration against the plain
+# one: bench_step --device cuda), and writes everything into the folder named by its argument.
 #
 #   benchmarks/gpu_check.sh --fetch-deps   # on the build machine (Debian, with apt): downloads the
 #                                          # .debs the GPU machine lacks into .gpudeps/
@@ -55,7 +56,7 @@ grep -q 'stepguard: CUDA' "$OUT/configure.log" ||
 TORCH_ABI=$($PY -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 grep -q "_GLIBCXX_USE_CXX11_ABI=$TORCH_ABI" build-gpu/CMakeCache.txt ||
   { echo "gpu_check: the build's _GLIBCXX_USE_CXX11_ABI is not torch's ($TORCH_ABI)" >&2; exit 1; }
-cmake --build build-gpu -j16 --target stepguard_tests bench_inspect_gpu
+cmake --build build-gpu -j16 --target stepguard_tests bench_inspect_gpu bench_step
 
 set +e
 build-gpu/bin/stepguard_tests --gtest_filter='Cuda*:Nccl*:Inspect*' \
@@ -64,6 +65,14 @@ tests_rc=$?
 build-gpu/bin/bench_inspect_gpu --benchmark_format=json --benchmark_out="$OUT/bench_gpu.json" \
   --benchmark_out_format=json
 bench_rc=$?
+# The demo model and the 57M one at a batch a GPU trains (32 x 128 tokens), default policy and no
+# snapshots; one JSON object per case. The corpus: the demo's, else this repository's docs.
+CORPUS=/usr/share/common-licenses
+[[ -d "$CORPUS" ]] || CORPUS="$PWD/docs"
+build-gpu/bin/bench_step --device cuda --large-batch 32 --large-block 25 --rounds 4 \
+  --corpus "$CORPUS" > "$OUT/bench_step_gpu.json"
+step_rc=$?
+cat "$OUT/bench_step_gpu.json"
 set -e
-echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc; results in $OUT"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+echo "gpu_check: tests rc=$tests_rc bench_inspect_gpu rc=$bench_rc bench_step rc=$step_rc; results in $OUT"
+exit $(( tests_rc != 0 || bench_rc != 0 || step_rc != 0 ))

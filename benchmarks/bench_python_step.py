@@ -13,6 +13,7 @@ overhead (= guarded / plain - 1, medians), and the same from means (overhead_mea
 """
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -97,7 +98,22 @@ def run_case(name, config, batch, context, policy_yaml, rounds, block):
     }
 
 
+def steady_host_memory():
+    """Pins glibc's allocation thresholds, as bench_step does: with its moving defaults, AdamW's
+    per-step temporaries are sometimes mapped fresh and fault their pages in again, in the plain
+    and the guarded loop alike (hundreds of ms a step on a 50M model here), which a GPU job's
+    caching allocator never sees."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to pin
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def main():
+    steady_host_memory()
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--block", type=int, default=5)

@@ -1,4 +1,5 @@
 // The `stepguard` command.
+#include <malloc.h>
 #include <c10/util/Exception.h>
 
 #include <cerrno>
@@ -210,6 +211,12 @@ int run_demo_command(const std::vector<std::string>& args) {
   if (!options->policy.empty()) {
     if (!report_policy_issues(options->policy)) return 2;
   }
+  // Steady host memory for the training loop (this program's choice, not the library's): with
+  // glibc's moving thresholds, the optimizer's per-step temporaries are at times mapped fresh and
+  // fault every page in again; pinned, a demo iteration on 2 cores took 65 ms instead of 149 ms
+  // (benchmarks/bench_step.cpp). Forked ranks run this same path.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   return stepguard::demo::run_demo(*options);
 }
 

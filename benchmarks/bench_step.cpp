@@ -282,7 +282,8 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
       guarded_ms +
       snapshot_extra_ms * static_cast<double>(snapshot_steps.size()) / static_cast<double>(timed);
   std::printf(
-      "{\"case\": \"%s\", \"device\": \"%s\", \"params\": %" PRId64 ", \"threads\": %d, \"iterations\": %" PRId64
+      "{\"case\": \"%s\", \"device\": \"%s\", \"params\": %" PRId64
+      ", \"threads\": %d, \"iterations\": %" PRId64
       ", \"plain_ms\": %.3f, \"guarded_ms\": %.3f, \"overhead\": %.4f, \"plain_mean_ms\": %.3f, "
       "\"guarded_mean_ms\": %.3f, \"overhead_mean\": %.4f, \"plain_step_ms\": %.3f, "
       "\"guard_step_ms\": %.3f, \"step_overhead\": %.4f, \"plain_rest_ms\": %.3f, "
@@ -291,8 +292,8 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
       "\"snapshots\": %" PRId64
       ", \"snapshot_extra_ms\": %.3f, \"overhead_snapshots\": %.4f, "
       "\"applied\": %" PRId64 ", \"incidents\": %" PRId64 ", \"seconds\": %.1f}\n",
-      c.name, args.device.c_str(), num_params, torch::get_num_threads(), timed, plain_ms, guarded_ms,
-      guarded_ms / plain_ms - 1.0, plain_mean_ms, guarded_mean_ms,
+      c.name, args.device.c_str(), num_params, torch::get_num_threads(), timed, plain_ms,
+      guarded_ms, guarded_ms / plain_ms - 1.0, plain_mean_ms, guarded_mean_ms,
       guarded_mean_ms / plain_mean_ms - 1.0, plain_step_ms, guard_step_ms,
       (guard_step_ms - plain_step_ms) / plain_ms, rest_ms(plain_times, plain_steps),
       rest_ms(guarded_times, guard_steps), stage_ms(&stepguard::StageSeconds::inspect),

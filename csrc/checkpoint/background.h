@@ -19,8 +19,33 @@
 #include <string>
 #include <thread>
 
+#include <cstdint>
+
 namespace stepguard {
 namespace checkpoint {
+
+/// A function a test installs to hold background work at a gate instead of timing it: set() from
+/// the test thread, run(step) on the background thread as each job starts (an empty function:
+/// nothing happens).
+class TestHook {
+ public:
+  void set(std::function<void(std::int64_t)> hook) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    hook_ = std::move(hook);
+  }
+  void run(std::int64_t step) const {
+    std::function<void(std::int64_t)> hook;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      hook = hook_;
+    }
+    if (hook) hook(step);  // outside the lock: it may block until the test lets it go
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::function<void(std::int64_t)> hook_;
+};
 
 class BackgroundThread {
  public:

@@ -32,17 +32,7 @@ struct SnapshotCopy::State {
 
 namespace {
 
-std::mutex hook_mutex;
-std::function<void(std::int64_t)> copy_hook;
-
-void run_copy_hook(std::int64_t step) {
-  std::function<void(std::int64_t)> hook;
-  {
-    std::lock_guard<std::mutex> lock(hook_mutex);
-    hook = copy_hook;
-  }
-  if (hook) hook(step);
-}
+TestHook copy_hook;
 
 // The side stream of each device the copy reads from, ordered after that device's producer.
 using SideStreams = std::vector<std::pair<c10::Device, c10::Stream>>;
@@ -129,7 +119,7 @@ class SideStreamsDone {
 
 // The background half of a copy: every tensor into host memory, then the checksum.
 void fill(SnapshotCopy::State& st) {
-  run_copy_hook(st.snapshot->step);
+  copy_hook.run(st.snapshot->step);
   at::NoGradGuard no_grad;  // thread-local: this thread's own
   SideStreams side;
   for (auto& [device, ready] : st.producers) {
@@ -192,8 +182,7 @@ void SnapshotCopy::release_sources() const {
 }
 
 void set_copy_hook_for_testing(std::function<void(std::int64_t)> hook) {
-  std::lock_guard<std::mutex> lock(hook_mutex);
-  copy_hook = std::move(hook);
+  copy_hook.set(std::move(hook));
 }
 
 SnapshotCopy start_copy(BackgroundThread& thread, std::int64_t step,

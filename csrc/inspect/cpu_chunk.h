@@ -88,23 +88,27 @@ __attribute__((always_inline)) inline ChunkStats inspect_chunk_masked(
 template <GradDtype DT>
 struct Packed;
 
-template <>
-struct Packed<GradDtype::kFloat32> {
-  using Word = std::uint32_t;
+/// fp32 and fp64: one element per word, read as itself.
+template <typename W>
+struct OnePerWord {
+  using Word = W;
   static constexpr int kPerWord = 1;
   static constexpr bool kSumShowsNonFinite = true;
-  static double value(Word w, int) { return static_cast<double>(bits_to_f32(w)); }
+  static double value(Word w, int) {
+    if constexpr (sizeof(W) == 4) {
+      return static_cast<double>(bits_to_f32(w));
+    } else {
+      return bits_to_f64(w);
+    }
+  }
   static std::uint32_t nonfinite(Word) { return 0; }
 };
 
 template <>
-struct Packed<GradDtype::kFloat64> {
-  using Word = std::uint64_t;
-  static constexpr int kPerWord = 1;
-  static constexpr bool kSumShowsNonFinite = true;
-  static double value(Word w, int) { return bits_to_f64(w); }
-  static std::uint32_t nonfinite(Word) { return 0; }
-};
+struct Packed<GradDtype::kFloat32> : OnePerWord<std::uint32_t> {};
+
+template <>
+struct Packed<GradDtype::kFloat64> : OnePerWord<std::uint64_t> {};
 
 template <>
 struct Packed<GradDtype::kBFloat16> {

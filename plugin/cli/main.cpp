@@ -1,6 +1,6 @@
 // The `stepguard` command.
-#include <malloc.h>
 #include <c10/util/Exception.h>
+#include <malloc.h>
 
 #include <cerrno>
 #include <cinttypes>

@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
-#include <mutex>
 #include <random>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
@@ -59,23 +58,12 @@ bool same_dir(const std::string& a, const std::string& b) {
 
 constexpr const char* kBufferPrefix = "buffer.";
 
-std::mutex write_hook_mutex;
-std::function<void(std::int64_t)> write_hook;
-
-void run_write_hook(std::int64_t step) {
-  std::function<void(std::int64_t)> hook;
-  {
-    std::lock_guard<std::mutex> lock(write_hook_mutex);
-    hook = write_hook;
-  }
-  if (hook) hook(step);
-}
+checkpoint::TestHook write_hook;
 
 }  // namespace
 
 void Recovery::set_write_hook_for_testing(std::function<void(std::int64_t)> hook) {
-  std::lock_guard<std::mutex> lock(write_hook_mutex);
-  write_hook = std::move(hook);
+  write_hook.set(std::move(hook));
 }
 
 Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config)
@@ -310,7 +298,7 @@ bool Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
         checkpoint::SnapshotCopy& copy;
         ~Release() { copy = checkpoint::SnapshotCopy(); }
       } release{copy};
-      run_write_hook(record.step);
+      write_hook.run(record.step);
       const auto start = Clock::now();
       const std::shared_ptr<const checkpoint::Snapshot> s = copy.get();
       const checkpoint::EncodedPayload payload =
@@ -322,15 +310,19 @@ bool Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
     // Nothing started (the opaque state could not be taken, no thread): a failed write.
     pending_write_ = std::future<void>();
     pending_seen_ = true;
-    pending_failed_ = true;
-    ++checkpoint_failures_;
-    std::fprintf(stderr,
-                 "stepguard: rank %d: step %" PRId64
-                 ": writing the disk checkpoint failed (%s); training goes on, the last good "
-                 "checkpoint stays\n",
-                 consensus_.rank(), record.step, e.what());
+    write_failed(e.what());
   }
   return true;
+}
+
+void Recovery::write_failed(const char* why) {
+  pending_failed_ = true;
+  ++checkpoint_failures_;
+  std::fprintf(stderr,
+               "stepguard: rank %d: step %" PRId64
+               ": writing the disk checkpoint failed (%s); training goes on, the last good "
+               "checkpoint stays\n",
+               consensus_.rank(), pending_step_, why);
 }
 
 void Recovery::observe_write(bool wait) {
@@ -343,13 +335,7 @@ void Recovery::observe_write(bool wait) {
     pending_write_.get();
     pending_seconds_ = *pending_timer_;
   } catch (const std::exception& e) {
-    ++checkpoint_failures_;
-    pending_failed_ = true;
-    std::fprintf(stderr,
-                 "stepguard: rank %d: step %" PRId64
-                 ": writing the disk checkpoint failed (%s); training goes on, the last good "
-                 "checkpoint stays\n",
-                 consensus_.rank(), pending_step_, e.what());
+    write_failed(e.what());
   }
 }
 

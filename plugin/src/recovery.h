@@ -179,6 +179,8 @@ class Recovery {
   checkpoint::BackgroundThread& writer();
   /// Takes in the outcome of this rank's write once it has finished (waiting for it when `wait`).
   void observe_write(bool wait);
+  /// The pending checkpoint's write failed on this rank: marked, counted and logged.
+  void write_failed(const char* why);
   /// Commits (when `keep`) or removes the pending checkpoint (rank 0); it is no longer pending.
   std::int64_t finish_pending(bool keep);
 

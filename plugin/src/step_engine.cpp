@@ -62,11 +62,7 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   event_log_ = open_trace(options_);
 }
 
-StepEngine::~StepEngine() {
-  settle_snapshot();
-  recovery_.wait_for_checkpoint();
-  report_checkpoint_counts();
-}
+StepEngine::~StepEngine() { synchronize(); }
 
 StepReport StepEngine::step(const at::Tensor& loss) {
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts

@@ -2,6 +2,7 @@
 BUILD_DIR ?= build
 JOBS      ?= 2
 BUILD_TYPE ?= Release
+PYTHON    ?= $(CURDIR)/.venv/bin/python
 DEMO_METRICS_PORT ?= 9464
 DEMO_ARGS ?= --steps 300 --inject nan_grad@100 --inject inf_grad@180 --inject nan_loss@240 \
              --metrics-port $(DEMO_METRICS_PORT) \
@@ -11,11 +12,17 @@ DEMO_ARGS ?= --steps 300 --inject nan_grad@100 --inject inf_grad@180 --inject na
 
 all: build
 
+# Debian's packages (the C++ side), then the pinned Python environment (.venv, with torch).
 deps:
 	scripts/install-deps
+	scripts/python-env
 
+# Everything builds against the environment's torch: its LibTorch for the C++ library, the CLI and
+# the tests, and its Python for stepguard._C.
 configure: deps
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DSTEPGUARD_PYTHON=$(PYTHON)
 
 build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)

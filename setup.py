@@ -1,9 +1,10 @@
 """pip install of the stepguard Python package: builds the C++ engine and stepguard._C with CMake
 against the torch of the Python running pip, and ships them in the package.
 
-    pip install --no-build-isolation .
+    .venv/bin/python -m pip install .
 
-(--no-build-isolation: the build must see your torch.) Needs a C++17 compiler, CMake >= 3.25 and
+The build runs CMake with the installing Python's own environment (not pip's isolated build
+environment, which has no torch), so the extension matches the torch it will run with. Needs a C++17 compiler, CMake >= 3.25 and
 the engine's libraries (yaml-cpp, prometheus-cpp, nlohmann-json, xxhash, pybind11 headers; on
 Debian: scripts/install-deps). STEPGUARD_CMAKE_ARGS adds CMake arguments.
 """
@@ -21,22 +22,40 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _installing_environment():
+    """The environment of the Python running pip, without pip's build isolation: the extension
+    is built against the torch installed there (an isolated build environment has none)."""
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME"):
+        env.pop(name, None)
+    return env
+
+
+def _torch_cmake_prefix(env):
+    try:
+        return subprocess.check_output(
+            [sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
+            env=env, text=True).strip()
+    except subprocess.CalledProcessError:
+        raise RuntimeError("stepguard: the Python installing it (%s) cannot import torch; "
+                           "install torch first (the pins: requirements.txt)" % sys.executable)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
-        import torch  # the torch this package is built against
-
+        env = _installing_environment()
         build_dir = os.path.join(self.build_temp, "cmake")
         os.makedirs(build_dir, exist_ok=True)
         args = [
             "cmake", "-S", HERE, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
             "-DSTEPGUARD_BUILD_TESTS=OFF", "-DSTEPGUARD_BUILD_BENCHMARKS=OFF",
             "-DSTEPGUARD_PYTHON=" + sys.executable,
-            "-DCMAKE_PREFIX_PATH=" + torch.utils.cmake_prefix_path,
+            "-DCMAKE_PREFIX_PATH=" + _torch_cmake_prefix(env),
         ] + shlex.split(os.environ.get("STEPGUARD_CMAKE_ARGS", ""))
-        subprocess.check_call(args)
+        subprocess.check_call(args, env=env)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "stepguard_python",
-                               "-j", jobs])
+                               "-j", jobs], env=env)
         package = os.path.join(build_dir, "python", "stepguard")
         if not glob.glob(os.path.join(package, "_C*")):
             raise RuntimeError("stepguard: CMake did not build stepguard._C (see its messages "
@@ -55,6 +74,7 @@ setup(
     version="0.1.0",
     description="Guards every optimizer step of PyTorch training against NaN/Inf and loss spikes",
     packages=["stepguard"],
+    package_data={"stepguard": ["_C.pyi", "py.typed"]},
     package_dir={"stepguard": "plugin/python/stepguard"},
     ext_modules=[Extension("stepguard._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

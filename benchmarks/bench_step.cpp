@@ -162,7 +162,7 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
   torch::optim::AdamW adamw(params, adamw_options);
   stepguard::GuardOptions options;
   if (c.snapshots) {
-    options.policy_file(STEPGUARD_SOURCE_DIR "/configs/policies/default.yaml");
+    options.policy(STEPGUARD_SOURCE_DIR "/configs/policies/default.yaml");
   } else {
     options.policy_yaml(kNoSnapshotsPolicy);
   }

@@ -1,4 +1,5 @@
 // The CUDA path: built and linked whenever nvcc exists; run only where a GPU is present.
+#include <ATen/core/grad_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 

@@ -247,7 +247,7 @@ TEST(GuardedOptimizer, PolicyFileLossScaleSectionSetsTheNumbers) {
   std::ofstream(path) << "version: 1\nloss_scale:\n  init_scale: 8\n  growth_interval: 2\n";
   auto p = torch::zeros({2}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
-  GuardedOptimizer guard(sgd, GuardOptions().policy_file(path));
+  GuardedOptimizer guard(sgd, GuardOptions().policy(path));
   EXPECT_EQ(guard.loss_scale(), 8.0);
   const GuardState initial = guard.state();
   EXPECT_EQ(initial.loss_scale, 8.0);
@@ -275,19 +275,19 @@ TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
   std::ofstream(path) << "version: 1\nlimits:\n  max_consecutive_bad_steps: 2\n";
   auto model = make_model(9);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-  GuardedOptimizer guard(opt, GuardOptions().policy_file(path));
+  GuardedOptimizer guard(opt, GuardOptions().policy(path));
   const auto nan_loss = torch::tensor(std::numeric_limits<float>::quiet_NaN());
   EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
   EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kAborted);
 
   expect_error_containing(
       [&] {
-        GuardedOptimizer both(opt, GuardOptions().policy_file(path).max_consecutive_bad_steps(4));
+        GuardedOptimizer both(opt, GuardOptions().policy(path).max_consecutive_bad_steps(4));
       },
       "max_consecutive_bad_steps is set both in GuardOptions and through the policy file");
   std::ofstream(path) << "version: 1\nlimits: {max_bad: 1}\n";
   try {
-    GuardedOptimizer bad(opt, GuardOptions().policy_file(path));
+    GuardedOptimizer bad(opt, GuardOptions().policy(path));
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(e.msg(), path + ":2:10: unknown key 'max_bad' in 'limits'");

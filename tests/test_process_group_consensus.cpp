@@ -238,7 +238,7 @@ TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
     auto p = torch::zeros({2}, torch::requires_grad());
     torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
     GuardedOptimizer guard(
-        sgd, GuardOptions().process_group(g.ranks[r]).store(g.store).collective_timeout_ms(1500));
+        sgd, GuardOptions().process_group(g.ranks[r]).store(g.store).collective_timeout(std::chrono::milliseconds(1500)));
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     const auto t0 = std::chrono::steady_clock::now();

@@ -222,7 +222,7 @@ class HeavyBall : public torch::optim::Optimizer {
       const double lr = static_cast<torch::optim::SGDOptions&>(group.options()).lr();
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
-        auto& slot = state_[c10::guts::to_string(p.unsafeGetTensorImpl())];
+        auto& slot = state_[p.unsafeGetTensorImpl()];
         if (!slot) {
           auto fresh = std::make_unique<HeavyBallState>();
           fresh->velocity(torch::zeros_like(p));

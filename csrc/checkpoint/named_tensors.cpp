@@ -1,5 +1,6 @@
 #include "csrc/checkpoint/named_tensors.h"
 
+#include <ATen/core/grad_mode.h>
 #include <sstream>
 
 #include "csrc/checkpoint/disk_checkpoint.h"

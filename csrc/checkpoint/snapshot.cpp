@@ -1,5 +1,6 @@
 #include "csrc/checkpoint/snapshot.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>

@@ -60,10 +60,13 @@ at::Tensor StepBuffer::inspection_block() const {
 
 void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
                       const std::optional<at::Tensor>& fingerprint) {
-  const at::Tensor l = loss.detach().reshape({}).to(buffer_.options());
+  // No loss (step() from the gradients alone): it counts as finite and adds nothing.
+  const at::Tensor l = loss.defined() ? loss.detach().reshape({}).to(buffer_.options())
+                                      : at::zeros({}, buffer_.options());
   const at::Tensor finite = at::isfinite(l);
   buffer_.select(0, step_slot::kLossSum).copy_(at::where(finite, l, at::zeros_like(l)));
   buffer_.select(0, step_slot::kLossNonfinite).copy_(finite.logical_not());
+  buffer_.select(0, step_slot::kLossGiven).fill_(loss.defined() ? 1.0 : 0.0);
   buffer_.select(0, step_slot::kRanksReporting).fill_(1.0);
   const int block = step_slot::kInspection;
   const at::Tensor grads_bad = (buffer_.select(0, block + inspect_slot::kNanCount) +
@@ -122,7 +125,8 @@ GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const 
   g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity() : sum_squares;
   g.grad_norm = std::sqrt(g.sum_squares);
   g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[step_slot::kLossNonfinite]);
-  const std::int64_t finite_ranks = world - g.loss_nonfinite_ranks;
+  g.loss_given_ranks = static_cast<std::int64_t>(s[step_slot::kLossGiven]);
+  const std::int64_t finite_ranks = g.loss_given_ranks - g.loss_nonfinite_ranks;
   g.loss = finite_ranks > 0 ? s[step_slot::kLossSum] / static_cast<double>(finite_ranks)
                             : std::numeric_limits<double>::quiet_NaN();
   g.faulty_rank_count = static_cast<std::int64_t>(s[step_slot::kFaultyRanks]);

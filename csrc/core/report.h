@@ -50,7 +50,10 @@ struct Incident {
 struct StepReport {
   Outcome outcome = Outcome::kApplied;
   std::int64_t step = 0;   ///< 1-based count of guarded steps, this one included
-  double loss = 0.0;       ///< the agreed loss (mean over ranks)
+  double loss = 0.0;       ///< the agreed loss (mean over ranks); NaN when loss_given is false
+  /// false when step() had no loss (gradients alone) on every rank: the loss detectors saw no
+  /// value this step.
+  bool loss_given = true;
   double grad_norm = 0.0;  ///< global L2 norm of the finite gradient elements
   double loss_scale = 1.0;
   double lr_factor = 1.0;

@@ -47,8 +47,10 @@ struct GlobalStats {
   double sum_squares = 0.0;
   double grad_norm = 0.0;  ///< sqrt(sum_squares), of finite elements only
   bool sum_squares_overflow = false;
-  double loss = 0.0;  ///< mean of the finite rank losses; NaN when every rank's loss is bad
+  /// Mean of the finite rank losses; NaN when every given loss is bad or no rank gave one.
+  double loss = 0.0;
   std::int64_t loss_nonfinite_ranks = 0;
+  std::int64_t loss_given_ranks = 1;  ///< ranks whose step() had a loss (0: gradients alone)
   int world_size = 1;
   // Counts from the fixed-size step buffer: how many ranks saw something, not which.
   std::int64_t faulty_rank_count = 0;         ///< ranks with a non-finite gradient or loss

@@ -33,6 +33,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   line["nan"] = stats.nan_count;
   line["inf"] = stats.inf_count;
   line["loss_nonfinite_ranks"] = stats.loss_nonfinite_ranks;
+  if (!report.loss_given) line["loss_given"] = false;  // step() without a loss: null is not NaN
   line["loss_scale"] = number(report.loss_scale);
   line["lr_factor"] = number(report.lr_factor);
   line["outcome"] = to_string(report.outcome);

@@ -1,6 +1,8 @@
 # Installs the built stepguard into a scratch prefix, then configures, builds and runs the consumer
-# project against that install tree only. Run with cmake -P (see integration/tests/CMakeLists.txt).
-foreach(var SOURCE_DIR BUILD_DIR WORK_DIR)
+# project against that install tree only, and the LibTorch it was built with (the package's
+# find_dependency(Torch) finds it through Torch_DIR, as a LibTorch user sets it). Run with
+# cmake -P (see integration/tests/CMakeLists.txt).
+foreach(var SOURCE_DIR BUILD_DIR WORK_DIR TORCH_DIR)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "run_consumer_test.cmake: ${var} is not set")
   endif()
@@ -25,7 +27,7 @@ if(CMAKE_GENERATOR)
 endif()
 run_step("configure" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/integration/cmake_consumer
          -B ${WORK_DIR}/build ${generator_args} -DCMAKE_BUILD_TYPE=Release
-         -DCMAKE_PREFIX_PATH=${prefix})
+         -DCMAKE_PREFIX_PATH=${prefix} -DTorch_DIR=${TORCH_DIR})
 run_step("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2)
 run_step("run" ${WORK_DIR}/build/consumer)
 message(STATUS "${last_output}")

@@ -219,7 +219,7 @@ int run_demo(const DemoOptions& o) {
   GuardOptions guard_options =
       GuardOptions().trace_path(rank_path(o.trace, world)).incident_dir(o.incident_dir);
   if (!o.policy.empty()) {
-    guard_options.policy_file(o.policy);
+    guard_options.policy(o.policy);
   } else if (o.max_consecutive_bad_steps >= 0) {
     // The built-in ladder with the asked limit.
     guard_options.max_consecutive_bad_steps(o.max_consecutive_bad_steps);
@@ -231,7 +231,7 @@ int run_demo(const DemoOptions& o) {
   if (world.size > 1) {
     guard_options.process_group(world.group.group)
         .store(world.group.store)
-        .collective_timeout_ms(o.collective_timeout_s * 1000);
+        .collective_timeout(std::chrono::milliseconds(o.collective_timeout_s * 1000));
   }
   const std::string checkpoint_dir = !o.checkpoint_dir.empty() ? o.checkpoint_dir : o.resume;
   if (!checkpoint_dir.empty()) {

@@ -260,7 +260,7 @@ TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
   EXPECT_EQ(s["skipped"], 2);
   EXPECT_EQ(s["applied"], 118);
   EXPECT_EQ(s["collectives"], 120 + 2 * 2);  // two more on each incident step
-  EXPECT_EQ(s["step_buffer_bytes"], 224);    // the same at any world size
+  EXPECT_EQ(s["step_buffer_bytes"], 232);    // the same at any world size
   EXPECT_EQ(s["params_finite"], true);
   EXPECT_EQ(s["outcomes_agree"], true);
   ASSERT_EQ(s["param_hashes"].size(), 4u);
@@ -591,7 +591,7 @@ TEST(MultiRank, EveryRanksReportNamesTheOriginAndTheAgreedCause) {
   const auto s = read_json(summary);
   EXPECT_EQ(s["outcomes_agree"], true);
   for (const auto& h : s["param_hashes"]) EXPECT_EQ(h, s["param_hashes"][0]);  // rolled back
-  EXPECT_EQ(s["step_buffer_bytes"], 224);
+  EXPECT_EQ(s["step_buffer_bytes"], 232);
 }
 
 // The acceptance run: a weight goes NaN at step 150; the guard rolls back in-process,

@@ -6,6 +6,10 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <type_traits>
 #include <memory>
 
 #include "csrc/consensus/process_group_consensus.h"
@@ -91,43 +95,110 @@ py::dict totals_dict(const GuardTotals& t) {
   return d;
 }
 
-std::unique_ptr<PyGuard> make_guard(py::object port, const std::string& policy_file,
-                                    const std::string& policy_yaml, const py::object& process_group,
-                                    const py::object& store, const std::string& trace_path,
-                                    bool trace_every_step, const std::string& checkpoint_dir,
-                                    std::int64_t checkpoint_every, const std::string& incident_dir,
-                                    int metrics_port, const std::string& metrics_bind_address,
-                                    const std::string& run_name, bool loss_scaling,
-                                    bool sharded_gradients, double collective_timeout,
-                                    std::int64_t max_consecutive_bad_steps, bool zero_grad_on_skip,
-                                    std::int64_t max_blamed_tensors, const std::string& run_id) {
-  TORCH_CHECK(std::isfinite(collective_timeout) && collective_timeout > 0,
-              "stepguard: collective_timeout must be a positive number of seconds, got ",
-              collective_timeout);
-  GuardOptions o;
-  o.policy_file(policy_file)
-      .policy_yaml(policy_yaml)
-      .trace_path(trace_path)
-      .trace_every_step(trace_every_step)
-      .checkpoint_dir(checkpoint_dir)
-      .checkpoint_every(checkpoint_every)
-      .incident_dir(incident_dir)
-      .metrics_port(metrics_port)
-      .metrics_bind_address(metrics_bind_address)
-      .run_name(run_name)
-      .loss_scaling(loss_scaling)
-      .sharded_gradients(sharded_gradients)
-      .collective_timeout_ms(static_cast<std::int64_t>(std::ceil(collective_timeout * 1000.0)))
-      .max_consecutive_bad_steps(max_consecutive_bad_steps)
-      .zero_grad_on_skip(zero_grad_on_skip)
-      .max_blamed_tensors(max_blamed_tensors)
-      .run_id(run_id);
-  if (!process_group.is_none()) {
-    o.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+// GuardOptions as one Python type: every field a property of the C++ struct's name and type,
+// checked strictly (a bool is not a port, a float not a count), so the options are spelled once.
+template <typename T>
+T option_value(const char* name, const py::handle& value) {
+  const auto type_error = [&](const char* expected) {
+    return py::type_error(std::string("stepguard: option ") + name + " must be " + expected +
+                          ", got " + py::str(py::type::of(value).attr("__name__")).cast<std::string>());
+  };
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!py::isinstance<py::bool_>(value)) throw type_error("True or False");
+    return value.cast<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (py::isinstance<py::bool_>(value) || !py::isinstance<py::int_>(value)) {
+      throw type_error("an int");
+    }
+    const py::int_ number = py::reinterpret_borrow<py::int_>(value);
+    if (number < py::int_(std::numeric_limits<T>::min()) ||
+        number > py::int_(std::numeric_limits<T>::max())) {
+      throw py::value_error(std::string("stepguard: option ") + name + " is out of range: " +
+                            py::str(value).cast<std::string>());
+    }
+    return number.cast<T>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    // Paths may come as pathlib.Path.
+    if (!py::isinstance<py::str>(value) && !py::hasattr(value, "__fspath__")) {
+      throw type_error("a str");
+    }
+    return py::str(py::module_::import("os").attr("fspath")(value)).cast<std::string>();
+  } else if constexpr (std::is_same_v<T, std::chrono::milliseconds>) {
+    // Seconds as a number, or a datetime.timedelta, as torch.distributed takes timeouts.
+    double seconds = 0;
+    if (py::hasattr(value, "total_seconds")) {
+      seconds = value.attr("total_seconds")().cast<double>();
+    } else if (!py::isinstance<py::bool_>(value) &&
+               (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value))) {
+      seconds = value.cast<double>();
+    } else {
+      throw type_error("seconds (a number) or a datetime.timedelta");
+    }
+    // At most a year: also keeps the milliseconds far inside int64.
+    if (!(seconds > 0 && seconds <= 366.0 * 86400.0)) {
+      throw py::value_error(std::string("stepguard: option ") + name +
+                            " must be more than 0 and at most a year of seconds, got " +
+                            py::str(value).cast<std::string>());
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000.0)));
+  } else {
+    if (value.is_none()) return T();
+    return value.cast<T>();
   }
-  if (!store.is_none()) o.store(store.cast<c10::intrusive_ptr<c10d::Store>>());
-  return std::make_unique<PyGuard>(std::move(port), std::move(o));
 }
+
+template <typename T>
+py::object option_object(const T& value) {
+  if constexpr (std::is_same_v<T, std::chrono::milliseconds>) {
+    return py::float_(static_cast<double>(value.count()) / 1000.0);
+  } else if constexpr (std::is_same_v<T, c10::intrusive_ptr<c10d::ProcessGroup>> ||
+                       std::is_same_v<T, c10::intrusive_ptr<c10d::Store>>) {
+    return value ? py::cast(value) : py::none();
+  } else {
+    return py::cast(value);
+  }
+}
+
+// One property per GuardOptions field: the name is the C++ member's, the type its type.
+#define STEPGUARD_BIND_OPTION(cls, field)                                                    \
+  do {                                                                                        \
+    using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>;        \
+    cls.def_property(                                                                         \
+        #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); },        \
+        [](GuardOptions& o, const py::object& v) { o.field(option_value<Value>(#field, v)); }); \
+    fields.append(#field);                                                                    \
+  } while (0)
+
+void bind_options(py::module_& m) {
+  py::class_<GuardOptions> options(
+      m, "GuardOptions",
+      "The C++ GuardOptions: one property per option, with its name, type and default. "
+      "GuardedOptimizer(**options) sets them by keyword; collective_timeout is in seconds.");
+  options.def(py::init<>());
+  py::list fields;
+  STEPGUARD_BIND_OPTION(options, policy);
+  STEPGUARD_BIND_OPTION(options, policy_yaml);
+  STEPGUARD_BIND_OPTION(options, max_consecutive_bad_steps);
+  STEPGUARD_BIND_OPTION(options, loss_scaling);
+  STEPGUARD_BIND_OPTION(options, zero_grad_on_skip);
+  STEPGUARD_BIND_OPTION(options, checkpoint_dir);
+  STEPGUARD_BIND_OPTION(options, checkpoint_every);
+  STEPGUARD_BIND_OPTION(options, run_id);
+  STEPGUARD_BIND_OPTION(options, incident_dir);
+  STEPGUARD_BIND_OPTION(options, trace_path);
+  STEPGUARD_BIND_OPTION(options, trace_every_step);
+  STEPGUARD_BIND_OPTION(options, max_blamed_tensors);
+  STEPGUARD_BIND_OPTION(options, process_group);
+  STEPGUARD_BIND_OPTION(options, store);
+  STEPGUARD_BIND_OPTION(options, metrics_port);
+  STEPGUARD_BIND_OPTION(options, metrics_bind_address);
+  STEPGUARD_BIND_OPTION(options, run_name);
+  STEPGUARD_BIND_OPTION(options, sharded_gradients);
+  STEPGUARD_BIND_OPTION(options, collective_timeout);
+  options.attr("fields") = py::tuple(fields);
+}
+
+#undef STEPGUARD_BIND_OPTION
 
 // A Python replay closure, called with the GIL held and released with it.
 forensics::Recompute recompute_of(py::function fn) {
@@ -151,7 +222,13 @@ void bind_report(py::module_& m) {
                              [](const StepReport& r) { return r.outcome == Outcome::kRolledBack; })
       .def_property_readonly("aborted", &StepReport::aborted)
       .def_readonly("step", &StepReport::step)
-      .def_readonly("loss", &StepReport::loss)
+      .def_property_readonly(
+          "loss",
+          [](const StepReport& r) -> py::object {
+            return r.loss_given ? py::cast(r.loss) : py::none();
+          },
+          "The agreed loss; None when step() had no loss (the loss detectors saw none).")
+      .def_readonly("loss_given", &StepReport::loss_given)
       .def_readonly("grad_norm", &StepReport::grad_norm)
       .def_readonly("nonfinite_count", &StepReport::nonfinite_count)
       .def_property_readonly("actions", [](const StepReport& r) { return action_names(r.actions); })
@@ -180,19 +257,16 @@ void bind_guard(py::module_& m) {
                          : "InputVerdict(" + std::to_string(v.problems().size()) + " problems)";
       });
   py::class_<PyGuard>(m, "Guard", "The step engine over a torch.optim port (see GuardedOptimizer).")
-      .def(py::init(&make_guard), py::arg("port"), py::kw_only(), py::arg("policy_file") = "",
-           py::arg("policy_yaml") = "", py::arg("process_group") = py::none(),
-           py::arg("store") = py::none(), py::arg("trace_path") = "",
-           py::arg("trace_every_step") = true, py::arg("checkpoint_dir") = "",
-           py::arg("checkpoint_every") = 0, py::arg("incident_dir") = "",
-           py::arg("metrics_port") = -1, py::arg("metrics_bind_address") = "127.0.0.1",
-           py::arg("run_name") = "stepguard", py::arg("loss_scaling") = false,
-           py::arg("sharded_gradients") = false, py::arg("collective_timeout") = 300.0,
-           py::arg("max_consecutive_bad_steps") = 0, py::arg("zero_grad_on_skip") = true,
-           py::arg("max_blamed_tensors") = 8, py::arg("run_id") = "")
+      .def(py::init([](py::object port, const GuardOptions& options) {
+             return std::make_unique<PyGuard>(std::move(port), options);
+           }),
+           py::arg("port"), py::arg("options"))
       .def(
-          "step", [](PyGuard& g, const at::Tensor& loss) { return g.engine->step(loss); },
-          py::arg("loss"), Release())
+          "step",
+          [](PyGuard& g, const std::optional<at::Tensor>& loss) {
+            return g.engine->step(loss.value_or(at::Tensor()));
+          },
+          py::arg("loss") = py::none(), Release())
       .def("scale_loss",
            [](PyGuard& g, const at::Tensor& loss) { return g.engine->scale_loss(loss); })
       .def(
@@ -267,7 +341,7 @@ PYBIND11_MODULE(_C, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const c10::Error& e) {
-      error(e.msg().c_str());
+      py::set_error(error, e.msg().c_str());
     } catch (const stepguard::consensus::ConsensusError& e) {
       py::object instance = py::reinterpret_borrow<py::object>(consensus_error.ptr())(e.what());
       instance.attr("step") = e.step();
@@ -275,6 +349,7 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetObject(consensus_error.ptr(), instance.ptr());
     }
   });
+  stepguard::bind_options(m);
   stepguard::bind_report(m);
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));

@@ -4,10 +4,13 @@
 #include <torch/version.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <system_error>
 
 #include "csrc/consensus/nccl_probe.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
 #include "csrc/policy/policy_file.h"
+#include "csrc/policy/presets.h"
 #include "stepguard/version.h"
 
 namespace stepguard {
@@ -22,20 +25,43 @@ void check_plain_options(const GuardOptions& o) {
               o.checkpoint_every());
   TORCH_CHECK(o.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0, got ",
               o.max_blamed_tensors());
-  TORCH_CHECK(o.collective_timeout_ms() > 0,
-              "stepguard: collective_timeout_ms must be positive, got ", o.collective_timeout_ms());
+  TORCH_CHECK(o.collective_timeout().count() > 0,
+              "stepguard: collective_timeout must be positive, got ", o.collective_timeout().count(),
+              " ms");
   TORCH_CHECK(o.metrics_port() >= -1 && o.metrics_port() <= 65535,
               "stepguard: metrics_port must be -1 (off), 0 (any free port) or a TCP port, got ",
               o.metrics_port());
   TORCH_CHECK(o.process_group() || !o.store(),
               "stepguard: a store was given without a process group");
-  TORCH_CHECK(o.policy_file().empty() || o.policy_yaml().empty(), "stepguard: both policy_file ('",
-              o.policy_file(), "') and policy_yaml are set; set one");
+  TORCH_CHECK(o.policy().empty() || o.policy_yaml().empty(), "stepguard: both policy ('",
+              o.policy(), "') and policy_yaml are set; set one");
+}
+
+// A preset's text when `policy` names one and no file of that name exists.
+const std::string* preset_of(const std::string& policy) {
+  std::error_code error;
+  if (std::filesystem::exists(policy, error)) return nullptr;
+  return policy::find_policy_preset(policy);
 }
 
 policy::PolicyConfig read_policy(const GuardOptions& o) {
   try {
-    if (!o.policy_file().empty()) return policy::load_policy_file(o.policy_file());
+    if (const std::string* preset = preset_of(o.policy())) {
+      policy::PolicyConfig config;
+      auto issues = policy::parse_policy(*preset, "preset '" + o.policy() + "'", &config);
+      if (!issues.empty()) throw policy::PolicyFileError(std::move(issues));
+      return config;
+    }
+    if (!o.policy().empty()) {
+      // A bare name that is no file was meant as a preset; a path gets the file's own error.
+      std::error_code error;
+      TORCH_CHECK(std::filesystem::exists(o.policy(), error) ||
+                      o.policy().find_first_of("/.") != std::string::npos,
+                  "stepguard: policy '", o.policy(),
+                  "' is neither a file nor a shipped preset (presets: ",
+                  policy::policy_preset_names(), ")");
+      return policy::load_policy_file(o.policy());
+    }
     policy::PolicyConfig config;
     auto issues = policy::parse_policy(o.policy_yaml(), "policy_yaml", &config);
     if (!issues.empty()) throw policy::PolicyFileError(std::move(issues));
@@ -50,9 +76,9 @@ policy::PolicyConfig read_policy(const GuardOptions& o) {
 EngineConfig resolve_config(const GuardOptions& o) {
   check_plain_options(o);
   EngineConfig c;
-  const bool from_policy = !o.policy_file().empty() || !o.policy_yaml().empty();
-  const std::string where = o.policy_file().empty() ? std::string("policy_yaml")
-                                                    : "the policy file '" + o.policy_file() + "'";
+  const bool from_policy = !o.policy().empty() || !o.policy_yaml().empty();
+  const std::string where =
+      o.policy().empty() ? std::string("policy_yaml") : "the policy '" + o.policy() + "'";
   if (from_policy) {
     c.policy = read_policy(o);
     TORCH_CHECK(o.max_consecutive_bad_steps() == 0,

@@ -21,7 +21,8 @@ using libtorch_port::StateFields;
 constexpr char kTyped = 'T';
 constexpr char kArchive = 'A';
 
-std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// torch 2.x keys a C++ optimizer's state by the parameter's TensorImpl address.
+void* state_key(const at::Tensor& p) { return p.unsafeGetTensorImpl(); }
 
 // The live tensor when it can be refilled in place, else a new one shaped as saved.
 at::Tensor reuse_or_allocate(const at::Tensor& live, const at::Tensor& saved,
@@ -215,7 +216,7 @@ void LibTorchPort::load_typed(const std::vector<TypedEntry>& entries,
   std::remove_reference_t<decltype(optimizer_.state())> rebuilt;
   for (const TypedEntry& e : entries) {
     const at::Tensor& p = params_[e.param];
-    const std::string key = state_key(p);
+    void* const key = state_key(p);
     std::string live_type;
     std::int64_t live_step = 0;
     StateFields live_fields;

@@ -1,5 +1,7 @@
 #include "plugin/src/optimizer_port.h"
 
+#include <ATen/core/grad_mode.h>
+
 namespace stepguard {
 
 std::vector<at::Tensor> OptimizerPort::gradients() const {
@@ -11,8 +13,8 @@ std::vector<at::Tensor> OptimizerPort::gradients() const {
 
 void OptimizerPort::discard() {
   at::NoGradGuard no_grad;
-  for (const auto& p : parameters()) {
-    auto& g = const_cast<at::Tensor&>(p).mutable_grad();
+  // The gradients the port inspects (a sharded parameter's are its local shard's, in place).
+  for (at::Tensor& g : gradients()) {
     if (g.defined()) g.zero_();
   }
 }

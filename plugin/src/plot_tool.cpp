@@ -23,8 +23,10 @@ namespace {
 std::string python_interpreter() {
   const char* chosen = std::getenv("STEPGUARD_PYTHON");
   if (chosen != nullptr && *chosen != '\0') return chosen;
-  // Debian's Python has python3-matplotlib; a python3 earlier on PATH may lack it.
-  if (::access("/usr/bin/python3", X_OK) == 0) return "/usr/bin/python3";
+#ifdef STEPGUARD_BUILD_PYTHON
+  // The Python stepguard._C was built for (.venv: it has matplotlib, pinned).
+  if (::access(STEPGUARD_BUILD_PYTHON, X_OK) == 0) return STEPGUARD_BUILD_PYTHON;
+#endif
   return "python3";
 }
 

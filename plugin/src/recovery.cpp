@@ -1,5 +1,6 @@
 #include "plugin/src/recovery.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

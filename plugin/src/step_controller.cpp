@@ -232,6 +232,7 @@ StepReport make_report(std::int64_t step, const GlobalStats& stats, const StepDe
   r.outcome = decided.decision.outcome;
   r.step = step;
   r.loss = stats.loss;
+  r.loss_given = stats.loss_given_ranks > 0;
   r.grad_norm = stats.grad_norm;
   r.nonfinite_count = stats.nonfinite_count();
   r.actions = decided.decision.actions;

@@ -2,6 +2,7 @@
 // stage and forensics live in step_record.cpp.
 #include "plugin/src/step_engine.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -24,7 +25,7 @@ double seconds_since(Clock::time_point start) {
 std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& o) {
   if (!o.process_group()) return std::make_unique<consensus::LocalConsensus>();
   return std::make_unique<consensus::ProcessGroupConsensus>(
-      o.process_group(), std::chrono::milliseconds(o.collective_timeout_ms()), o.store());
+      o.process_group(), o.collective_timeout(), o.store());
 }
 
 StepController make_controller(const EngineConfig& config) {
@@ -100,20 +101,28 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
               "); step() refuses to run after an abort");
   port_.refresh();
   recovery_.claim_checkpoint_dir(step_ + 1);
-  TORCH_CHECK(loss.defined(), "stepguard: step(loss) got an undefined loss tensor");
+  step_device_ = gradient_device();
+  if (!loss.defined()) return;  // step() from the gradients alone
+  TORCH_CHECK(loss.layout() == at::kStrided, "stepguard: loss must be a dense tensor, got ",
+              loss.layout());
   TORCH_CHECK(loss.numel() == 1, "stepguard: loss must be a scalar (one element), got shape ",
               loss.sizes());
   TORCH_CHECK(at::isFloatingType(loss.scalar_type()),
               "stepguard: loss must be a floating-point tensor, got ", loss.scalar_type());
-  const auto& params = port_.parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto& g = params[i].grad();
-    if (!g.defined()) continue;
-    TORCH_CHECK(g.device() == loss.device(), "stepguard: loss is on ", loss.device(),
-                " but the gradient of '", port_.parameter_names()[i], "' is on ", g.device(),
+  if (step_device_) {
+    TORCH_CHECK(*step_device_ == loss.device(), "stepguard: loss is on ", loss.device(),
+                " but the gradients are on ", *step_device_,
                 "; loss and gradients must be on one device");
-    break;
   }
+  step_device_ = loss.device();
+}
+
+// Where this step's gradients live: the first defined gradient's device (none: no gradient yet).
+std::optional<at::Device> StepEngine::gradient_device() const {
+  for (const auto& p : port_.parameters()) {
+    if (p.grad().defined()) return p.grad().device();
+  }
+  return std::nullopt;
 }
 
 // 1 inspect, 2 agree: the fused pass writes the step buffer on the gradients' device, the one
@@ -126,8 +135,12 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     inspect_options.inv_scale = controller_.inv_loss_scale();
     inspect_options.unscale_in_place = true;
   }
-  step_device_ = loss.device();
-  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), loss.device());
+  if (!step_device_) {
+    // No gradient and no loss: the buffer goes where the parameters are.
+    const auto& params = port_.parameters();
+    step_device_ = params.empty() ? at::Device(at::kCPU) : params.front().device();
+  }
+  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
   const auto t_inspect = Clock::now();
   // Validation inside inspection throws before anything changes.
   inspect::inspect_into(port_.gradients(), inspect_options, buffer.inspection_block(), &a.local,

@@ -28,6 +28,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,6 +65,8 @@ class StepEngine {
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
 
+  /// One guarded step. An undefined `loss` guards on the gradients alone: the loss detectors see
+  /// no value this step (StepReport::loss_given is false).
   StepReport step(const at::Tensor& loss);
 
   /// The decision state (after the snapshot in flight has landed or failed).
@@ -140,9 +143,12 @@ class StepEngine {
   };
 
   void check_can_step(const at::Tensor& loss);
+  std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
+  std::vector<std::int64_t> blame_across_shards(const std::vector<std::int64_t>& mine,
+                                                std::int64_t step);
   void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
   void checkpoint_after(std::int64_t step, const StepDecision& decided, const GlobalStats& global);
   /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)
@@ -184,7 +190,8 @@ class StepEngine {
   std::int64_t checkpoints_skipped_reported_ = 0;
   std::int64_t data_position_ = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges_;
-  at::Device step_device_ = at::kCPU;  ///< where this step's buffers live (the loss's device)
+  /// Where this step's buffers live: the loss's device, else the gradients'.
+  std::optional<at::Device> step_device_;
   // Replica check: snapshots taken before replica_ok_before_ hold replicas that agreed.
   std::int64_t replica_ok_before_ = 0;
   std::int64_t last_snapshot_step_ = -1;

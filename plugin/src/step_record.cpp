@@ -1,5 +1,6 @@
 // StepEngine's record stage and its forensics: what this rank can tell about an incident
 // (blame, evidence, replays, cause), the report and incident files, the trace and the metrics.
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
@@ -17,6 +18,26 @@
 
 namespace stepguard {
 
+// With sharded gradients only the ranks holding a bad shard know its parameter; every rank joins
+// one more collective on such a step (the agreed count says so on all of them) so that every
+// rank names it. Parameters are in the same order on every rank.
+std::vector<std::int64_t> StepEngine::blame_across_shards(const std::vector<std::int64_t>& mine,
+                                                          std::int64_t step) {
+  const auto count = static_cast<std::int64_t>(port_.parameters().size());
+  at::Tensor flags = at::zeros({count}, at::TensorOptions().dtype(at::kDouble));
+  double* f = flags.data_ptr<double>();
+  for (std::int64_t i : mine) f[i] = 1.0;
+  at::Tensor on_device = flags.to(*step_device_);
+  consensus_->all_reduce_sum(on_device, step);
+  const at::Tensor host = on_device.to(at::kCPU);
+  const double* summed = host.data_ptr<double>();
+  std::vector<std::int64_t> all;
+  for (std::int64_t i = 0; i < count; ++i) {
+    if (summed[i] > 0.0) all.push_back(i);
+  }
+  return all;
+}
+
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
   Findings f;
   if (!decided.signals.any()) return f;
@@ -27,6 +48,9 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   if (agreed.blame.pending() &&
       std::find(faulty.begin(), faulty.end(), consensus_->rank()) != faulty.end()) {
     agreed.blame.fetch(&local);
+  }
+  if (options_.sharded_gradients() && consensus_->world_size() > 1 && g.nonfinite_count() > 0) {
+    local.nonfinite_tensors = blame_across_shards(local.nonfinite_tensors, step_);
   }
   // Blame in backward order: the last layers' gradients are computed first.
   const auto& names = port_.parameter_names();
@@ -115,7 +139,7 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
         at::tensor({f->origin ? 1.0 : 0.0,
                     f->origin ? static_cast<double>(f->diagnosis.cause) + 1.0 : 0.0},
                    at::TensorOptions().dtype(at::kDouble))
-            .to(step_device_);
+            .to(*step_device_);
     rows = consensus::gather_rank_rows(*consensus_, row, step);
   }
   std::vector<RankCause> causes;

@@ -153,8 +153,8 @@ def test_a_bad_loss_raises_and_changes_nothing():
         guard.step(torch.ones(2))
     with pytest.raises(stepguard.StepguardError, match="floating-point"):
         guard.step(torch.tensor(1))
-    with pytest.raises(TypeError):
-        guard.step(None)
+    with pytest.raises(TypeError, match="takes the loss tensor, a closure or nothing, got str"):
+        guard.step("loss")
     assert guard.step_count == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 

@@ -34,7 +34,7 @@ def _free_port():
 def _launch(node_rank, port, job, rendezvous_host, log_path, train_args):
     """One node: a torchrun agent and its PER_NODE workers, in a session of their own."""
     cmd = [sys.executable, "-m", "torch.distributed.run",
-           # torch 1.13's launcher under Python 3.11 cannot parse its default "--redirects 0".
+           # Workers' stderr into the agent's log, prefixed by local rank.
            "--redirects", "2", "--tee", "2",
            "--nnodes", str(NODES), "--nproc_per_node", str(PER_NODE),
            "--node_rank", str(node_rank),
@@ -51,16 +51,16 @@ def _launch(node_rank, port, job, rendezvous_host, log_path, train_args):
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _kill_node(proc, sig=signal.SIGKILL):
-    try:
-        os.killpg(proc.pid, sig)  # the session leader's group: the agent and its workers
-    except ProcessLookupError:
-        pass
+# The workers of each node's agent seen so far, by agent pid. torch 2.x's launcher starts every
+# worker in a session of its own, so a node is its agent and the agent's descendants, not one
+# process group; they are recorded while the agent lives (a worker orphaned by a killed agent
+# has init as its parent).
+_WORKERS = {}
 
 
-def _group_members(pgid):
-    """The live processes (not zombies) of a process group."""
-    pids = []
+def _processes():
+    """pid -> (state, parent pid) of every process."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -69,9 +69,35 @@ def _group_members(pgid):
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(entry))
-    return pids
+        out[int(entry)] = (fields[0], int(fields[1]))
+    return out
+
+
+def _descendants(pid):
+    """The live (not zombie) descendants of `pid`, also remembered in _WORKERS."""
+    procs = _processes()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, (state, parent) in procs.items()
+                    if parent in frontier and state != "Z"} - found
+        found |= frontier
+    _WORKERS.setdefault(pid, set()).update(found)
+    return found
+
+
+def _alive(pids):
+    procs = _processes()
+    return {p for p in pids if p in procs and procs[p][0] != "Z"}
+
+
+def _kill_node(proc, sig=signal.SIGKILL):
+    """The agent and every worker it started (each in a session of its own under torch 2.x)."""
+    pids = _descendants(proc.pid) | _WORKERS.get(proc.pid, set()) | {proc.pid}
+    for pid in _alive(pids):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _read(path):
@@ -165,6 +191,7 @@ def _start_then_kill_node_1(d, rendezvous_host, nodes):
                 START_DEADLINE, "every rank stepping", logs)
     dead_ranks = _global_ranks(logs[1])
     assert dead_ranks and len(dead_ranks) == PER_NODE, _read(logs[1])[-4000:]
+    assert len(_descendants(nodes[0].pid)) >= PER_NODE  # node 0's workers, for _wait_workers_gone
     _kill_node(nodes[1])
     return logs, dead_ranks, time.monotonic()
 
@@ -175,9 +202,10 @@ def _worker_output(output, local_rank):
 
 
 def _wait_workers_gone(agent, log, seconds):
-    """Node 0's workers (the agent's process group, orphaned or not) have all exited."""
-    _wait_until(lambda: set(_group_members(agent.pid)) <= {agent.pid}, seconds,
-                "node 0's workers exiting", [log])
+    """Node 0's workers (recorded while they ran, orphaned or not) have all exited."""
+    workers = set(_WORKERS.get(agent.pid, set()))
+    assert workers, "node 0's workers were not recorded"
+    _wait_until(lambda: not _alive(workers), seconds, "node 0's workers exiting", [log])
 
 
 def test_a_killed_node_fails_the_other_nodes_step_naming_its_ranks():

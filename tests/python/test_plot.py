@@ -20,8 +20,8 @@ from conftest import loss_of, make_model
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 needs_matplotlib = pytest.mark.skipif(
-    not HAVE_MATPLOTLIB, reason="matplotlib is not installed (Debian: apt-get install "
-                                "python3-matplotlib): no pictures can be drawn")
+    not HAVE_MATPLOTLIB, reason="matplotlib is not installed (it is pinned in requirements.txt): "
+                                "no pictures can be drawn")
 
 BUILD = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(stepguard.__file__))))
 STEPGUARD = os.path.join(BUILD, "bin", "stepguard")

@@ -41,7 +41,7 @@ inline std::vector<torch::Tensor> adamw_state(torch::optim::AdamW& opt) {
   std::vector<torch::Tensor> out;
   for (auto& group : opt.param_groups()) {
     for (auto& p : group.params()) {
-      auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
       if (it == opt.state().end()) continue;
       auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
       out.push_back(s.exp_avg().clone());

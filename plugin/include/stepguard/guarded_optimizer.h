@@ -66,10 +66,11 @@ class GuardedOptimizer {
   GuardedOptimizer& operator=(const GuardedOptimizer&) = delete;
 
   /// Replaces optimizer.step(): inspects every gradient and the loss, agrees across ranks, and
-  /// applies the optimizer step or not as the policy decides. `loss` must be a defined
-  /// floating-point tensor with one element on the gradients' device. Throws c10::Error on bad
-  /// input (nothing changed) and after an abort.
-  StepReport step(const torch::Tensor& loss);
+  /// applies the optimizer step or not as the policy decides. `loss` is a floating-point tensor
+  /// with one element on the gradients' device; without one (step()) the guard decides on the
+  /// gradients alone and the loss detectors see no value this step (report.loss_given is
+  /// false). Throws c10::Error on bad input (nothing changed) and after an abort.
+  StepReport step(const torch::Tensor& loss = {});
 
   /// The decision state, and its restore (for snapshots and resume). Restoring different states
   /// on different ranks is detected at the next step and aborts training.

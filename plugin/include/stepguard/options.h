@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -15,11 +16,13 @@ namespace stepguard {
 
 /// Options of a GuardedOptimizer. A plain value: copy freely; not shared between threads.
 struct GuardOptions {
-  /// Path of a YAML policy file (see configs/policies/README.md); empty uses the options below.
-  /// A bad file fails the guard's construction with every issue as `file:line:col: message`.
-  TORCH_ARG(std::string, policy_file) = "";
+  /// Path of a YAML policy file (see configs/policies/README.md), or the name of a shipped
+  /// preset (`default`, `megatron`, `deepspeed-fp16`, `palm-rollback`, `debug-strict`: built in,
+  /// found from any directory; a file of that name wins). Empty uses the options below. A bad
+  /// file fails the guard's construction with every issue as `file:line:col: message`.
+  TORCH_ARG(std::string, policy) = "";
   /// The policy as YAML text instead of a file (e.g. from the job's own config system); errors
-  /// name it `policy_yaml`. Set this or policy_file, not both.
+  /// name it `policy_yaml`. Set this or policy, not both.
   TORCH_ARG(std::string, policy_yaml) = "";
   /// Abort training after this many consecutive bad (non-finite) steps; 0 never aborts and keeps
   /// skipping. Bounds a loop of futility such as a parameter that became NaN. Set it here or in
@@ -76,7 +79,8 @@ struct GuardOptions {
   TORCH_ARG(bool, sharded_gradients) = false;
   /// Deadline of the per-step collective. A dead or stuck rank makes the others throw
   /// consensus errors naming the step after this long, instead of hanging.
-  TORCH_ARG(std::int64_t, collective_timeout_ms) = 300000;
+  /// (Python: seconds as a number, or a datetime.timedelta.)
+  TORCH_ARG(std::chrono::milliseconds, collective_timeout) = std::chrono::minutes(5);
 };
 
 }  // namespace stepguard

@@ -2,19 +2,31 @@
 optimizer.step(). The engine is stepguard's C++ step engine (stepguard._C), the same one the C++
 GuardedOptimizer runs."""
 
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
 import torch
 
 from . import _C
+from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, is_zero_redundancy
 
-# Keyword options, as GuardOptions names them (collective_timeout in seconds).
-_OPTIONS = (
-    "trace_path", "trace_every_step", "checkpoint_dir", "checkpoint_every", "incident_dir",
-    "metrics_port", "metrics_bind_address", "run_name", "loss_scaling", "sharded_gradients",
-    "collective_timeout", "max_consecutive_bad_steps", "zero_grad_on_skip", "max_blamed_tensors",
-    "run_id",
-)
+
+def _options(policy, policy_yaml, process_group, store, options):
+    """One ``_C.GuardOptions`` from the keywords: the names and types are the C++ struct's."""
+    unknown = sorted(set(options) - set(_C.GuardOptions.fields))
+    if unknown:
+        raise TypeError("stepguard: unknown option %s (known: %s)"
+                        % (", ".join(unknown), ", ".join(_C.GuardOptions.fields)))
+    out = _C.GuardOptions()
+    named = dict(policy=policy, policy_yaml=policy_yaml, process_group=process_group, store=store)
+    for name, value in named.items():
+        if value is not None:  # None: not given
+            setattr(out, name, value)
+    for name, value in options.items():  # a keyword given is a value, None included
+        setattr(out, name, value)
+    return out
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -54,56 +66,69 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ranks must take the same decision. ``overlap_with_ddp=True`` is refused. Sharded gradients
     (ZeRO-2/3, FSDP: each rank holds part of the gradients): ``sharded_gradients=True``.
 
+    FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters, gradients and optimizer
+    state are DTensors sharded over the mesh. The guard inspects, snapshots and restores each
+    rank's local shard (``to_local()``, the same storage) and needs ``sharded_gradients=True``;
+    DTensors placed other than ``Shard`` on every mesh dimension are refused (their elements
+    would be counted on several ranks).
+
     Not thread-safe: one training thread drives one guard.
     """
 
-    def __init__(self, optimizer, named_parameters=None, *, policy=None, policy_yaml=None,
-                 process_group=None, store=None, port=None, **options):
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None, *,
+                 policy: Union[str, "os.PathLike[str]", None] = None,
+                 policy_yaml: Optional[str] = None,
+                 process_group: Optional[Any] = None, store: Optional[Any] = None,
+                 port: Optional[TorchOptimPort] = None, **options: Any) -> None:
         # The wrapped optimizer holds the state; Optimizer.__init__ is not called on purpose.
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise TypeError("stepguard: unknown option %s (known: %s)"
-                            % (", ".join(unknown), ", ".join(_OPTIONS)))
+        guard_options = _options(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
             _check_zero_group(optimizer, process_group)
         self.optimizer = optimizer
         self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
-        self._guard = _C.Guard(self._port, policy_file=policy or "", policy_yaml=policy_yaml or "",
-                               process_group=process_group, store=store, **options)
+        if getattr(self._port, "dtensors", False) and not guard_options.sharded_gradients:
+            raise ValueError(
+                "stepguard: the parameters are DTensors (FSDP2's fully_shard): each rank holds a "
+                "shard of every gradient, so the grad norm sums over ranks; pass "
+                "sharded_gradients=True")
+        self._guard = _C.Guard(self._port, guard_options)
         self._pictures = IncidentPictures.for_options(options)
+        self._recorded_loss: Optional[torch.Tensor] = None
 
     # -- pass-through: accepted wherever the wrapped optimizer is ------------------------------
     @property
-    def param_groups(self):
+    def param_groups(self) -> List[Dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> Dict[Any, Any]:
         return self.optimizer.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: Dict[Any, Any]) -> None:
         self.optimizer.state = value
 
     @property
-    def defaults(self):
+    def defaults(self) -> Dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
-    def defaults(self, value):
+    def defaults(self, value: Dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    def zero_grad(self, set_to_none=False):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch 2.x: gradients become None (``set_to_none=False`` zeroes them in place)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
-    def consolidate_state_dict(self, to=0):
+    def consolidate_state_dict(self, to: int = 0) -> None:
         """ZeroRedundancyOptimizer's collective: gathers the full optimizer state on rank ``to``
         for ``state_dict()`` there. The guard's own snapshots and checkpoints never need it."""
         if not hasattr(self.optimizer, "consolidate_state_dict"):
@@ -112,26 +137,60 @@ class GuardedOptimizer(torch.optim.Optimizer):
                             % type(self.optimizer).__name__)
         self.optimizer.consolidate_state_dict(to=to)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "GuardedOptimizer(%r)" % (self.optimizer,)
 
     # -- the guarded step ---------------------------------------------------------------------
-    def step(self, loss=None):
-        """Replaces optimizer.step(): returns a StepReport. ``loss`` is this rank's loss, a
-        floating-point tensor of one element on the gradients' device (not the scaled one)."""
-        if loss is None or callable(loss):
-            raise TypeError("stepguard: step(loss) needs this step's loss tensor (closures are "
-                            "not supported)")
+    def step(self, closure: Union[torch.Tensor, Callable[[], torch.Tensor], None] = None
+             ) -> StepReport:
+        """Replaces ``optimizer.step()`` and returns a ``StepReport``. Called as torch.optim
+        optimizers are:
+
+        - ``step(loss)``: this rank's loss, a floating-point tensor of one element on the
+          gradients' device (not the scaled one);
+        - ``step(closure)``: calls ``closure()`` with gradients enabled (forward and backward,
+          returning the loss, as for LBFGS and Lightning) and guards the result;
+        - ``step()``: guards on the gradients alone, or uses the loss given earlier with
+          ``record_loss(loss)``. Without a loss the loss detectors see no value this step
+          (``report.loss`` is None, ``report.loss_given`` False).
+        """
+        if closure is None:
+            loss = self._recorded_loss
+        elif torch.is_tensor(closure):
+            loss = closure
+        elif callable(closure):
+            with torch.enable_grad():
+                loss = closure()
+            if not torch.is_tensor(loss):
+                raise TypeError("stepguard: step(closure): the closure must return this step's "
+                                "loss tensor (it runs forward and backward), got %s"
+                                % type(loss).__name__)
+        else:
+            raise TypeError("stepguard: step() takes the loss tensor, a closure or nothing, got %s"
+                            % type(closure).__name__)
         report = self._guard.step(loss)
+        self._recorded_loss = None
         if self._pictures is not None:
             self._pictures.after_step(report)  # the trace line of this step is written
         return report
 
-    def scale_loss(self, loss):
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Gives this step's loss before a framework calls ``step()`` without one (a loss given
+        to ``step`` itself wins). It is used by the next ``step()`` only."""
+        if not torch.is_tensor(loss):
+            raise TypeError("stepguard: record_loss() takes the loss tensor, got %s"
+                            % type(loss).__name__)
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise ValueError("stepguard: record_loss() takes a floating-point tensor of one "
+                             "element, got %s of shape %s" % (loss.dtype, tuple(loss.shape)))
+        self._recorded_loss = loss.detach()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (with loss scaling on), to call backward() on."""
         return self._guard.scale_loss(loss)
 
-    def check_inputs(self, inputs, mask=None):
+    def check_inputs(self, inputs: Union[torch.Tensor, Sequence[torch.Tensor]],
+                     mask: Optional[torch.Tensor] = None) -> "_C.InputVerdict":
         """Checks this step's batch (NaN/Inf inputs; empty rows with a mask): evidence for an
         incident, saved with its report. Device ops only: whether the batch is bad rides in the
         step's one collective. Returns a verdict that is true when the batch looks fine (asking
@@ -140,28 +199,28 @@ class GuardedOptimizer(torch.optim.Optimizer):
             inputs = [inputs]
         return self._guard.check_inputs(list(inputs), mask)
 
-    def set_replay(self, fn):
+    def set_replay(self, fn: Optional[Callable[[str], torch.Tensor]]) -> None:
         """``fn(mode)`` recomputes this step's loss from the same batch and runs backward
         (mode: "as_is", "fp32", "anomaly"); used to classify NaN/Inf incidents. None removes it."""
         self._guard.set_replay(fn)
 
-    def probe(self, name, tensor):
+    def probe(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Marks a module output for forensics: ``x = guard.probe("blocks.0", block(x))``."""
         return self._guard.probe(name, tensor)
 
-    def track_buffers(self, named_buffers):
+    def track_buffers(self, named_buffers: Iterable[Tuple[str, Optional[torch.Tensor]]]) -> None:
         """Module buffers (``model.named_buffers()``) that snapshots and checkpoints hold."""
         self._guard.track_buffers([b for _, b in named_buffers if b is not None])
 
-    def resume(self, directory):
+    def resume(self, directory: Union[str, "os.PathLike[str]"]) -> int:
         """Restores the newest checkpoint every rank holds intact; returns its step or 0."""
         return self._guard.resume(str(directory))
 
-    def commit_pending_checkpoint(self):
+    def commit_pending_checkpoint(self) -> None:
         """Makes the checkpoint written after the last step visible (end of a good run)."""
         self._guard.commit_pending_checkpoint()
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits for the background work of the last step: the RAM snapshot copy and this rank's
         disk checkpoint write (a failure of either is logged and counted now). step() waits for
         the copy before it changes anything; call this before changing parameters or optimizer
@@ -169,10 +228,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._guard.synchronize()
 
     # -- state dict: the wrapped optimizer's and the guard's -----------------------------------
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "stepguard": self._guard.record()}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if "stepguard" not in state_dict or "optimizer" not in state_dict:
             raise ValueError("stepguard: not a GuardedOptimizer state dict (it needs the keys "
                              "'optimizer' and 'stepguard')")
@@ -181,53 +240,53 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     # -- what the guard knows -----------------------------------------------------------------
     @property
-    def step_count(self):
+    def step_count(self) -> int:
         return self._guard.step_count
 
     @property
-    def totals(self):
+    def totals(self) -> Dict[str, int]:
         return self._guard.totals
 
     @property
-    def aborted(self):
+    def aborted(self) -> bool:
         return self._guard.aborted
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         return self._guard.loss_scale
 
     @property
-    def lr_factor(self):
+    def lr_factor(self) -> float:
         return self._guard.lr_factor
 
     @property
-    def metrics_endpoint(self):
+    def metrics_endpoint(self) -> str:
         return self._guard.metrics_endpoint
 
     @property
-    def data_position(self):
+    def data_position(self) -> int:
         return self._guard.data_position
 
     @data_position.setter
-    def data_position(self, value):
+    def data_position(self, value: int) -> None:
         self._guard.set_data_position(value)
 
     @property
-    def collectives(self):
+    def collectives(self) -> int:
         """Collectives issued so far: one per step; with several ranks, two more on an incident
         step (the rows naming the ranks, the agreement on causes)."""
         return self._guard.collectives
 
     @property
-    def step_buffer_bytes(self):
+    def step_buffer_bytes(self) -> int:
         """Bytes each step's collective carries: a fixed size at any world size."""
         return self._guard.step_buffer_bytes
 
     @property
-    def snapshots_held(self):
+    def snapshots_held(self) -> int:
         return self._guard.snapshots_held
 
-    def metrics_text(self):
+    def metrics_text(self) -> str:
         return self._guard.metrics_text()
 
 

@@ -18,8 +18,39 @@ try:
     from torch.distributed.optim import ZeroRedundancyOptimizer as _ZeroRedundancyOptimizer
 except ImportError:  # a torch built without distributed support has no ZeRO to recognise
     _ZeroRedundancyOptimizer = None
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import Shard as _Shard
+except ImportError:
+    _DTensor = _Shard = None
 
 _FORMAT = b"P1"  # opaque state bytes: this marker, then a pickle of the structure
+
+
+def is_dtensor(t):
+    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local_tensor(t):
+    """This rank's shard of a DTensor (the same storage: in-place writes reach the DTensor), or
+    ``t`` itself."""
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def check_sharded(name, t, what):
+    """A DTensor the guard can sum over ranks: sharded (``Shard``) on every mesh dimension, so
+    each element lives on exactly one rank."""
+    for placement in t.placements:
+        if not isinstance(placement, _Shard):
+            raise ValueError(
+                "stepguard: the %s of '%s' is a DTensor placed %s on mesh %s; the guard sums "
+                "sharded gradients over ranks and needs Shard on every mesh dimension (FSDP2's "
+                "fully_shard on a 1-D mesh). Replicated or partial placements would be counted "
+                "more than once" % (what, name, tuple(t.placements), tuple(t.device_mesh.shape)))
 
 
 def is_zero_redundancy(optimizer):
@@ -60,9 +91,11 @@ class TorchOptimPort:
         if named_parameters is not None:
             for name, p in named_parameters:
                 self._names_by_id[id(p)] = name
-        self._params = []
+        self._params = []  # the optimizer's own (DTensors under FSDP2)
+        self._local = []   # what the engine reads and writes: this rank's shards
         self._names = []
         self._count = -1
+        self.dtensors = any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
 
     # -- parameters ---------------------------------------------------------------------------
     def parameters(self):
@@ -71,8 +104,26 @@ class TorchOptimPort:
             self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
             self._names = [self._names_by_id.get(id(p), "param_%d" % i)
                            for i, p in enumerate(self._params)]
+            for p, name in zip(self._params, self._names):
+                if is_dtensor(p):
+                    check_sharded(name, p, "parameter")
+            self._local = [local_tensor(p) for p in self._params]
             self._count = count
-        return self._params, self._names
+        return self._local, self._names
+
+    def gradients(self):
+        """The gradients to inspect: this rank's shards of DTensor gradients (FSDP2); None when
+        no parameter is a DTensor (the engine reads ``.grad`` of each parameter itself)."""
+        if not self.dtensors:
+            return None
+        out = []
+        for p, name in zip(self._params, self._names):
+            g = p.grad
+            if g is not None and is_dtensor(g):
+                check_sharded(name, g, "gradient")
+                g = local_tensor(g)
+            out.append(g)
+        return out
 
     def sharded_state(self):
         """True when each rank holds only its own shard of the optimizer state (ZeRO)."""
@@ -111,7 +162,8 @@ class TorchOptimPort:
 
     # -- state --------------------------------------------------------------------------------
     def _states(self):
-        params, _ = self.parameters()
+        self.parameters()
+        params = self._params
         state = self._state_owner().state
         for i, p in enumerate(params):
             if p in state and state[p]:
@@ -122,7 +174,7 @@ class TorchOptimPort:
         for i, _, st in self._states():
             for key in sorted(st):
                 if torch.is_tensor(st[key]):
-                    out.append(("%d.%s" % (i, key), st[key]))
+                    out.append(("%d.%s" % (i, key), local_tensor(st[key])))
         return out
 
     def state_bytes(self):
@@ -131,7 +183,9 @@ class TorchOptimPort:
             entry = {}
             for key in sorted(st):
                 value = st[key]
-                if torch.is_tensor(value):
+                if is_dtensor(value):
+                    entry[key] = ("dtensor", True)  # placed as its parameter
+                elif torch.is_tensor(value):
                     entry[key] = ("tensor", value.device == p.device)
                 else:
                     entry[key] = ("value", value)
@@ -149,7 +203,8 @@ class TorchOptimPort:
         if not data.startswith(_FORMAT):
             raise ValueError("the saved optimizer state is not a torch.optim port's")
         structure = pickle.loads(data[len(_FORMAT):])
-        params, names = self.parameters()
+        self.parameters()
+        params, names = self._params, self._names
         tensors = dict(saved)
         for i, entry in structure:
             if not 0 <= i < len(params):
@@ -158,8 +213,11 @@ class TorchOptimPort:
             if self.zero:
                 self._check_own_shard(i, params[i], names[i])
             for key, (kind, _) in entry.items():
-                if kind != "tensor":
+                if kind == "value":
                     continue
+                if kind == "dtensor" and not is_dtensor(params[i]):
+                    raise ValueError("the saved optimizer state of parameter %d ('%s') is "
+                                     "sharded (DTensor) but the parameter is not" % (i, names[i]))
                 name = "%d.%s" % (i, key)
                 if name not in tensors:
                     raise ValueError("the saved optimizer state lacks tensor '%s'" % name)
@@ -180,7 +238,8 @@ class TorchOptimPort:
     def load_state_bytes(self, data, saved):
         """Rebuilds the state's structure; the engine then fills its tensors in place."""
         structure = self._read(data, saved)
-        params, _ = self.parameters()
+        self.parameters()
+        params = self._params
         tensors = dict(saved)
         state = self._state_owner().state
         rebuilt = {}
@@ -195,8 +254,10 @@ class TorchOptimPort:
                 like = tensors["%d.%s" % (i, key)]
                 device = p.device if detail else torch.device("cpu")
                 old = live.get(key)
-                if (torch.is_tensor(old) and old.shape == like.shape and old.dtype == like.dtype
-                        and old.device == device):
+                if kind == "dtensor":
+                    st[key] = _sharded_like(old, like, p)
+                elif (torch.is_tensor(old) and not is_dtensor(old) and old.shape == like.shape
+                        and old.dtype == like.dtype and old.device == device):
                     st[key] = old
                 else:
                     st[key] = torch.empty(like.shape, dtype=like.dtype, device=device)
@@ -206,3 +267,15 @@ class TorchOptimPort:
 
     def after_restore(self):
         pass
+
+
+def _sharded_like(old, like, param):
+    """A DTensor placed as ``param`` whose local shard is shaped as the saved ``like``: ``old``
+    when it already is one, else a new one (filled in place by the restore)."""
+    if is_dtensor(old):
+        local = local_tensor(old)
+        if local.shape == like.shape and local.dtype == like.dtype:
+            return old
+    local = torch.empty(like.shape, dtype=like.dtype, device=local_tensor(param).device)
+    return _DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                               shape=param.shape, stride=param.stride())

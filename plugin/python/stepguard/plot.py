@@ -277,8 +277,8 @@ def _render(rows, incidents, rollbacks, around, title, out_png):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise MatplotlibMissing("matplotlib does not import (%s); on Debian: apt-get install "
-                                "python3-matplotlib, elsewhere: pip install matplotlib" % e) \
+        raise MatplotlibMissing("matplotlib does not import (%s); pip install matplotlib "
+                                "(stepguard's requirements.txt pins it)" % e) \
             from None
     # A Figure with its own Agg canvas: no pyplot, so a training process's backend is untouched.
     fig = Figure(figsize=(12, 6), dpi=100)

@@ -1,0 +1,31 @@
+#include "csrc/policy/presets.h"
+
+namespace stepguard {
+namespace policy {
+
+const std::vector<std::pair<std::string, std::string>>& policy_presets() {
+  // Generated from configs/policies/*.yaml at configure time (csrc/CMakeLists.txt).
+  static const std::vector<std::pair<std::string, std::string>> presets = {
+#include "policy_presets.inc"
+  };
+  return presets;
+}
+
+const std::string* find_policy_preset(const std::string& name) {
+  for (const auto& [preset, text] : policy_presets()) {
+    if (preset == name) return &text;
+  }
+  return nullptr;
+}
+
+std::string policy_preset_names() {
+  std::string out;
+  for (const auto& preset : policy_presets()) {
+    if (!out.empty()) out += ", ";
+    out += preset.first;
+  }
+  return out;
+}
+
+}  // namespace policy
+}  // namespace stepguard

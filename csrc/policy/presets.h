@@ -1,0 +1,25 @@
+/*
+ * The policy presets shipped in configs/policies (default, megatron, deepspeed-fp16, ...), built
+ * into the library so that a preset's name works wherever a policy file's path does, from any
+ * working directory and in an installed package. Only the texts: parsing is policy_file.h's.
+ */
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace stepguard {
+namespace policy {
+
+/// Every preset as (name, YAML text), by name. The name is the file's stem.
+const std::vector<std::pair<std::string, std::string>>& policy_presets();
+
+/// The text of preset `name`, or nullptr when there is none.
+const std::string* find_policy_preset(const std::string& name);
+
+/// The preset names, comma-separated, for messages.
+std::string policy_preset_names();
+
+}  // namespace policy
+}  // namespace stepguard

@@ -1,0 +1,59 @@
+"""The guard on a GPU: model, batch and guard on cuda:0 under bf16 autocast; a NaN gradient is
+skipped and a loss spike rolled back, as on the CPU. Skipped (with the reason) where torch sees no
+GPU; benchmarks/gpu_check.sh runs it on the GPU machine."""
+
+import torch
+
+import stepguard
+
+try:  # the GPU machine may have no pytest: gpu_check.sh then calls the test directly
+    import pytest
+    pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                    reason="no CUDA device visible to torch (run on a GPU machine)")
+except ImportError:
+    pass
+
+POLICY = """version: 1
+checkpoint: {snapshot_every: 1, snapshot_keep: 2}
+detectors:
+  loss_spike: {warmup: 100, early_factor: 10, early_after: 3}
+rules:
+  - {on: nonfinite, action: skip_batch}
+  - {on: loss_spike, action: rollback, skip_batches: 1}
+"""
+
+
+def test_bf16_autocast_on_cuda_skips_a_nan_and_rolls_back_a_spike():
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 8)).to(device)
+    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                       model.named_parameters(), policy_yaml=POLICY)
+    g = torch.Generator(device=device).manual_seed(1)
+    snapshots = {}
+    outcomes = []
+    for step in range(1, 11):
+        guard.zero_grad()
+        x = torch.randn(16, 32, device=device, generator=g)
+        y = torch.randn(16, 8, device=device, generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if step == 8:
+            loss = loss * 1000.0  # a spike after the warm-up of 3 values
+        loss.backward()
+        if step == 5:
+            model[2].weight.grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        report = guard.step(loss)
+        outcomes.append(report.outcome)
+        if step == 5:
+            assert report.incident["tensors"] == ["2.weight"]
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        if step == 8:
+            want = snapshots[report.rolled_back_to]
+            assert all(torch.equal(a, b) for a, b in zip(want, model.parameters()))
+        snapshots[step] = [p.detach().clone() for p in model.parameters()]
+    assert outcomes[4] == "skipped" and outcomes[7] == "rolled_back"
+    assert outcomes.count("applied") == 8
+    assert all(torch.isfinite(p).all() for p in model.parameters())

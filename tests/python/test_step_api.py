@@ -1,0 +1,198 @@
+"""The step the frameworks call: step(), step(closure), record_loss, zero_grad(set_to_none=True),
+parameters without gradients, and the options as one type. Expected values come from the plain
+optimizer's own steps."""
+
+import datetime
+import json
+
+import pytest
+import torch
+
+import stepguard
+from conftest import loss_of, make_model
+
+
+def _pair(seed=1, lr=1e-2):
+    a, b = make_model(seed), make_model(seed)
+    plain = torch.optim.AdamW(a.parameters(), lr=lr)
+    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(b.parameters(), lr=lr),
+                                       b.named_parameters())
+    return a, plain, b, guard
+
+
+def _equal(m1, m2):
+    return all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+
+
+def test_step_without_a_loss_guards_the_gradients_and_says_it_saw_no_loss(tmp_path):
+    a, plain, b, _ = _pair()
+    trace = tmp_path / "trace.jsonl"
+    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(b.parameters(), lr=1e-2),
+                                       b.named_parameters(), trace_path=str(trace))
+    for step in range(3):
+        plain.zero_grad()
+        loss_of(a, step).backward()
+        plain.step()
+        guard.zero_grad()
+        loss_of(b, step).backward()
+        report = guard.step()
+        assert report.applied and report.loss is None and not report.loss_given
+        assert report.grad_norm > 0
+    assert _equal(a, b)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [line["loss"] for line in lines] == [None, None, None]
+    assert all(line["loss_given"] is False and line["loss_nonfinite_ranks"] == 0
+               for line in lines)
+    # A NaN gradient is still caught without a loss.
+    guard.zero_grad()
+    loss_of(b, 9).backward()
+    b[0].weight.grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in b.parameters()]
+    report = guard.step()
+    assert report.skipped and report.incident["tensors"] == ["0.weight"]
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+
+
+def test_a_loss_given_to_the_step_is_reported():
+    _, _, b, guard = _pair()
+    loss = loss_of(b, 0)
+    loss.backward()
+    report = guard.step(loss)
+    assert report.loss_given and report.loss == pytest.approx(loss.item(), rel=1e-12)
+
+
+def test_record_loss_feeds_the_next_step_only():
+    _, _, b, guard = _pair()
+    loss = loss_of(b, 0)
+    loss.backward()
+    guard.record_loss(loss)
+    first = guard.step()
+    assert first.loss_given and first.loss == pytest.approx(loss.item(), rel=1e-12)
+    guard.zero_grad()
+    loss_of(b, 1).backward()
+    second = guard.step()
+    assert not second.loss_given and second.loss is None
+
+
+def test_a_recorded_nan_loss_is_skipped():
+    _, _, b, guard = _pair()
+    loss = loss_of(b, 0)
+    loss.backward()
+    guard.record_loss(loss * float("nan"))
+    before = [p.detach().clone() for p in b.parameters()]
+    report = guard.step()
+    assert report.skipped and report.incident["signal"] == "nonfinite_loss"
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (3.0, TypeError), (torch.ones(2), ValueError), (torch.tensor(1), ValueError)])
+def test_record_loss_refuses_what_is_not_a_loss(bad, error):
+    _, _, _, guard = _pair()
+    with pytest.raises(error, match="record_loss"):
+        guard.record_loss(bad)
+
+
+def test_step_with_a_closure_matches_the_plain_optimizer_and_returns_its_loss():
+    a, plain, b, guard = _pair()
+    calls = []
+    for step in range(3):
+        def plain_closure(step=step):
+            plain.zero_grad()
+            loss = loss_of(a, step)
+            loss.backward()
+            return loss
+
+        def closure(step=step):
+            calls.append(torch.is_grad_enabled())
+            guard.zero_grad()
+            loss = loss_of(b, step)
+            loss.backward()
+            return loss
+
+        expected = plain.step(plain_closure)
+        with torch.no_grad():  # a framework may call step() under no_grad; the closure needs grad
+            report = guard.step(closure)
+        assert report.applied and report.loss == pytest.approx(expected.item(), rel=1e-12)
+    assert calls == [True, True, True]
+    assert _equal(a, b)
+
+
+def test_a_closure_that_raises_or_returns_no_tensor_changes_nothing():
+    _, _, b, guard = _pair()
+    before = [p.detach().clone() for p in b.parameters()]
+
+    def raises():
+        raise RuntimeError("the batch is gone")
+
+    with pytest.raises(RuntimeError, match="the batch is gone"):
+        guard.step(raises)
+
+    def returns_a_float():
+        loss = loss_of(b, 0)
+        loss.backward()
+        return loss.item()
+
+    with pytest.raises(TypeError, match="closure must return this step's loss tensor.*float"):
+        guard.step(returns_a_float)
+    with pytest.raises(TypeError, match="takes the loss tensor, a closure or nothing, got float"):
+        guard.step(1.5)
+    assert guard.step_count == 0 and guard.collectives == 0
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+
+
+def test_zero_grad_sets_gradients_to_none_by_default_and_none_gradients_are_fine():
+    _, _, b, guard = _pair()
+    loss_of(b, 0).backward()
+    guard.zero_grad()
+    assert all(p.grad is None for p in b.parameters())
+    loss_of(b, 0).backward()
+    guard.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in b.parameters())
+    # Only the last layer gets a gradient: the others stay None and the step is fine.
+    guard.zero_grad()
+    b[2].weight.sum().backward()
+    assert b[0].weight.grad is None
+    before = b[0].weight.detach().clone()
+    report = guard.step()
+    assert report.applied and report.grad_norm == pytest.approx(
+        torch.ones_like(b[2].weight).norm().item(), rel=1e-12)
+    assert torch.equal(b[0].weight, before)
+
+
+def test_options_are_one_type_spelled_as_in_cpp():
+    fields = stepguard.GuardOptions.fields
+    assert "policy" in fields and "collective_timeout" in fields and "policy_file" not in fields
+    o = stepguard.GuardOptions()
+    assert o.collective_timeout == 300.0 and o.metrics_port == -1 and o.policy == ""
+    o.collective_timeout = datetime.timedelta(seconds=2.5)
+    assert o.collective_timeout == 2.5
+    model = make_model(0)
+    with pytest.raises(TypeError, match="unknown option polcy"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), polcy="x")
+    with pytest.raises(TypeError, match="option metrics_port must be an int, got bool"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), metrics_port=True)
+    with pytest.raises(ValueError, match="collective_timeout must be more than 0 and at most a yea"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   collective_timeout=1e300)
+    with pytest.raises(TypeError, match="option loss_scaling must be True or False, got NoneType"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scaling=None)
+
+
+def test_a_preset_is_accepted_by_name():
+    model = make_model(0)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), policy="default")
+    loss = loss_of(model, 0)
+    loss.backward()
+    assert guard.step(loss).applied
+    with pytest.raises(stepguard.StepguardError,
+                       match="policy 'defualt' is neither a file nor a shipped preset "
+                             r"\(presets: debug-strict, deepspeed-fp16, default, megatron, "
+                             r"palm-rollback\)"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="defualt")
+
+
+def test_the_version_names_the_package_and_libtorch():
+    assert stepguard.__version__ == stepguard.version()
+    assert torch.__version__.split("+")[0].split(".")[0] == "2"

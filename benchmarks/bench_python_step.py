@@ -2,7 +2,7 @@
 """A Python training iteration with guard.step(loss) against the same iteration with
 optimizer.step(), in one process, interleaved in blocks, medians of each.
 
-    PYTHONPATH=build/python python3 benchmarks/bench_python_step.py [--rounds R] [--block B]
+    PYTHONPATH=build/python .venv/bin/python benchmarks/bench_python_step.py [--rounds R] [--block B]
 
 Cases: the demo's character transformer (0.4M parameters) and one of ~50M parameters (d_model 768,
 7 blocks, batch 8 x 128 tokens), each with the default policy (RAM snapshots every 50 steps: run

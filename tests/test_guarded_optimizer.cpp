@@ -127,6 +127,33 @@ TEST(GuardedOptimizer, GradlessParameterIsAllowed) {
   EXPECT_TRUE(torch::allclose(used.detach(), before - 0.5 * 2 * before));
 }
 
+TEST(GuardedOptimizer, StepWithoutALossDecidesOnTheGradientsAndSaysSo) {
+  auto a = make_model(4);
+  auto b = make_model(4);
+  torch::optim::SGD plain(a->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(b->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt);
+  loss_of(a, 0).backward();
+  plain.step();
+  loss_of(b, 0).backward();
+  const StepReport r = guard.step();
+  EXPECT_TRUE(r.applied());
+  EXPECT_FALSE(r.loss_given);
+  EXPECT_TRUE(std::isnan(r.loss));
+  EXPECT_GT(r.grad_norm, 0.0);
+  const auto pa = a->parameters();
+  const auto pb = b->parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i]));
+  // A NaN gradient is still caught without a loss.
+  opt.zero_grad();
+  loss_of(b, 1).backward();
+  pb[0].mutable_grad().view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  const auto before = clone_all(pb);
+  const StepReport bad = guard.step();
+  EXPECT_EQ(bad.outcome, Outcome::kSkipped);
+  for (std::size_t i = 0; i < pb.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], pb[i]));
+}
+
 void expect_error_containing(const std::function<void()>& fn, const std::string& needle) {
   try {
     fn();
@@ -148,11 +175,13 @@ TEST(GuardedOptimizer, BadLossIsRefusedAndChangesNothing) {
         guard.step(torch::ones({2, 3}));
       },
       "loss must be a scalar (one element), got shape [2, 3]");
-  expect_error_containing([&] { guard.step(torch::Tensor()); }, "undefined loss");
   expect_error_containing([&] { guard.step(torch::tensor(3, torch::kLong)); },
                           "loss must be a floating-point tensor, got Long");
   expect_error_containing([&] { guard.step(torch::empty({}, torch::device(torch::kMeta))); },
-                          "loss is on meta but the gradient of 'param_0' is on cpu");
+                          "loss is on meta but the gradients are on cpu");
+  expect_error_containing(
+      [&] { guard.step(torch::ones({1}).to_sparse()); },
+      "loss must be a dense tensor, got Sparse");
   EXPECT_EQ(guard.step_count(), 0);
   EXPECT_EQ(guard.collectives(), 0);
   const auto after = model->parameters();
@@ -284,7 +313,7 @@ TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
       [&] {
         GuardedOptimizer both(opt, GuardOptions().policy(path).max_consecutive_bad_steps(4));
       },
-      "max_consecutive_bad_steps is set both in GuardOptions and through the policy file");
+      "max_consecutive_bad_steps is set both in GuardOptions and through the policy");
   std::ofstream(path) << "version: 1\nlimits: {max_bad: 1}\n";
   try {
     GuardedOptimizer bad(opt, GuardOptions().policy(path));
@@ -366,6 +395,25 @@ TEST(GuardedOptimizer, LastStageSecondsSplitsEachStepWithTheSnapshotApart) {
   }
   EXPECT_EQ(guard.totals().snapshots, 1);  // step 2's copy: more than step 1's cadence check
   EXPECT_GT(seen[1].snapshot, seen[0].snapshot);
+}
+
+TEST(GuardedOptimizer, APresetIsAcceptedByName) {
+  auto model = make_model(6);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt, GuardOptions().policy("megatron"));
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  EXPECT_TRUE(guard.step(loss).applied());
+  try {
+    GuardedOptimizer typo(opt, GuardOptions().policy("megatorn"));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "stepguard: policy 'megatorn' is neither a file nor a shipped preset (presets: "
+                  "debug-strict, deepspeed-fp16, default, megatron, palm-rollback)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -11,7 +11,7 @@ namespace consensus {
 namespace {
 
 TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
-  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 7 + 4 * step_slot::kChunks + 1);
+  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 8 + 4 * step_slot::kChunks + 1);
   EXPECT_LE(StepBuffer::bytes(), 1024);
   for (int world : {1, 2, 4, 16, 16384}) {
     StepBuffer b(0, world, at::kCPU);

@@ -132,3 +132,40 @@ def test_a_dead_rank_raises_a_consensus_error_naming_it():
     assert is_stepguard_error == "True"
     assert step == "3" and missing == "[1]", message
     assert "missing rank 1" in message, message
+
+
+def _bf16_ddp_rank(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(make_model(13).to(torch.bfloat16))
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.module.named_parameters(),
+                                       process_group=dist.group.WORLD, collective_timeout=60)
+    outcomes = []
+    for step in range(4):
+        guard.zero_grad()
+        g = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(5, 8, generator=g).to(torch.bfloat16)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()  # DDP averages bf16 gradients over Gloo (torch 2.x; 1.13's Gloo refused)
+        if step == 2 and rank == 1:
+            model.module[2].weight.grad[0, 0] = float("nan")
+        report = guard.step(loss)
+        outcomes.append(report.outcome)
+        if step == 2:
+            assert report.incident["tensors"] == ["2.weight"] or rank != 1
+            assert report.incident["ranks"] == [1]
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    torch.save({"outcomes": outcomes, "params": flat}, os.path.join(out_dir, "rank%d.pt" % rank))
+    dist.destroy_process_group()
+
+
+def test_bf16_gradients_averaged_by_ddp_over_gloo_are_guarded_on_every_rank():
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_bf16_ddp_rank, args=(world, os.path.join(d, "init"), d), nprocs=world)
+        ranks = [torch.load(os.path.join(d, "rank%d.pt" % r)) for r in range(world)]
+    for r in ranks:
+        assert r["outcomes"] == ["applied", "applied", "skipped", "applied"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])

@@ -46,11 +46,14 @@ class CMakeBuild(build_ext):
         env = _installing_environment()
         build_dir = os.path.join(self.build_temp, "cmake")
         os.makedirs(build_dir, exist_ok=True)
+        prefix = _torch_cmake_prefix(env)
+        # Torch_DIR named outright: a CMake cache left by a build for another Python's torch
+        # must not decide which LibTorch this one links.
         args = [
             "cmake", "-S", HERE, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
             "-DSTEPGUARD_BUILD_TESTS=OFF", "-DSTEPGUARD_BUILD_BENCHMARKS=OFF",
             "-DSTEPGUARD_PYTHON=" + sys.executable,
-            "-DCMAKE_PREFIX_PATH=" + _torch_cmake_prefix(env),
+            "-DCMAKE_PREFIX_PATH=" + prefix, "-DTorch_DIR=" + os.path.join(prefix, "Torch"),
         ] + shlex.split(os.environ.get("STEPGUARD_CMAKE_ARGS", ""))
         subprocess.check_call(args, env=env)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
@@ -78,5 +81,7 @@ setup(
     package_dir={"stepguard": "plugin/python/stepguard"},
     ext_modules=[Extension("stepguard._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
+    # Not build/: that is make's CMake build tree.
+    options={"build": {"build_base": "build-pip"}},
     python_requires=">=3.8",
 )

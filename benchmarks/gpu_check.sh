@@ -43,6 +43,8 @@ for deb in .gpudeps/*.deb; do [[ -e "$deb" ]] && dpkg -x "$deb" "$DEPS"; done
 export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 
 PY=${STEPGUARD_PYTHON:-python3}
+# sm_90 only (H200): also the architectures a CUDA LibTorch's config adds to the old FindCUDA flags.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 JOBS=16
 if [[ "$MODE" == compile-only ]]; then
   PY=${STEPGUARD_PYTHON:-$PWD/.venv/bin/python}

@@ -63,45 +63,14 @@ std::vector<std::string> action_names(const std::vector<Action>& actions) {
   return out;
 }
 
-py::dict record_dict(const checkpoint::GuardRecord& r) {
-  py::dict d;
-  d["step"] = r.step;
-  d["data_position"] = r.data_position;
-  d["guard"] = r.guard;
-  d["totals"] = r.totals;
-  d["skipped_ranges"] = r.skipped_ranges;
-  return d;
-}
-
-checkpoint::GuardRecord record_of(const py::dict& d) {
-  checkpoint::GuardRecord r;
-  r.step = d["step"].cast<std::int64_t>();
-  r.data_position = d["data_position"].cast<std::int64_t>();
-  r.guard = d["guard"].cast<std::vector<std::int64_t>>();
-  r.totals = d["totals"].cast<std::vector<std::int64_t>>();
-  r.skipped_ranges = d["skipped_ranges"].cast<std::vector<std::int64_t>>();
-  return r;
-}
-
-py::dict totals_dict(const GuardTotals& t) {
-  py::dict d;
-  d["steps"] = t.steps;
-  d["applied"] = t.applied;
-  d["skipped"] = t.skipped;
-  d["rolled_back"] = t.rolled_back;
-  d["aborted"] = t.aborted;
-  d["incidents"] = t.incidents;
-  d["snapshots"] = t.snapshots;
-  return d;
-}
-
 // GuardOptions as one Python type: every field a property of the C++ struct's name and type,
 // checked strictly (a bool is not a port, a float not a count), so the options are spelled once.
+// `what` names the value in errors ("option metrics_port", "the guard state's 'step'").
 template <typename T>
-T option_value(const char* name, const py::handle& value) {
+T option_value(const std::string& what, const py::handle& value) {
   const auto type_error = [&](const char* expected) {
-    return py::type_error(std::string("stepguard: option ") + name + " must be " + expected +
-                          ", got " + py::str(py::type::of(value).attr("__name__")).cast<std::string>());
+    return py::type_error("stepguard: " + what + " must be " + expected + ", got " +
+                          py::str(py::type::of(value).attr("__name__")).cast<std::string>());
   };
   if constexpr (std::is_same_v<T, bool>) {
     if (!py::isinstance<py::bool_>(value)) throw type_error("True or False");
@@ -113,7 +82,7 @@ T option_value(const char* name, const py::handle& value) {
     const py::int_ number = py::reinterpret_borrow<py::int_>(value);
     if (number < py::int_(std::numeric_limits<T>::min()) ||
         number > py::int_(std::numeric_limits<T>::max())) {
-      throw py::value_error(std::string("stepguard: option ") + name + " is out of range: " +
+      throw py::value_error("stepguard: " + what + " is out of range: " +
                             py::str(value).cast<std::string>());
     }
     return number.cast<T>();
@@ -136,7 +105,7 @@ T option_value(const char* name, const py::handle& value) {
     }
     // At most a year: also keeps the milliseconds far inside int64.
     if (!(seconds > 0 && seconds <= 366.0 * 86400.0)) {
-      throw py::value_error(std::string("stepguard: option ") + name +
+      throw py::value_error("stepguard: " + what +
                             " must be more than 0 and at most a year of seconds, got " +
                             py::str(value).cast<std::string>());
     }
@@ -159,13 +128,74 @@ py::object option_object(const T& value) {
   }
 }
 
+py::dict record_dict(const checkpoint::GuardRecord& r) {
+  py::dict d;
+  d["step"] = r.step;
+  d["data_position"] = r.data_position;
+  d["guard"] = r.guard;
+  d["totals"] = r.totals;
+  d["skipped_ranges"] = r.skipped_ranges;
+  return d;
+}
+
+// The guard's part of a state dict, every key named in its error: a missing key or a value of
+// the wrong type is a KeyError or TypeError saying which.
+checkpoint::GuardRecord record_of(const py::handle& object) {
+  if (!py::isinstance<py::dict>(object)) {
+    throw py::type_error("stepguard: the state dict's 'stepguard' entry must be a dict, got " +
+                         py::str(py::type::of(object).attr("__name__")).cast<std::string>());
+  }
+  const py::dict d = py::reinterpret_borrow<py::dict>(object);
+  const auto entry = [&](const char* key) -> py::object {
+    if (!d.contains(key)) {
+      throw py::key_error(std::string("stepguard: the guard state lacks the key '") + key + "'");
+    }
+    return d[key];
+  };
+  const auto name = [](const char* key) { return std::string("the guard state's '") + key + "'"; };
+  const auto count = [&](const char* key) {
+    return option_value<std::int64_t>(name(key), entry(key));
+  };
+  const auto words = [&](const char* key) {
+    const py::object v = entry(key);
+    std::vector<std::int64_t> out;
+    if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v)) {
+      throw py::type_error(std::string("stepguard: the guard state's '") + key +
+                           "' must be a list of ints");
+    }
+    for (const auto& item : v) out.push_back(option_value<std::int64_t>(name(key), item));
+    return out;
+  };
+  checkpoint::GuardRecord r;
+  r.step = count("step");
+  r.data_position = count("data_position");
+  r.guard = words("guard");
+  r.totals = words("totals");
+  r.skipped_ranges = words("skipped_ranges");
+  return r;
+}
+
+py::dict totals_dict(const GuardTotals& t) {
+  py::dict d;
+  d["steps"] = t.steps;
+  d["applied"] = t.applied;
+  d["skipped"] = t.skipped;
+  d["rolled_back"] = t.rolled_back;
+  d["aborted"] = t.aborted;
+  d["incidents"] = t.incidents;
+  d["snapshots"] = t.snapshots;
+  return d;
+}
+
 // One property per GuardOptions field: the name is the C++ member's, the type its type.
 #define STEPGUARD_BIND_OPTION(cls, field)                                                    \
   do {                                                                                        \
     using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>;        \
     cls.def_property(                                                                         \
         #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); },        \
-        [](GuardOptions& o, const py::object& v) { o.field(option_value<Value>(#field, v)); }); \
+        [](GuardOptions& o, const py::object& v) {                                          \
+          o.field(option_value<Value>("option " #field, v));                                  \
+        }); \
     fields.append(#field);                                                                    \
   } while (0)
 
@@ -297,7 +327,7 @@ void bind_guard(py::module_& m) {
           "synchronize", [](PyGuard& g) { g.engine->synchronize(); }, Release())
       .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
       .def("load_record",
-           [](PyGuard& g, const py::dict& d) { g.engine->load_record(record_of(d)); })
+           [](PyGuard& g, const py::object& d) { g.engine->load_record(record_of(d)); })
       .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
       .def_property_readonly("step_count", [](const PyGuard& g) { return g.engine->step_count(); })
       .def_property_readonly("totals",

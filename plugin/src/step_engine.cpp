@@ -399,10 +399,26 @@ void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
 
 void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
   controller_.check(r.guard);
-  if (r.step < 0 || r.data_position < 0 || r.totals.size() != kTotalsWords ||
-      r.skipped_ranges.size() % 2 != 0) {
-    throw checkpoint::CheckpointError("its guard record is malformed");
+  // Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
+  constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+  const auto field = [](const char* name, std::int64_t value) {
+    if (value < 0 || value > kMaxCount) {
+      throw checkpoint::CheckpointError(std::string("its guard record's '") + name + "' is " +
+                                        std::to_string(value) + ", not in [0, 2^52]");
+    }
+  };
+  field("step", r.step);
+  field("data_position", r.data_position);
+  if (r.totals.size() != kTotalsWords) {
+    throw checkpoint::CheckpointError("its guard record's 'totals' has " +
+                                      std::to_string(r.totals.size()) + " words, not " +
+                                      std::to_string(kTotalsWords));
   }
+  for (std::int64_t t : r.totals) field("totals", t);
+  if (r.skipped_ranges.size() % 2 != 0) {
+    throw checkpoint::CheckpointError("its guard record's 'skipped_ranges' has an odd length");
+  }
+  for (std::int64_t v : r.skipped_ranges) field("skipped_ranges", v);
 }
 
 void StepEngine::load_record(const checkpoint::GuardRecord& record) {

@@ -169,3 +169,29 @@ def test_bf16_gradients_averaged_by_ddp_over_gloo_are_guarded_on_every_rank():
     for r in ranks:
         assert r["outcomes"] == ["applied", "applied", "skipped", "applied"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+def _no_group_rank(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    model = make_model(14)
+    try:
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        message = None
+    except ValueError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, "rank%d.txt" % rank), "w") as f:
+        f.write(message or "")
+    dist.destroy_process_group()
+
+
+def test_a_guard_without_a_group_under_several_ranks_is_refused():
+    """Each rank would decide alone: one skips a NaN step the other applies."""
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_no_group_rank, args=(world, os.path.join(d, "init"), d), nprocs=world)
+        messages = [open(os.path.join(d, "rank%d.txt" % r)).read() for r in range(world)]
+    for m in messages:
+        assert "torch.distributed runs 2 ranks but the guard was given no process_group" in m
+        assert "process_group=dist.group.WORLD" in m

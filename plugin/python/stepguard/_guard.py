@@ -3,6 +3,7 @@ optimizer.step(). The engine is stepguard's C++ step engine (stepguard._C), the 
 GuardedOptimizer runs."""
 
 import os
+import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from . import _C
 from ._C import StepReport
 from ._pictures import IncidentPictures
-from ._port import TorchOptimPort, is_zero_redundancy
+from ._port import TorchOptimPort, check_name, is_zero_redundancy
 
 
 def _options(policy, policy_yaml, process_group, store, options):
@@ -85,6 +86,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         guard_options = _options(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
             _check_zero_group(optimizer, process_group)
+        _check_default_group(process_group)
         self.optimizer = optimizer
         self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
         if getattr(self._port, "dtensors", False) and not guard_options.sharded_gradients:
@@ -95,6 +97,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._guard = _C.Guard(self._port, guard_options)
         self._pictures = IncidentPictures.for_options(options)
         self._recorded_loss: Optional[torch.Tensor] = None
+        self._stepping = threading.Lock()  # held for the whole of step(): no re-entry
 
     # -- pass-through: accepted wherever the wrapped optimizer is ------------------------------
     @property
@@ -154,22 +157,30 @@ class GuardedOptimizer(torch.optim.Optimizer):
           ``record_loss(loss)``. Without a loss the loss detectors see no value this step
           (``report.loss`` is None, ``report.loss_given`` False).
         """
-        if closure is None:
-            loss = self._recorded_loss
-        elif torch.is_tensor(closure):
-            loss = closure
-        elif callable(closure):
-            with torch.enable_grad():
-                loss = closure()
-            if not torch.is_tensor(loss):
-                raise TypeError("stepguard: step(closure): the closure must return this step's "
-                                "loss tensor (it runs forward and backward), got %s"
-                                % type(loss).__name__)
-        else:
-            raise TypeError("stepguard: step() takes the loss tensor, a closure or nothing, got %s"
-                            % type(closure).__name__)
-        report = self._guard.step(loss)
-        self._recorded_loss = None
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError(
+                "stepguard: step() was called while another step() of this guard is running (from "
+                "a replay closure, a hook or another thread); a guard is not re-entrant and not "
+                "thread-safe: one training thread drives it")
+        try:
+            if closure is None:
+                loss = self._recorded_loss
+            elif torch.is_tensor(closure):
+                loss = closure
+            elif callable(closure):
+                with torch.enable_grad():
+                    loss = closure()
+                if not torch.is_tensor(loss):
+                    raise TypeError("stepguard: step(closure): the closure must return this "
+                                    "step's loss tensor (it runs forward and backward), got %s"
+                                    % type(loss).__name__)
+            else:
+                raise TypeError("stepguard: step() takes the loss tensor, a closure or nothing, "
+                                "got %s" % type(closure).__name__)
+            report = self._guard.step(loss)
+            self._recorded_loss = None
+        finally:
+            self._stepping.release()
         if self._pictures is not None:
             self._pictures.after_step(report)  # the trace line of this step is written
         return report
@@ -206,6 +217,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def probe(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Marks a module output for forensics: ``x = guard.probe("blocks.0", block(x))``."""
+        check_name(name, "probe name")
         return self._guard.probe(name, tensor)
 
     def track_buffers(self, named_buffers: Iterable[Tuple[str, Optional[torch.Tensor]]]) -> None:
@@ -235,8 +247,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if "stepguard" not in state_dict or "optimizer" not in state_dict:
             raise ValueError("stepguard: not a GuardedOptimizer state dict (it needs the keys "
                              "'optimizer' and 'stepguard')")
+        # The guard's part is checked whole before it changes anything; if the optimizer's part
+        # then fails, the guard goes back to what it was: both load, or neither.
+        before = self._guard.record()
         self._guard.load_record(state_dict["stepguard"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except BaseException:
+            self._guard.load_record(before)
+            raise
 
     # -- what the guard knows -----------------------------------------------------------------
     @property
@@ -288,6 +307,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
+
+
+def _check_default_group(process_group):
+    """With torch.distributed running on several ranks, a guard without a group would decide on
+    each rank alone: one rank skips a NaN step the others apply, and the replicas part silently."""
+    if process_group is not None or not torch.distributed.is_available():
+        return
+    if not torch.distributed.is_initialized():
+        return
+    world = torch.distributed.get_world_size()
+    if world > 1:
+        raise ValueError(
+            "stepguard: torch.distributed runs %d ranks but the guard was given no "
+            "process_group, so each rank would decide alone (a step skipped on one rank and "
+            "applied on another parts the replicas); pass process_group=dist.group.WORLD (or the "
+            "group the gradients are averaged over)" % world)
 
 
 def _check_zero_group(optimizer, process_group):

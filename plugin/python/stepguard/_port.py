@@ -10,9 +10,9 @@ of its own shard of the parameters, every rank holds all parameters) is recognis
 parameters are all of them, its state is the local optimizer's (``optimizer.optim``), the shard.
 """
 
-import pickle
-
 import torch
+
+from . import _safe_pickle
 
 try:
     from torch.distributed.optim import ZeroRedundancyOptimizer as _ZeroRedundancyOptimizer
@@ -24,7 +24,10 @@ try:
 except ImportError:
     _DTensor = _Shard = None
 
-_FORMAT = b"P1"  # opaque state bytes: this marker, then a pickle of the structure
+# Opaque state bytes: a marker, then a pickle of plain values only (_safe_pickle reads it without
+# running code): P2 {"optimizer": its type, "state": the structure}; P1 the structure alone.
+_FORMAT = b"P2"
+_FORMAT_P1 = b"P1"
 
 
 def is_dtensor(t):
@@ -51,6 +54,19 @@ def check_sharded(name, t, what):
                 "sharded gradients over ranks and needs Shard on every mesh dimension (FSDP2's "
                 "fully_shard on a 1-D mesh). Replicated or partial placements would be counted "
                 "more than once" % (what, name, tuple(t.placements), tuple(t.device_mesh.shape)))
+
+
+def check_name(name, what):
+    """A name that reports, traces and metrics can carry: a str that is valid UTF-8."""
+    if not isinstance(name, str):
+        raise TypeError("stepguard: a %s must be a str, got %s %r" % (what, type(name).__name__,
+                                                                     name))
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("stepguard: the %s %r is not valid UTF-8 (it holds a lone surrogate, "
+                         "e.g. from undecodable bytes); rename it" % (what, name)) from None
+    return name
 
 
 def is_zero_redundancy(optimizer):
@@ -90,7 +106,13 @@ class TorchOptimPort:
         self._names_by_id = {}
         if named_parameters is not None:
             for name, p in named_parameters:
-                self._names_by_id[id(p)] = name
+                self._names_by_id[id(p)] = check_name(name, "parameter name")
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if params and not any(id(p) in self._names_by_id for p in params):
+                raise ValueError(
+                    "stepguard: none of the optimizer's %d parameters is in named_parameters (of "
+                    "another model, or a copy?); pass the named_parameters() of the model whose "
+                    "parameters the optimizer holds" % len(params))
         self._params = []  # the optimizer's own (DTensors under FSDP2)
         self._local = []   # what the engine reads and writes: this rank's shards
         self._names = []
@@ -192,7 +214,12 @@ class TorchOptimPort:
             structure.append((i, entry))
         if not structure:
             return b""
-        return _FORMAT + pickle.dumps(structure, protocol=4)
+        return _FORMAT + _safe_pickle.dumps({"optimizer": self._optimizer_type(),
+                                             "state": structure})
+
+    def _optimizer_type(self):
+        owner = self._state_owner()
+        return "%s.%s" % (type(owner).__module__, type(owner).__qualname__)
 
     def _read(self, data, saved):
         """The structure in ``data``, checked against this optimizer and the saved tensors."""
@@ -200,12 +227,23 @@ class TorchOptimPort:
             if saved:
                 raise ValueError("the saved optimizer state has tensors but no structure")
             return []
-        if not data.startswith(_FORMAT):
+        if data.startswith(_FORMAT_P1):
+            structure = _safe_pickle.loads(data[len(_FORMAT_P1):])  # no optimizer type recorded
+        elif data.startswith(_FORMAT):
+            record = _safe_pickle.loads(data[len(_FORMAT):])
+            if not isinstance(record, dict) or set(record) != {"optimizer", "state"}:
+                raise ValueError("the saved optimizer state's structure is malformed")
+            if record["optimizer"] != self._optimizer_type():
+                raise ValueError("the saved optimizer state was written by %s; this optimizer is "
+                                 "%s" % (record["optimizer"], self._optimizer_type()))
+            structure = record["state"]
+        else:
             raise ValueError("the saved optimizer state is not a torch.optim port's")
-        structure = pickle.loads(data[len(_FORMAT):])
+        _check_structure(structure)
         self.parameters()
         params, names = self._params, self._names
         tensors = dict(saved)
+        named = set()
         for i, entry in structure:
             if not 0 <= i < len(params):
                 raise ValueError("the saved optimizer state names parameter %d; the optimizer "
@@ -221,6 +259,13 @@ class TorchOptimPort:
                 name = "%d.%s" % (i, key)
                 if name not in tensors:
                     raise ValueError("the saved optimizer state lacks tensor '%s'" % name)
+                _check_saved_tensor(name, tensors[name], self._state_owner().state.get(
+                    params[i], {}).get(key))
+                named.add(name)
+        unnamed = sorted(set(tensors) - named)
+        if unnamed:
+            raise ValueError("the saved optimizer state holds tensor '%s', which its structure "
+                             "does not name" % unnamed[0])
         return structure
 
     def _check_own_shard(self, i, param, name):
@@ -279,3 +324,34 @@ def _sharded_like(old, like, param):
     local = torch.empty(like.shape, dtype=like.dtype, device=local_tensor(param).device)
     return _DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                shape=param.shape, stride=param.stride())
+
+
+def _check_structure(structure):
+    """[(parameter index, {key: (kind, detail)})], as state_bytes() writes it."""
+    ok = isinstance(structure, list)
+    for item in structure if ok else ():
+        ok = (isinstance(item, tuple) and len(item) == 2 and type(item[0]) is int
+              and isinstance(item[1], dict))
+        if not ok:
+            break
+        for key, value in item[1].items():
+            if not (isinstance(key, str) and isinstance(value, tuple) and len(value) == 2
+                    and value[0] in ("tensor", "dtensor", "value")):
+                ok = False
+                break
+    if not ok:
+        raise ValueError("the saved optimizer state's structure is malformed")
+
+
+def _check_saved_tensor(name, saved, live):
+    """A saved state tensor a restore can write back: a plain dtype, and the live tensor's shape
+    and dtype when the optimizer already holds one."""
+    if saved.is_quantized:
+        raise ValueError("the saved optimizer state tensor '%s' has the quantized dtype %s"
+                         % (name, saved.dtype))
+    if torch.is_tensor(live):
+        local = local_tensor(live)
+        if local.shape != saved.shape or local.dtype != saved.dtype:
+            raise ValueError("the saved optimizer state tensor '%s' is %s %s; this optimizer holds "
+                             "%s %s" % (name, saved.dtype, tuple(saved.shape), local.dtype,
+                                        tuple(local.shape)))

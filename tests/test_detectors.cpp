@@ -67,10 +67,27 @@ TEST(EmaZScore, GrossSpikesAreCaughtDuringTheWarmUp) {
   EmaZScore fresh;
   EXPECT_FALSE(fresh.observe(1.0).spike);
   EXPECT_FALSE(fresh.observe(100.0).spike);
-  // A series that is not positive has no ratio.
-  EmaZScore negative;
-  for (int i = 0; i < 5; ++i) negative.observe(-1.0);
-  EXPECT_FALSE(negative.observe(50.0).spike);
+}
+
+// A loss offset below zero (log-likelihoods, RL objectives): the early rise is measured against
+// the series' magnitude or spread, as the ratio is for a positive one.
+TEST(EmaZScore, GrossSpikesOfANegativeSeriesAreCaughtDuringTheWarmUp) {
+  EmaZScore d;
+  for (int i = 0; i < 20; ++i) {
+    const double loss = -50.0 + 9.0 * i / 20.0 + 0.3 * ((i * 7) % 3 - 1);  // -50 rising to -41
+    ASSERT_FALSE(d.observe(loss).spike) << i;
+  }
+  const SpikeVerdict v = d.observe(2991.0);
+  EXPECT_TRUE(v.spike);
+  EXPECT_TRUE(v.early);
+  EXPECT_FALSE(d.observe(-40.0).spike);
+  // Its ordinary noise, and a series around zero within its spread, are not spikes.
+  EmaZScore around_zero;
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_FALSE(around_zero.observe(i % 2 == 0 ? -0.5 : 0.5).spike) << i;
+  }
+  EXPECT_FALSE(around_zero.observe(2.0).spike);  // 2.5 above the mean: 5 spreads, under 9
+  EXPECT_TRUE(around_zero.observe(20.0).spike);
 }
 
 TEST(RatioRule, FiresAboveKTimesTheEarlyMaximum) {

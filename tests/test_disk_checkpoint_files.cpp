@@ -328,6 +328,37 @@ TEST(DiskCheckpoint, ACommitCanLeaveTheDeletionOfWhatItPrunedToTheCaller) {
   EXPECT_EQ(entries, 1u);  // step 20 alone
 }
 
+// A file far larger than its format allows (a sparse terabyte) is named and skipped, never
+// read: the older checkpoint stays usable, and learning the directory's runs reads manifests only.
+TEST(DiskCheckpoint, AnOversizedFileIsNamedAndSkippedWithoutReadingIt) {
+  const std::string root = fresh_dir("oversized");
+  write_checkpoint(root, 10, 2, 3);
+  write_checkpoint(root, 20, 2, 3);
+  write_checkpoint(root, 30, 2, 3);
+  constexpr off_t kTerabyte = off_t{1} << 40;
+  ASSERT_EQ(::truncate((step_dir(root, 30) + "/MANIFEST.json").c_str(), kTerabyte), 0);
+  ASSERT_EQ(::truncate((step_dir(root, 20) + "/rank-00001.ckpt").c_str(), kTerabyte), 0);
+  const auto entries = list_checkpoints(root);
+  ASSERT_EQ(entries.size(), 2u);  // 30's manifest is refused
+  EXPECT_EQ(entries[1].step, 20);
+  const VerifyReport twenty = verify_checkpoint(entries[1]);
+  ASSERT_EQ(twenty.problems.size(), 1u);
+  EXPECT_NE(twenty.problems[0].find("rank-00001.ckpt: 1099511627776 bytes, more than the 4096 "
+                                    "this file can hold"),
+            std::string::npos)
+      << twenty.problems[0];
+  EXPECT_TRUE(verify_checkpoint(entries[0]).ok());  // step 10 loads
+  bool named = false;
+  for (const auto& report : verify_all(root)) {
+    for (const auto& problem : report.problems) {
+      named |= problem.find("MANIFEST.json: 1099511627776 bytes, more than the 1048576") !=
+               std::string::npos;
+    }
+  }
+  EXPECT_TRUE(named);
+  EXPECT_EQ(runs_under(root), std::vector<std::string>{kRun});
+}
+
 TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
   try {
     write_rank_file("/proc/stepguard-no", kRun, 1, 0, "x");

@@ -179,9 +179,8 @@ TEST(GuardedOptimizer, BadLossIsRefusedAndChangesNothing) {
                           "loss must be a floating-point tensor, got Long");
   expect_error_containing([&] { guard.step(torch::empty({}, torch::device(torch::kMeta))); },
                           "loss is on meta but the gradients are on cpu");
-  expect_error_containing(
-      [&] { guard.step(torch::ones({1}).to_sparse()); },
-      "loss must be a dense tensor, got Sparse");
+  expect_error_containing([&] { guard.step(torch::ones({1}).to_sparse()); },
+                          "loss must be a dense tensor, got Sparse");
   EXPECT_EQ(guard.step_count(), 0);
   EXPECT_EQ(guard.collectives(), 0);
   const auto after = model->parameters();
@@ -310,9 +309,7 @@ TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
   EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kAborted);
 
   expect_error_containing(
-      [&] {
-        GuardedOptimizer both(opt, GuardOptions().policy(path).max_consecutive_bad_steps(4));
-      },
+      [&] { GuardedOptimizer both(opt, GuardOptions().policy(path).max_consecutive_bad_steps(4)); },
       "max_consecutive_bad_steps is set both in GuardOptions and through the policy");
   std::ofstream(path) << "version: 1\nlimits: {max_bad: 1}\n";
   try {

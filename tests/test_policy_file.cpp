@@ -77,6 +77,15 @@ TEST(PolicyFile, DuplicateKeysAreRejectedWithBothPositions) {
                                 "given at line 3, column 21)"}));
 }
 
+TEST(PolicyFile, ASecondYamlDocumentIsRejectedNotIgnored) {
+  EXPECT_EQ(issues_of("version: 1\nlimits: {max_consecutive_bad_steps: 3}\n---\nversion: 1\n"
+                      "limits: {max_consecutive_bad_steps: 9}\n"),
+            std::vector<std::string>({"p.yaml:3:1: a second YAML document; a policy file holds "
+                                      "one (remove the '---' before it)"}));
+  // A document marker before the only document is fine.
+  EXPECT_TRUE(issues_of("---\nversion: 1\n").empty());
+}
+
 TEST(PolicyFile, InvalidUtf8IsRejectedWithItsPosition) {
   EXPECT_EQ(
       issues_of("version: 1\nrules:\n  - {name: caf\xe9, on: nonfinite, action: skip_batch}\n"),

@@ -237,8 +237,10 @@ TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
     if (r == 2) return;  // this rank never arrives at step 1
     auto p = torch::zeros({2}, torch::requires_grad());
     torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
-    GuardedOptimizer guard(
-        sgd, GuardOptions().process_group(g.ranks[r]).store(g.store).collective_timeout(std::chrono::milliseconds(1500)));
+    GuardedOptimizer guard(sgd, GuardOptions()
+                                    .process_group(g.ranks[r])
+                                    .store(g.store)
+                                    .collective_timeout(std::chrono::milliseconds(1500)));
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     const auto t0 = std::chrono::steady_clock::now();

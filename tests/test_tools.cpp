@@ -2,6 +2,8 @@
 // deep JSON is an error, not a stack overflow; invalid UTF-8 in names never stops a trace line;
 // a picture attached to an incident report.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -99,6 +101,31 @@ TEST(Tools, TraceLinesReplaceInvalidUtf8InsteadOfThrowing) {
   const std::string line = telemetry::trace_line(report, GlobalStats{}, Signals{}, decision, {});
   const auto j = nlohmann::json::parse(line);
   EXPECT_EQ(j["rules"][0], "caf\xef\xbf\xbd");  // U+FFFD
+}
+
+// `stepguard incident show` reads a regular file of bounded size: a FIFO does not hang it, a
+// device or a sparse terabyte is refused before a byte is read.
+TEST(IncidentShow, OnlyABoundedRegularFileIsRead) {
+  const std::string dir = fresh_dir("incident_show");
+  const std::string fifo = dir + "/report.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto refusal = [](const std::string& path) {
+    try {
+      render_incident_report_file(path);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(refusal(fifo), fifo + ": cannot read: a FIFO, not a regular file");
+  EXPECT_EQ(refusal("/dev/zero"), "/dev/zero: cannot read: not a regular file");
+  const std::string huge = dir + "/huge.json";
+  std::ofstream(huge).close();
+  ASSERT_EQ(::truncate(huge.c_str(), off_t{1} << 40), 0);
+  EXPECT_EQ(refusal(huge), huge +
+                               ": cannot read: 1099511627776 bytes, more than the 16777216 "
+                               "this file can hold");
+  EXPECT_EQ(refusal(dir + "/none.json"), dir + "/none.json: cannot read: missing");
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "csrc/checkpoint/disk_checkpoint.h"
+#include "csrc/common/regular_file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -45,34 +47,13 @@ void fsync_dir(const std::string& dir) {
   if (rc != 0) fail(dir, "fsync of the directory failed");
 }
 
-// Reads a regular file whole. Opens without blocking (a FIFO in its place must not hang a
-// reader) and refuses anything but a regular file; `why` says what was wrong ("missing" when
-// it does not exist).
-bool read_whole(const std::string& path, std::string* out, std::string* why) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    *why = errno == ENOENT ? std::string("missing") : std::string(std::strerror(errno));
-    return false;
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    *why = S_ISDIR(st.st_mode)    ? "a directory, not a file"
-           : S_ISFIFO(st.st_mode) ? "a FIFO, not a regular file"
-                                  : "not a regular file";
-    ::close(fd);
-    return false;
-  }
-  out->resize(static_cast<std::size_t>(st.st_size));
-  std::size_t done = 0;
-  while (done < out->size()) {
-    const ssize_t n = ::read(fd, out->data() + done, out->size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<std::size_t>(n);
-  }
-  ::close(fd);
-  out->resize(done);
-  return true;
+// Manifests and rank records are a few hundred bytes; nothing but a rank's payload is larger
+// than this, and a payload's size is in its record.
+constexpr std::int64_t kMaxSmallFile = std::int64_t{1} << 20;
+
+bool read_whole(const std::string& path, std::string* out, std::string* why,
+                std::int64_t max_bytes = kMaxSmallFile) {
+  return read_regular_file(path, max_bytes, out, why);
 }
 
 // Parses "step-NNNNNNNNN"; -1 when the name is not a step directory.
@@ -189,7 +170,11 @@ bool check_rank_file(const CheckpointEntry& entry, int rank, std::string* payloa
     *problem = record_path + ": unreadable (" + e.what() + ")";
     return false;
   }
-  if (!read_whole(file_path, payload, &why)) {
+  if (size < 0) {
+    *problem = record_path + ": bytes " + std::to_string(size) + " is out of range";
+    return false;
+  }
+  if (!read_whole(file_path, payload, &why, size)) {  // its record says how large it may be
     *problem = file_path + ": " + why;
     return false;
   }
@@ -450,9 +435,45 @@ std::vector<CheckpointEntry> list_checkpoints(const std::string& root) {
   return out;
 }
 
+int lock_checkpoint_dir(const std::string& root, std::string* holder) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw CheckpointError(root + ": cannot create the checkpoint directory: " + ec.message());
+  const std::string path = root + "/.stepguard-lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) {
+    throw CheckpointError(path + ": cannot open the lock file: " + std::strerror(errno));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    std::string pid, why;
+    ::close(fd);
+    if (error != EWOULDBLOCK)
+      throw CheckpointError(path + ": cannot lock: " + std::strerror(error));
+    read_whole(path, &pid, &why, 64);
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    *holder = "process " + (pid.empty() ? std::string("?") : pid) + " holds " + path;
+    return -1;
+  }
+  const std::string me = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    // The id is only for messages: the lock holds without it.
+  }
+  return fd;
+}
+
 std::vector<std::string> runs_under(const std::string& root) {
+  // Manifests only: which run a checkpoint belongs to needs none of its rank files.
   std::vector<std::string> runs;
-  for (const auto& e : list_checkpoints(root)) runs.push_back(e.run);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return runs;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (step_of_dir_name(name) < 0) continue;
+    CheckpointEntry entry;
+    std::string problem;
+    if (read_manifest(it->path().string(), &entry, &problem)) runs.push_back(entry.run);
+  }
   std::sort(runs.begin(), runs.end());
   runs.erase(std::unique(runs.begin(), runs.end()), runs.end());
   return runs;

@@ -36,7 +36,7 @@ namespace step_slot {
 constexpr int kInspection = 0;                                ///< inspection's block starts here
 constexpr int kLossSum = kInspection + inspect_slot::kCount;  ///< sum of the finite local losses
 constexpr int kLossNonfinite = kLossSum + 1;                  ///< ranks whose loss is NaN/Inf
-constexpr int kLossGiven = kLossNonfinite + 1;  ///< ranks that gave a loss (step() may have none)
+constexpr int kLossGiven = kLossNonfinite + 1;   ///< ranks that gave a loss (step() may have none)
 constexpr int kRanksReporting = kLossGiven + 1;  ///< each rank adds 1
 constexpr int kFaultyRanks = kRanksReporting + 1;    ///< ranks with a non-finite gradient or loss
 constexpr int kInputRanks = kFaultyRanks + 1;        ///< ranks whose check_inputs() failed

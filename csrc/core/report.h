@@ -49,8 +49,8 @@ struct Incident {
 /// What guard.step(loss) returns to the training loop.
 struct StepReport {
   Outcome outcome = Outcome::kApplied;
-  std::int64_t step = 0;   ///< 1-based count of guarded steps, this one included
-  double loss = 0.0;       ///< the agreed loss (mean over ranks); NaN when loss_given is false
+  std::int64_t step = 0;  ///< 1-based count of guarded steps, this one included
+  double loss = 0.0;      ///< the agreed loss (mean over ranks); NaN when loss_given is false
   /// false when step() had no loss (gradients alone) on every rank: the loss detectors saw no
   /// value this step.
   bool loss_given = true;

@@ -8,13 +8,22 @@ namespace forensics {
 InputCheck check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask) {
   TORCH_CHECK(!mask.defined() || mask.dim() == 2,
               "stepguard: check_inputs: the mask must be [batch, sequence], got ", mask.sizes());
+  // The mask describes the batch: an input of two or more dimensions is [batch, sequence, ...].
+  for (std::size_t i = 0; mask.defined() && i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    if (!t.defined() || t.dim() < 2) continue;
+    TORCH_CHECK(t.size(0) == mask.size(0) && t.size(1) == mask.size(1),
+                "stepguard: check_inputs: the mask is ", mask.sizes(), " but input ", i, " is ",
+                t.sizes(), "; the mask must be [batch, sequence] of the inputs");
+  }
   InputCheck out;
   std::vector<at::Tensor> counts;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const auto& t = inputs[i];
     if (!t.defined()) continue;
     out.inputs.push_back(t.detach());
-    if (!at::isFloatingType(t.scalar_type())) continue;
+    // Floating and complex inputs can hold NaN/Inf (a complex one in either part).
+    if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) continue;
     out.counted_.push_back(i);
     counts.push_back((~at::isfinite(t.detach())).sum());
   }

@@ -21,6 +21,19 @@ EmaZScore::EmaZScore(EmaZScoreConfig config) : config_(config) {
   if (config_.early_after < 1) throw std::invalid_argument("stepguard: early_after must be >= 1");
 }
 
+namespace {
+
+// The warm-up's gross rise. A positive series: x above early_factor times its mean. A series at
+// or below zero (log-likelihoods with an offset, RL objectives) has no such ratio: the same rise,
+// (early_factor - 1) times its level, is measured against its magnitude or its spread.
+bool early_jump(double x, const EmaZScoreState& s, double factor) {
+  if (s.mean > 0) return x > factor * s.mean;
+  const double scale = std::max(std::abs(s.mean), std::sqrt(s.variance));
+  return scale > 0 && x - s.mean > (factor - 1.0) * scale;
+}
+
+}  // namespace
+
 SpikeVerdict EmaZScore::observe(double x) {
   SpikeVerdict v;
   if (!std::isfinite(x)) return v;
@@ -31,8 +44,8 @@ SpikeVerdict EmaZScore::observe(double x) {
     v.z = sd > 0 ? diff / sd : (diff > 0 ? std::numeric_limits<double>::infinity() : 0.0);
     if (state_.count >= config_.warmup) {
       v.spike = v.z > config_.threshold;
-    } else if (config_.early_factor > 0 && state_.count >= config_.early_after && state_.mean > 0 &&
-               x > config_.early_factor * state_.mean) {
+    } else if (config_.early_factor > 0 && state_.count >= config_.early_after &&
+               early_jump(x, state_, config_.early_factor)) {
       v.spike = v.early = true;
     }
   }

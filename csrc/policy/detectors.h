@@ -5,8 +5,9 @@
  *   value does not update the averages, so one spike cannot hide the next. The averages are
  *   bias-corrected (the plain mean and variance until 1 / (1 - decay) values are in), and during
  *   the warm-up a gross rise is caught by a ratio instead: x > early_factor * the running mean
- *   once early_after values are in (positive series only), so a run that blows up in its first
- *   steps is not waved through while the z-score warms up.
+ *   once early_after values are in (for a series at or below zero: a rise of (early_factor - 1)
+ *   times its magnitude or spread), so a run that blows up in its first steps is not waved
+ *   through while the z-score warms up.
  * - RatioRule (Megatron's check): x > k * the largest value seen in the first N steps.
  * Non-finite values are the non-finite detector's business: they are ignored here.
  *

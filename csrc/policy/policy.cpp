@@ -191,10 +191,69 @@ EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::siz
   list(&s.recent_skips);
   list(&s.recent_rollbacks);
   if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
-  if (s.consecutive_bad_steps < 0 || s.bad_steps_total < 0) {
-    throw std::invalid_argument("stepguard: policy state holds a negative counter");
-  }
+  s.check_ranges();
   return s;
+}
+
+namespace {
+
+// Far beyond any run, far inside int64 and exact in a double: counts and steps stay below it.
+constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+
+void check_count(const char* what, std::int64_t v) {
+  if (v < 0 || v > kMaxCount) {
+    throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
+                                std::to_string(v) + ", not in [0, 2^52]");
+  }
+}
+
+void check_ema(const char* what, const EmaZScoreState& e) {
+  check_count(what, e.count);
+  if (!std::isfinite(e.mean) || !std::isfinite(e.variance) || e.variance < 0) {
+    throw std::invalid_argument(std::string("stepguard: policy state holds a ") + what +
+                                " average that is not a finite number (mean " +
+                                std::to_string(e.mean) + ", variance " +
+                                std::to_string(e.variance) + ")");
+  }
+}
+
+}  // namespace
+
+void EngineState::check_ranges() const {
+  check_count("consecutive_bad_steps", consecutive_bad_steps);
+  check_count("bad_steps_total", bad_steps_total);
+  check_ema("loss", loss_ema);
+  check_ema("grad_norm", grad_norm_ema);
+  check_count("a loss_ratio count", loss_ratio.count);
+  if (loss_ratio.count > 0 && !std::isfinite(loss_ratio.reference_max)) {
+    throw std::invalid_argument(
+        "stepguard: policy state holds a loss_ratio reference that is not "
+        "a finite number");
+  }
+  for (const RuleState& r : rules) {
+    check_count("a rule streak", r.streak);
+    check_count("a rule's last firing step", r.last_fired);
+    check_count("a rule's firing count", r.fired);
+    for (std::int64_t step : r.recent) check_count("a rule's recent step", step);
+  }
+  for (std::int64_t step : recent_skips) check_count("a recent skip's step", step);
+  for (std::int64_t step : recent_rollbacks) check_count("a recent rollback's step", step);
+}
+
+void EngineState::check_not_after(std::int64_t step) const {
+  const auto after = [step](const char* what, std::int64_t at) {
+    if (at > step) {
+      throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
+                                  std::to_string(at) + ", after its own step " +
+                                  std::to_string(step));
+    }
+  };
+  for (const RuleState& r : rules) {
+    after("a rule's last firing at step", r.last_fired);
+    for (std::int64_t at : r.recent) after("a rule's recent firing at step", at);
+  }
+  for (std::int64_t at : recent_skips) after("a skip at step", at);
+  for (std::int64_t at : recent_rollbacks) after("a rollback at step", at);
 }
 
 PolicyEngine::PolicyEngine(PolicyConfig config)

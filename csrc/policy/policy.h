@@ -170,6 +170,12 @@ struct EngineState {
   /// std::invalid_argument on words that do not describe a state of `rule_count` rules.
   std::vector<std::int64_t> encode() const;
   static EngineState decode(const std::vector<std::int64_t>& words, std::size_t rule_count);
+  /// Throws std::invalid_argument naming the value when a count or step is negative or beyond
+  /// 2^52, or an average is not a finite number (decode() checks this).
+  void check_ranges() const;
+  /// Throws std::invalid_argument when a step the state remembers comes after `step`, the step
+  /// the state belongs to (a rule that fired "later" would never fire again).
+  void check_not_after(std::int64_t step) const;
 };
 
 /// What the guard tells the engine about one step, besides the agreed statistics.

@@ -3,6 +3,8 @@
 // in policy_validation.cpp (Checker and the semantic checks); text is worded in
 // policy_messages.cpp.
 #include <yaml-cpp/depthguard.h>
+#include <yaml-cpp/eventhandler.h>
+#include <yaml-cpp/parser.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -464,6 +466,40 @@ class Reader {
 
 }  // namespace
 
+namespace {
+
+// Sees the events of a document without building it; remembers where the document starts.
+class DocumentStart : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark& mark) override { start = mark; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+  YAML::Mark start;
+};
+
+// True when `text` holds a second YAML document, starting at `at`. Parses no further than that
+// document (LoadAll would build every one of them).
+bool second_document(const std::string& text, YAML::Mark* at) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStart first, next;
+  if (!parser.HandleNextDocument(first)) return false;
+  if (!parser.HandleNextDocument(next)) return false;
+  *at = next.start;
+  return true;
+}
+
+}  // namespace
+
 std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string& name,
                                       PolicyConfig* config) {
   Checker check(name);
@@ -481,6 +517,13 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
   YAML::Node root;
   try {
     root = YAML::Load(text);
+    // One document: a second one (after `---`) would otherwise be ignored without a word.
+    YAML::Mark second;
+    if (second_document(text, &second)) {
+      check.issue(second,
+                  "a second YAML document; a policy file holds one (remove the '---' before it)");
+      return check.take();
+    }
   } catch (const YAML::DeepRecursion& e) {
     // yaml-cpp's own message for this is "bad file".
     check.issue(e.mark, "nested too deeply (" + std::to_string(e.depth()) +

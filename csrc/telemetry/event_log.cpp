@@ -1,8 +1,14 @@
 #include "csrc/telemetry/event_log.h"
 #include "csrc/common/json_text.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -15,12 +21,81 @@ namespace {
 nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 }  // namespace
 
-EventLog::EventLog(const std::string& path, bool every_step)
-    : path_(path), every_step_(every_step), out_(path, std::ios::out | std::ios::trunc) {
-  if (!out_) {
-    throw std::runtime_error("stepguard: cannot open event log '" + path +
-                             "' for writing: " + std::strerror(errno));
+namespace {
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw std::runtime_error("stepguard: cannot open event log '" + path + "': " + what);
+}
+
+// `path` opened for appending and locked by this guard; -1 when another holder has the lock.
+int open_locked(const std::string& path, int flags) {
+  // O_NONBLOCK: a FIFO without a reader is an error, not a hang (no effect on regular files).
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK | flags, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) return -2;
+    fail(path, std::strerror(errno));
   }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    if (error == EWOULDBLOCK) return -1;
+    fail(path, std::strerror(error));
+  }
+  return fd;
+}
+
+}  // namespace
+
+EventLog::EventLog(const std::string& path, bool every_step)
+    : path_(path), every_step_(every_step) {
+  for (int attempt = 0; attempt < 8 && fd_ < 0; ++attempt) {
+    const int fd = open_locked(path, O_CREAT);
+    if (fd == -1) {
+      fail(path,
+           "another live guard writes it (another run, or another guard in this process); "
+           "give each guard its own trace_path");
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int error = errno;
+      ::close(fd);
+      fail(path, std::strerror(error));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      fail(path, "not a regular file");
+    }
+    if (st.st_size == 0) {
+      fd_ = fd;
+      break;
+    }
+    // An earlier run's trace: keep it under the first free PATH.N, then start a new file (held
+    // before the rename, so no live guard's trace is ever moved).
+    std::string kept;
+    for (int n = 1; n < 100000 && kept.empty(); ++n) {
+      const std::string candidate = path + "." + std::to_string(n);
+      struct stat other {};
+      if (::lstat(candidate.c_str(), &other) != 0 && errno == ENOENT) kept = candidate;
+    }
+    if (kept.empty() || ::rename(path.c_str(), kept.c_str()) != 0) {
+      const int error = errno;
+      ::close(fd);
+      fail(path, std::string("cannot keep the earlier trace aside: ") + std::strerror(error));
+    }
+    ::close(fd);
+    kept_as_ = kept;
+    const int fresh = open_locked(path, O_CREAT | O_EXCL);
+    if (fresh >= 0) fd_ = fresh;  // else someone else made it in between: look again
+  }
+  if (fd_ < 0) fail(path, "it keeps changing under this guard");
+  if (!kept_as_.empty()) {
+    std::fprintf(stderr, "stepguard: the trace '%s' of an earlier run is kept as '%s'\n",
+                 path.c_str(), kept_as_.c_str());
+  }
+}
+
+EventLog::~EventLog() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 std::string trace_line(const StepReport& report, const GlobalStats& stats, const Signals& signals,
@@ -72,9 +147,18 @@ void EventLog::record(const StepReport& report, const GlobalStats& stats, const 
                       const Decision& decision, const std::vector<std::string>& tensors) {
   const bool plain_apply = report.outcome == Outcome::kApplied && !report.incident.has_value();
   if (plain_apply && !every_step_) return;
-  out_ << trace_line(report, stats, signals, decision, tensors) << '\n';
-  out_.flush();
-  if (!out_) throw std::runtime_error("stepguard: write to event log '" + path_ + "' failed");
+  const std::string line = trace_line(report, stats, signals, decision, tensors) + '\n';
+  // One write per line (O_APPEND): a crash loses at most the line being written.
+  std::size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      throw std::runtime_error("stepguard: write to event log '" + path_ +
+                               "' failed: " + std::strerror(errno));
+    }
+    done += static_cast<std::size_t>(n);
+  }
 }
 
 }  // namespace telemetry

@@ -325,7 +325,8 @@ TEST(Telemetry, NonFiniteStepsReachTheTicketReceiverWithTheirLabels) {
   const int demo_port = free_port();
   AlertingStack stack("faulty", demo_port, receiver.port());
   ASSERT_TRUE(stack.ready()) << stack.logs();
-  // The faults may come before or after Prometheus first scrapes the run: the rule fires either way.
+  // The faults may come before or after Prometheus first scrapes the run: the rule fires either
+  // way.
   Child demo(demo_args(demo_port, "e2e",
                        "--steps 150 --inject nan_grad@100 --inject inf_grad@110 "
                        "--linger 40"),

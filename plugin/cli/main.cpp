@@ -179,16 +179,8 @@ int run_incident_command(const std::vector<std::string>& args) {
     std::cerr << "usage: stepguard incident show FILE\n";
     return 2;
   }
-  std::ifstream in(args[1]);
-  if (!in) {
-    std::cerr << "stepguard incident: " << args[1] << ": cannot read: " << std::strerror(errno)
-              << "\n";
-    return 2;
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
   try {
-    std::cout << stepguard::render_incident_report(text.str(), args[1]);
+    std::cout << stepguard::render_incident_report_file(args[1]);
   } catch (const std::invalid_argument& e) {
     std::cerr << "stepguard incident: " << e.what() << "\n";
     return 2;

@@ -8,9 +8,9 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
-#include <memory>
 
 #include "csrc/consensus/process_group_consensus.h"
 #include "plugin/python/python_port.h"
@@ -82,8 +82,8 @@ T option_value(const std::string& what, const py::handle& value) {
     const py::int_ number = py::reinterpret_borrow<py::int_>(value);
     if (number < py::int_(std::numeric_limits<T>::min()) ||
         number > py::int_(std::numeric_limits<T>::max())) {
-      throw py::value_error("stepguard: " + what + " is out of range: " +
-                            py::str(value).cast<std::string>());
+      throw py::value_error("stepguard: " + what +
+                            " is out of range: " + py::str(value).cast<std::string>());
     }
     return number.cast<T>();
   } else if constexpr (std::is_same_v<T, std::string>) {
@@ -188,15 +188,15 @@ py::dict totals_dict(const GuardTotals& t) {
 }
 
 // One property per GuardOptions field: the name is the C++ member's, the type its type.
-#define STEPGUARD_BIND_OPTION(cls, field)                                                    \
-  do {                                                                                        \
-    using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>;        \
-    cls.def_property(                                                                         \
-        #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); },        \
-        [](GuardOptions& o, const py::object& v) {                                          \
-          o.field(option_value<Value>("option " #field, v));                                  \
-        }); \
-    fields.append(#field);                                                                    \
+#define STEPGUARD_BIND_OPTION(cls, field)                                              \
+  do {                                                                                 \
+    using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>; \
+    cls.def_property(                                                                  \
+        #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); }, \
+        [](GuardOptions& o, const py::object& v) {                                     \
+          o.field(option_value<Value>("option " #field, v));                           \
+        });                                                                            \
+    fields.append(#field);                                                             \
   } while (0)
 
 void bind_options(py::module_& m) {

@@ -26,8 +26,8 @@ void check_plain_options(const GuardOptions& o) {
   TORCH_CHECK(o.max_blamed_tensors() >= 0, "stepguard: max_blamed_tensors must be >= 0, got ",
               o.max_blamed_tensors());
   TORCH_CHECK(o.collective_timeout().count() > 0,
-              "stepguard: collective_timeout must be positive, got ", o.collective_timeout().count(),
-              " ms");
+              "stepguard: collective_timeout must be positive, got ",
+              o.collective_timeout().count(), " ms");
   TORCH_CHECK(o.metrics_port() >= -1 && o.metrics_port() <= 65535,
               "stepguard: metrics_port must be -1 (off), 0 (any free port) or a TCP port, got ",
               o.metrics_port());

@@ -1,5 +1,7 @@
 #include "plugin/src/recovery.h"
 
+#include <unistd.h>
+
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
@@ -85,6 +87,7 @@ Recovery::~Recovery() {
   // here, on the training thread.
   writer_.reset();
   disk_copy_.release_sources();
+  if (dir_lock_ >= 0) ::close(dir_lock_);  // the directory is free for another run
 }
 
 void Recovery::claim_checkpoint_dir(std::int64_t step) {
@@ -95,7 +98,25 @@ void Recovery::claim_checkpoint_dir(std::int64_t step) {
   const bool chosen = !run_.empty() || !config_.run_id.empty();
   if (run_.empty()) run_ = config_.run_id;
   std::string refusal;
-  if (resumed_from_.empty() || !same_dir(config_.checkpoint_dir, resumed_from_)) {
+  if (consensus_.rank() == 0) {
+    // From now on the directory is this run's while it lives: a second run started on it is
+    // refused here, before either has written a checkpoint.
+    std::string holder;
+    try {
+      dir_lock_ = checkpoint::lock_checkpoint_dir(config_.checkpoint_dir, &holder);
+    } catch (const checkpoint::CheckpointError& e) {
+      // A directory that cannot be made or opened is no other run's: its writes will fail,
+      // be logged and counted, and training goes on, as for any checkpoint that cannot be written.
+      std::fprintf(stderr, "stepguard: cannot lock checkpoint_dir: %s\n", e.what());
+    }
+    if (dir_lock_ < 0 && !holder.empty()) {
+      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
+                " is in use by another live run (" + holder +
+                "): give each run its own directory. Nothing was written.";
+    }
+  }
+  if (refusal.empty() &&
+      (resumed_from_.empty() || !same_dir(config_.checkpoint_dir, resumed_from_))) {
     for (const std::string& other : checkpoint::runs_under(config_.checkpoint_dir)) {
       if (chosen && other == run_) continue;
       refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
@@ -117,8 +138,9 @@ void Recovery::claim_checkpoint_dir(std::int64_t step) {
   TORCH_CHECK(refusal.empty(), refusal);
   for (std::size_t r = 0; r < all.size(); ++r) {
     TORCH_CHECK(all[r] >= 0, "stepguard: rank ", r, " refused checkpoint_dir ",
-                config_.checkpoint_dir, " (it holds another run's checkpoints there; see rank ", r,
-                "'s log)");
+                config_.checkpoint_dir,
+                " (another run's checkpoints are there, or another live run uses it; see rank ", r,
+                "'s error)");
     TORCH_CHECK(!chosen || all[r] == all[0], "stepguard: the ranks were given different run ids ",
                 "(rank 0 and rank ", r, " differ); give every rank the same run_id");
   }

@@ -59,6 +59,7 @@ class Recovery {
 
   /// Module buffers snapshots and checkpoints also hold.
   void track_buffers(std::vector<at::Tensor> buffers) { buffers_ = std::move(buffers); }
+  const std::vector<at::Tensor>& tracked_buffers() const noexcept { return buffers_; }
   /// What snapshots and checkpoints hold: "param.<i>", "buffer.<i>", "optimizer.<port name>".
   std::vector<NamedTensor> training_tensors() const;
 
@@ -192,6 +193,7 @@ class Recovery {
   std::string run_;           ///< this run's id in its checkpoints
   std::string resumed_from_;  ///< the directory resume() loaded from
   bool claimed_ = false;
+  int dir_lock_ = -1;  ///< rank 0's lock on checkpoint_dir (lock_checkpoint_dir), while it lives
   bool commit(std::int64_t step);
   void discard(std::int64_t step) noexcept;
   /// Deletes checkpoint directories the commit hid, on the writer thread.

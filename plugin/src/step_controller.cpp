@@ -117,9 +117,10 @@ std::vector<std::int64_t> StepController::encode() const {
   return words;
 }
 
-void StepController::check(const std::vector<std::int64_t>& words) const {
+void StepController::check(const std::vector<std::int64_t>& words, std::int64_t step) const {
   StepController probe(config_, loss_scaling_requested_);
   probe.decode(words);
+  probe.engine_.state().check_not_after(step);
 }
 
 void StepController::decode(const std::vector<std::int64_t>& words) {

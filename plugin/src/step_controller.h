@@ -105,8 +105,9 @@ class StepController {
   /// std::invalid_argument, changing nothing, when the words do not fit this policy.
   std::vector<std::int64_t> encode() const;
   void decode(const std::vector<std::int64_t>& words);
-  /// Throws std::invalid_argument when `words` do not fit this policy; changes nothing.
-  void check(const std::vector<std::int64_t>& words) const;
+  /// Throws std::invalid_argument when `words` do not fit this policy or remember a step after
+  /// `step` (the step they belong to); changes nothing.
+  void check(const std::vector<std::int64_t>& words, std::int64_t step) const;
   /// Back to the decision state of a new controller (the snapshot book stays).
   void reset();
   /// FNV-1a over `step` and encode(), as 64 bits (the step buffer masks it).

@@ -24,8 +24,8 @@ double seconds_since(Clock::time_point start) {
 
 std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& o) {
   if (!o.process_group()) return std::make_unique<consensus::LocalConsensus>();
-  return std::make_unique<consensus::ProcessGroupConsensus>(
-      o.process_group(), o.collective_timeout(), o.store());
+  return std::make_unique<consensus::ProcessGroupConsensus>(o.process_group(),
+                                                            o.collective_timeout(), o.store());
 }
 
 StepController make_controller(const EngineConfig& config) {
@@ -356,6 +356,7 @@ void StepEngine::restore_state(const GuardState& state) {
     controller_.reset();
   } else {
     try {
+      controller_.check(state.words, state.step);
       controller_.decode(state.words);
     } catch (const std::invalid_argument& e) {
       TORCH_CHECK(false, "stepguard: restore_state: ", e.what());
@@ -398,7 +399,7 @@ void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
 }
 
 void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
-  controller_.check(r.guard);
+  controller_.check(r.guard, r.step);
   // Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
   constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
   const auto field = [](const char* name, std::int64_t value) {

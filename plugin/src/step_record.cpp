@@ -193,14 +193,31 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
 
 void StepEngine::run_replays(forensics::Evidence* ev) {
   replaying_ = true;
-  // Replays must not move the training's random streams.
+  // Replays must not move the training's random streams, nor the tracked module buffers their
+  // forward passes update (batch-norm running statistics): each replay starts from the step's,
+  // and the step ends with them as its own forward left them.
   const checkpoint::RngState training_rng = checkpoint::capture_rng();
+  std::vector<at::Tensor> buffers;
+  {
+    at::NoGradGuard no_grad;
+    for (const at::Tensor& b : recovery_.tracked_buffers()) buffers.push_back(b.clone());
+  }
+  const auto restore_buffers = [&] {
+    at::NoGradGuard no_grad;
+    const auto& live = recovery_.tracked_buffers();
+    for (std::size_t i = 0; i < buffers.size(); ++i) live[i].copy_(buffers[i]);
+  };
   replay_scale_ = step_loss_scale_;  // "as is": the scale of the step, not the backed-off one
   forensics::run_replays(
-      replay_, [this] { checkpoint::restore_rng(forward_rng_); }, port_.parameters(),
-      controller_.loss_scaling(), ev);
+      replay_,
+      [&] {
+        checkpoint::restore_rng(forward_rng_);
+        restore_buffers();
+      },
+      port_.parameters(), controller_.loss_scaling(), ev);
   replay_scale_.reset();
   replaying_ = false;
+  restore_buffers();
   checkpoint::restore_rng(training_rng);
 }
 

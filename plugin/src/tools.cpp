@@ -10,6 +10,7 @@
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/common/json_text.h"
+#include "csrc/common/regular_file.h"
 #include "csrc/forensics/report.h"
 #include "csrc/policy/policy_file.h"
 
@@ -71,6 +72,16 @@ std::string render_incident_report(const std::string& json_text, const std::stri
     if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) c = '?';
   }
   return text;
+}
+
+std::string render_incident_report_file(const std::string& path) {
+  // Reports are a few kilobytes; evidence and tensor lists are bounded by the writer.
+  constexpr std::int64_t kMaxReportBytes = std::int64_t{16} << 20;
+  std::string text, why;
+  if (!read_regular_file(path, kMaxReportBytes, &text, &why)) {
+    throw std::invalid_argument(path + ": cannot read: " + why);
+  }
+  return render_incident_report(text, path);
 }
 
 void attach_incident_picture(const std::string& report_path, const std::string& picture_path) {

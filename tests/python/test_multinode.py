@@ -228,12 +228,15 @@ def test_a_killed_node_fails_the_other_nodes_step_naming_its_ranks():
                 _kill_node(node)
     assert workers_done < EXIT_DEADLINE
     assert agent.returncode in (None, 1), output[-4000:]
-    # Both workers of node 0 failed on the collective with the dead node and exited 1.
+    # A worker of node 0 failed on a collective with the dead node and exited 1; torch 2.x's
+    # agent then stops the other worker (SIGTERM), which may not have reached its own deadline.
     named = ", ".join(str(r) for r in dead_ranks)
-    for local, rank in enumerate(sorted(set(range(WORLD)) - set(dead_ranks))):
-        worker = _worker_output(output, local)
-        assert re.search(GUARD_FAILED % (rank, named), worker) or re.search(DDP_FAILED, worker), \
-            output[-4000:]
+    said = [re.search(GUARD_FAILED % (rank, named), _worker_output(output, local))
+            or re.search(DDP_FAILED, _worker_output(output, local))
+            for local, rank in enumerate(sorted(set(range(WORLD)) - set(dead_ranks)))]
+    assert any(said), output[-4000:]
+    assert all(said) or re.search(r"Sending process \d+ closing signal SIGTERM", output), \
+        output[-4000:]
     assert re.search(r"failed \(exitcode: 1\) local_rank: \d", output), output[-4000:]
 
 

@@ -184,3 +184,158 @@ def test_a_guard_state_out_of_range_or_of_the_wrong_type_names_the_key(key, valu
     with pytest.raises(error, match=text):
         guard.load_state_dict(state)
     assert guard.step_count == 1
+
+
+def _traced_guard(model, trace):
+    return stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      model.named_parameters(), trace_path=str(trace))
+
+
+def _run_steps(guard, model, steps):
+    for step in range(steps):
+        guard.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        guard.step(loss)
+
+
+def test_a_trace_belongs_to_one_live_guard_and_an_earlier_one_is_kept(tmp_path, capfd):
+    import json
+    trace = tmp_path / "trace.jsonl"
+    model = make_model(12)
+    first = _traced_guard(model, trace)
+    with pytest.raises(stepguard.StepguardError, match="another live guard writes it"):
+        _traced_guard(make_model(13), trace)
+    _run_steps(first, model, 4)
+    del first
+    import gc
+    gc.collect()
+    second = _traced_guard(model, trace)
+    assert "is kept as '%s.1'" % trace in capfd.readouterr().err
+    _run_steps(second, model, 2)
+    kept = [json.loads(line) for line in (tmp_path / "trace.jsonl.1").read_text().splitlines()]
+    now = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert [r["step"] for r in now] == [1, 2]
+
+
+def test_a_replay_leaves_the_tracked_buffers_as_the_steps_forward_left_them():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 4))
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    guard.track_buffers(model.named_buffers())
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    replays = []
+
+    def replay(mode):
+        replays.append(mode)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    guard.set_replay(replay)
+    guard.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    after_forward = {n: b.clone() for n, b in model.named_buffers()}
+    model[0].weight.grad[0, 0] = float("nan")
+    assert guard.step(loss).skipped and replays
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, after_forward[name]), name
+
+
+def test_two_runs_started_in_one_checkpoint_directory_never_touch_each_others_files(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model_a, model_b = make_model(20), make_model(21)
+    a = stepguard.GuardedOptimizer(torch.optim.SGD(model_a.parameters(), lr=0.1),
+                                   model_a.named_parameters(), checkpoint_dir=directory,
+                                   checkpoint_every=1, run_id="run-a")
+    b = stepguard.GuardedOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1),
+                                   model_b.named_parameters(), checkpoint_dir=directory,
+                                   checkpoint_every=1, run_id="run-b")
+    _run_steps(a, model_a, 1)  # run A takes the directory at its first step
+    with pytest.raises(stepguard.StepguardError, match="is in use by another live run \\(process "
+                                                       "%d holds" % os.getpid()):
+        _run_steps(b, model_b, 1)
+    assert b.step_count == 0
+    for step in range(3):
+        _run_steps(a, model_a, 1)
+        a.synchronize()  # each checkpoint written before the next is due (none skipped)
+    a.commit_pending_checkpoint()
+    written = sorted(os.listdir(directory))
+    fresh = make_model(22)
+    again = stepguard.GuardedOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.1),
+                                       fresh.named_parameters(), checkpoint_dir=directory,
+                                       checkpoint_every=1, run_id="run-a")
+    del a
+    import gc
+    gc.collect()
+    assert again.resume(directory) == 4 and sorted(os.listdir(directory)) == written
+
+
+def test_the_guard_is_saved_as_its_state_dict_never_pickled_whole(tmp_path):
+    import io
+    model = make_model(23)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="cannot be pickled or torch.save\\(\\)d whole"):
+        torch.save(guard, io.BytesIO())
+    buffer = io.BytesIO()
+    torch.save(guard.state_dict(), buffer)  # the way that works
+
+
+def test_a_rollback_keeps_what_is_not_a_parameters_state():
+    model = make_model(24)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.state["schedule"] = {"phase": 2}  # a subclass's own entry
+    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(), policy_yaml="""
+version: 1
+checkpoint: {snapshot_every: 1, snapshot_keep: 2}
+rules:
+  - {on: nonfinite_loss, action: rollback, skip_batches: 1}
+""")
+    _run_steps(guard, model, 3)
+    guard.zero_grad()
+    loss = loss_of(model, 5)
+    loss.backward()
+    assert guard.step(loss * float("nan")).rolled_back
+    assert optimizer.state["schedule"] == {"phase": 2}
+
+
+def test_check_inputs_refuses_a_mask_of_another_shape_and_sees_complex_nans():
+    model = make_model(25)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(stepguard.StepguardError, match=r"the mask is \[3, 16\] but input 0 is "
+                                                       r"\[4, 16\]"):
+        guard.check_inputs([tokens], torch.ones(3, 16, dtype=torch.bool))
+    assert guard.check_inputs([tokens], torch.ones(4, 16, dtype=torch.bool))
+    signal = torch.ones(4, 8, dtype=torch.complex64)
+    signal[1, 2] = complex(float("nan"), 0.0)
+    verdict = guard.check_inputs([signal])
+    assert not verdict and "1 NaN/Inf value" in " ".join(verdict.problems)
+
+
+ONE_RULE = """version: 1
+rules:
+  - {name: skip-nan, on: nonfinite, action: skip_batch}
+"""
+
+
+@pytest.mark.parametrize("word, value, text", [
+    (12, 10 ** 15, "a rule's last firing at step 1000000000000000, after its own step 2"),
+    (2, 0x7FF8000000000000, "loss average that is not a finite number"),
+    (0, -3, "consecutive_bad_steps -3, not in")])
+def test_decision_state_words_out_of_range_are_refused(word, value, text):
+    model = make_model(26)
+    source = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        policy_yaml=ONE_RULE)
+    _run_steps(source, model, 2)
+    state = source.state_dict()
+    state["stepguard"]["guard"][word] = value
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       policy_yaml=ONE_RULE)
+    with pytest.raises(stepguard.StepguardError, match=text.replace("(", "\\(")):
+        guard.load_state_dict(state)
+    assert guard.step_count == 0

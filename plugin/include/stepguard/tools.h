@@ -37,6 +37,9 @@ std::vector<CheckpointStatus> verify_checkpoints(const std::string& root);
 /// Markdown for an incident report (the JSON text a guard wrote). Throws std::invalid_argument
 /// naming `source` when the text is not an incident report.
 std::string render_incident_report(const std::string& json_text, const std::string& source);
+/// The same for the report file at `path`: a regular file of at most 16 MiB (a FIFO, a device or
+/// a larger file is refused without reading it). Throws std::invalid_argument naming `path`.
+std::string render_incident_report_file(const std::string& path);
 
 /// Links a picture of the steps around an incident from its report: the report at `report_path`
 /// (the .json a guard wrote) gains "picture": `picture_path`, and the Markdown beside it
@@ -48,9 +51,9 @@ void attach_incident_picture(const std::string& report_path, const std::string& 
 /// (`TRACE.jsonl -o OUT.png [--around STEP] [--window N]`, or `--incident REPORT.json...`), its
 /// output going to this process's stdout and stderr; returns its exit status (0 drawn, 2 bad
 /// input, 1 matplotlib missing). The interpreter: $STEPGUARD_PYTHON, else the Python stepguard._C
-/// was built for (.venv), else python3 on PATH. The tool: plot.py of the package built beside this program
-/// (BIN/../python/stepguard), run by its path, else `-m stepguard.plot` (an installed package).
-/// Throws std::runtime_error when no interpreter can be started.
+/// was built for (.venv), else python3 on PATH. The tool: plot.py of the package built beside this
+/// program (BIN/../python/stepguard), run by its path, else `-m stepguard.plot` (an installed
+/// package). Throws std::runtime_error when no interpreter can be started.
 int run_plot_tool(const std::vector<std::string>& args);
 
 }  // namespace stepguard

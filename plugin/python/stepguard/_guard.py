@@ -140,6 +140,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                             % type(self.optimizer).__name__)
         self.optimizer.consolidate_state_dict(to=to)
 
+    def __reduce__(self):
+        # The guard holds a live engine (threads, a process group, open files): it is saved as its
+        # state dict, never pickled whole (that would "succeed" and fail on load).
+        raise TypeError("stepguard: a GuardedOptimizer cannot be pickled or torch.save()d whole; "
+                        "save guard.state_dict() and load it with load_state_dict()")
+
     def __repr__(self) -> str:
         return "GuardedOptimizer(%r)" % (self.optimizer,)
 

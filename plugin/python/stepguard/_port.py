@@ -307,7 +307,9 @@ class TorchOptimPort:
                 else:
                     st[key] = torch.empty(like.shape, dtype=like.dtype, device=device)
             rebuilt[p] = st
-        state.clear()
+        # The parameters' entries are replaced; anything else a subclass keeps in state stays.
+        for p in params:
+            state.pop(p, None)
         state.update(rebuilt)
 
     def after_restore(self):

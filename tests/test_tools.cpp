@@ -128,5 +128,36 @@ TEST(IncidentShow, OnlyABoundedRegularFileIsRead) {
   EXPECT_EQ(refusal(dir + "/none.json"), dir + "/none.json: cannot read: missing");
 }
 
+// A trace belongs to one live guard: a second one on the same path is refused, and a trace an
+// earlier run left is kept aside, never truncated.
+TEST(EventLog, ATraceIsHeldByOneGuardAndAnEarlierOneIsKept) {
+  const std::string dir = fresh_dir("event_log_lock");
+  const std::string path = dir + "/trace.jsonl";
+  StepReport report;
+  report.step = 1;
+  {
+    telemetry::EventLog first(path, true);
+    first.record(report, GlobalStats{}, Signals{}, Decision{}, {});
+    try {
+      telemetry::EventLog second(path, true);
+      FAIL() << "a second live guard got the trace";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("another live guard writes it"), std::string::npos)
+          << e.what();
+    }
+  }
+  telemetry::EventLog again(path, true);
+  EXPECT_EQ(again.kept_as(), path + ".1");
+  std::ifstream kept(path + ".1");
+  std::string line;
+  ASSERT_TRUE(std::getline(kept, line));
+  EXPECT_NE(line.find("\"step\":1"), std::string::npos) << line;
+  std::ifstream now(path);
+  EXPECT_FALSE(std::getline(now, line));  // the new trace starts empty
+  const std::string fifo = dir + "/fifo.jsonl";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THROW(telemetry::EventLog(fifo, true), std::runtime_error);  // refused, not blocked on
+}
+
 }  // namespace
 }  // namespace stepguard

@@ -281,7 +281,9 @@ void bind_guard(py::module_& m) {
                            "(bool() or .problems) reads the counts once; ignoring it costs no "
                            "read.")
       .def("__bool__", &InputVerdict::clean, Release())
-      .def_property_readonly("problems", &InputVerdict::problems, Release())
+      // A property cannot take a call guard itself (newer pybind11 refuses it; older ones
+      // ignored it and kept the GIL): the getter is a function that releases the GIL.
+      .def_property_readonly("problems", py::cpp_function(&InputVerdict::problems, Release()))
       .def("__repr__", [](const InputVerdict& v) {
         return v.clean() ? std::string("InputVerdict(clean)")
                          : "InputVerdict(" + std::to_string(v.problems().size()) + " problems)";

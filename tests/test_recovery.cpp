@@ -456,5 +456,35 @@ TEST(GuardRollback, WithoutAConfirmedSnapshotTheStepIsSkipped) {
       << r.incident->reason;
 }
 
+// The one check of a saved optimizer state both ports rely on: names a restore can place, no
+// quantized dtype, and the optimizer's own dtype and shape where it already holds the tensor.
+TEST(OptimizerTensors, WhatNoPortCouldRestoreIsRefusedNamingTheTensor) {
+  using checkpoint::NamedTensor;
+  const std::vector<NamedTensor> live = {{"0.exp_avg", torch::zeros({4, 3})},
+                                         {"0.step", torch::zeros({})}};
+  const auto refusal = [&](const std::vector<NamedTensor>& saved) {
+    try {
+      checkpoint::check_optimizer_tensors(saved, live, 2, "ckpt");
+    } catch (const checkpoint::CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(refusal({{"0.exp_avg", torch::ones({4, 3})}, {"1.exp_avg", torch::ones({7})}}), "");
+  EXPECT_EQ(refusal({}), "");  // an optimizer before its first step
+  EXPECT_EQ(refusal({{"0.exp_avg", torch::ones({3, 4})}}),
+            "ckpt: optimizer state tensor '0.exp_avg' is Float[3, 4] in the checkpoint, Float"
+            "[4, 3] in the optimizer");
+  EXPECT_EQ(refusal({{"2.exp_avg", torch::ones({4})}}),
+            "ckpt: optimizer state tensor '2.exp_avg' belongs to parameter 2; the optimizer has 2");
+  EXPECT_EQ(refusal({{"exp_avg", torch::ones({4})}}),
+            "ckpt: optimizer state tensor 'exp_avg' is not named <parameter index>.<key>");
+  EXPECT_EQ(refusal({{"1.m", torch::ones({2})}, {"1.m", torch::ones({2})}}),
+            "ckpt: optimizer state tensor '1.m' is saved twice");
+  const auto quantized = at::quantize_per_tensor(torch::ones({4, 3}), 0.1, 0, at::kQInt8);
+  EXPECT_EQ(refusal({{"1.exp_avg", quantized}}),
+            "ckpt: optimizer state tensor '1.exp_avg' has the quantized dtype QInt8");
+}
+
 }  // namespace
 }  // namespace stepguard

@@ -29,6 +29,14 @@ std::int64_t bytes_of(const std::vector<NamedTensor>& tensors);
 /// matching undefined). Changes nothing.
 void check_fits(const std::vector<NamedTensor>& saved, const std::vector<NamedTensor>& live,
                 const std::string& source);
+/// The optimizer's saved state tensors, as every port names them: "<parameter index>.<key>" with
+/// an index below `parameters`, each name once, no quantized dtype, and the dtype and shape of the
+/// live tensor of the same name where the optimizer already holds one (`live`: its state tensors
+/// now; empty before its first step). Throws CheckpointError naming `source` and the tensor;
+/// changes nothing. The ports check what only they can read (their opaque bytes) themselves.
+void check_optimizer_tensors(const std::vector<NamedTensor>& saved,
+                             const std::vector<NamedTensor>& live, std::size_t parameters,
+                             const std::string& source);
 /// Copies every saved tensor into its live twin in place (across devices as needed). Call
 /// check_fits() first.
 void copy_into(const std::vector<NamedTensor>& saved, const std::vector<NamedTensor>& live);

@@ -241,6 +241,9 @@ void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std
                                 const checkpoint::RngState& rng, const std::string& source) const {
   try {
     checkpoint::check_fits(model_part(saved), model_part(training_tensors()), source);
+    // One check of the optimizer's tensors for every port; then what only the port can read.
+    checkpoint::check_optimizer_tensors(optimizer_part(saved), port_.state_tensors(),
+                                        port_.parameters().size(), source);
     port_.check_state_bytes(opaque, optimizer_part(saved));
   } catch (const checkpoint::CheckpointError& e) {
     TORCH_CHECK(false, "stepguard: ", e.what());

@@ -259,8 +259,6 @@ class TorchOptimPort:
                 name = "%d.%s" % (i, key)
                 if name not in tensors:
                     raise ValueError("the saved optimizer state lacks tensor '%s'" % name)
-                _check_saved_tensor(name, tensors[name], self._state_owner().state.get(
-                    params[i], {}).get(key))
                 named.add(name)
         unnamed = sorted(set(tensors) - named)
         if unnamed:
@@ -343,17 +341,3 @@ def _check_structure(structure):
                 break
     if not ok:
         raise ValueError("the saved optimizer state's structure is malformed")
-
-
-def _check_saved_tensor(name, saved, live):
-    """A saved state tensor a restore can write back: a plain dtype, and the live tensor's shape
-    and dtype when the optimizer already holds one."""
-    if saved.is_quantized:
-        raise ValueError("the saved optimizer state tensor '%s' has the quantized dtype %s"
-                         % (name, saved.dtype))
-    if torch.is_tensor(live):
-        local = local_tensor(live)
-        if local.shape != saved.shape or local.dtype != saved.dtype:
-            raise ValueError("the saved optimizer state tensor '%s' is %s %s; this optimizer holds "
-                             "%s %s" % (name, saved.dtype, tuple(saved.shape), local.dtype,
-                                        tuple(local.shape)))

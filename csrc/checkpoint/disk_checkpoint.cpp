@@ -2,7 +2,6 @@
 #include "csrc/common/regular_file.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -51,11 +50,6 @@ void fsync_dir(const std::string& dir) {
 // than this, and a payload's size is in its record.
 constexpr std::int64_t kMaxSmallFile = std::int64_t{1} << 20;
 
-bool read_whole(const std::string& path, std::string* out, std::string* why,
-                std::int64_t max_bytes = kMaxSmallFile) {
-  return read_regular_file(path, max_bytes, out, why);
-}
-
 // Parses "step-NNNNNNNNN"; -1 when the name is not a step directory.
 std::int64_t step_of_dir_name(const std::string& name) {
   if (name.rfind("step-", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return -1;
@@ -83,7 +77,7 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
   const std::string path = dir + "/" + kManifest;
   std::string text;
   std::string why;
-  if (!read_whole(path, &text, &why)) {
+  if (!read_regular_file(path, kMaxSmallFile, &text, &why)) {
     *problem =
         path + ": " +
         (why == "missing" ? std::string("missing (the checkpoint was never completed)") : why);
@@ -143,7 +137,7 @@ bool check_rank_file(const CheckpointEntry& entry, int rank, std::string* payloa
   const std::string file_path = entry.dir + "/" + rank_name(rank, "ckpt");
   std::string record_text;
   std::string why;
-  if (!read_whole(record_path, &record_text, &why)) {
+  if (!read_regular_file(record_path, kMaxSmallFile, &record_text, &why)) {
     *problem = record_path + ": " + why;
     return false;
   }
@@ -174,7 +168,7 @@ bool check_rank_file(const CheckpointEntry& entry, int rank, std::string* payloa
     *problem = record_path + ": bytes " + std::to_string(size) + " is out of range";
     return false;
   }
-  if (!read_whole(file_path, payload, &why, size)) {  // its record says how large it may be
+  if (!read_regular_file(file_path, size, payload, &why)) {  // its record says how large it may be
     *problem = file_path + ": " + why;
     return false;
   }
@@ -347,7 +341,7 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
     const std::string record_path = pending + "/" + rank_name(rank, "json");
     std::string text, why;
     std::int64_t expected = -1;
-    if (read_whole(record_path, &text, &why)) {
+    if (read_regular_file(record_path, kMaxSmallFile, &text, &why)) {
       try {
         expected = nlohmann::json::parse(text).at("bytes").get<std::int64_t>();
       } catch (const std::exception&) {
@@ -433,33 +427,6 @@ std::vector<CheckpointEntry> list_checkpoints(const std::string& root) {
     if (report.complete && report.entry.world_size > 0) out.push_back(report.entry);
   }
   return out;
-}
-
-int lock_checkpoint_dir(const std::string& root, std::string* holder) {
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) throw CheckpointError(root + ": cannot create the checkpoint directory: " + ec.message());
-  const std::string path = root + "/.stepguard-lock";
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) {
-    throw CheckpointError(path + ": cannot open the lock file: " + std::strerror(errno));
-  }
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int error = errno;
-    std::string pid, why;
-    ::close(fd);
-    if (error != EWOULDBLOCK)
-      throw CheckpointError(path + ": cannot lock: " + std::strerror(error));
-    read_whole(path, &pid, &why, 64);
-    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
-    *holder = "process " + (pid.empty() ? std::string("?") : pid) + " holds " + path;
-    return -1;
-  }
-  const std::string me = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
-    // The id is only for messages: the lock holds without it.
-  }
-  return fd;
 }
 
 std::vector<std::string> runs_under(const std::string& root) {

@@ -112,15 +112,6 @@ void discard_checkpoint(const std::string& root, const std::string& run, std::in
 /// left stays hidden and the next commit clears it.
 void remove_hidden(const std::vector<std::string>& dirs) noexcept;
 
-/// Takes `root` for this run while it lives: an exclusive lock (flock) on `root/.stepguard-lock`
-/// (created with `root` when missing), holding this process's id for the messages of others. One
-/// rank of a run takes it (rank 0); a second run started on the same directory is refused at once,
-/// before either has written, instead of discovering the other's checkpoints later. The lock goes
-/// with its process (a dead run leaves no stale lock). Returns the descriptor to keep open (close
-/// it to release), or -1 with `holder` saying who holds it; throws CheckpointError when the
-/// directory cannot be made or the file opened.
-int lock_checkpoint_dir(const std::string& root, std::string* holder);
-
 /// Checkpoints under `root` with a manifest, oldest first. A root that does not exist holds none;
 /// a manifest that cannot be read is skipped (verify_all reports it).
 std::vector<CheckpointEntry> list_checkpoints(const std::string& root);

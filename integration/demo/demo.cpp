@@ -19,7 +19,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "csrc/common/json_text.h"
-#include "default_policy.h"
 #include "integration/demo/corpus.h"
 #include "integration/demo/launcher.h"
 #include "integration/demo/model.h"
@@ -29,6 +28,10 @@ namespace stepguard {
 namespace demo {
 
 namespace {
+
+// Without --policy the demo runs the shipped `default` preset, built into the library.
+constexpr const char* kDefaultPreset = "default";
+constexpr const char* kDefaultPolicyName = "configs/policies/default.yaml (built in)";
 
 using Clock = std::chrono::steady_clock;
 
@@ -224,7 +227,7 @@ int run_demo(const DemoOptions& o) {
     // The built-in ladder with the asked limit.
     guard_options.max_consecutive_bad_steps(o.max_consecutive_bad_steps);
   } else {
-    guard_options.policy_yaml(kDefaultPolicyYaml);
+    guard_options.policy(kDefaultPreset);
   }
   // fp16 emulation: loss scaling on (a policy file's loss_scale section, if any, sets the numbers).
   if (o.fp16) guard_options.loss_scaling(true);

@@ -40,7 +40,9 @@ std::vector<NamedTensor> from_python(const py::handle& list) {
 
 PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   py::gil_scoped_acquire gil;
-  has_gradients_ = py::hasattr(port_, "gradients");
+  // A port that leaves gradients to the engine (.grad of each parameter) says so with
+  // `gradients = None`: no call into Python per step.
+  has_gradients_ = py::hasattr(port_, "gradients") && !port_.attr("gradients").is_none();
   has_sharded_state_ = py::hasattr(port_, "sharded_state");
   refresh();
 }
@@ -68,7 +70,6 @@ std::vector<at::Tensor> PythonPort::gradients() const {
   if (!has_gradients_) return OptimizerPort::gradients();
   return with_gil("gradients", [&] {
     const py::object grads = port_.attr("gradients")();
-    if (grads.is_none()) return OptimizerPort::gradients();
     std::vector<at::Tensor> out;
     for (const auto& g : grads) out.push_back(g.is_none() ? at::Tensor() : g.cast<at::Tensor>());
     return out;

@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 
+#include "csrc/checkpoint/dir_lock.h"
 #include "csrc/checkpoint/disk_checkpoint.h"
 
 namespace stepguard {

@@ -118,6 +118,8 @@ class TorchOptimPort:
         self._names = []
         self._count = -1
         self.dtensors = any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
+        if not self.dtensors and type(self).gradients is TorchOptimPort.gradients:
+            self.gradients = None  # the engine reads each parameter's .grad itself, in C++
 
     # -- parameters ---------------------------------------------------------------------------
     def parameters(self):
@@ -134,10 +136,8 @@ class TorchOptimPort:
         return self._local, self._names
 
     def gradients(self):
-        """The gradients to inspect: this rank's shards of DTensor gradients (FSDP2); None when
-        no parameter is a DTensor (the engine reads ``.grad`` of each parameter itself)."""
-        if not self.dtensors:
-            return None
+        """The gradients to inspect: this rank's shards of DTensor gradients (FSDP2). A port
+        without DTensors sets ``gradients = None``: the engine then reads ``.grad`` itself."""
         out = []
         for p, name in zip(self._params, self._names):
             g = p.grad

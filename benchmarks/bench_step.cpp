@@ -162,7 +162,7 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
   torch::optim::AdamW adamw(params, adamw_options);
   stepguard::GuardOptions options;
   if (c.snapshots) {
-    options.policy(STEPGUARD_SOURCE_DIR "/configs/policies/default.yaml");
+    options.policy("default");  // the shipped preset, built in
   } else {
     options.policy_yaml(kNoSnapshotsPolicy);
   }

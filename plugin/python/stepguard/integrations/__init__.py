@@ -1,0 +1,10 @@
+"""stepguard inside training frameworks: one module per framework, each importing its framework
+only when it is imported itself (``import stepguard`` never imports any of them).
+
+- ``stepguard.integrations.deepspeed``: ``guard_engine(engine, ...)`` after
+  ``deepspeed.initialize``;
+- ``stepguard.integrations.megatron``: ``GuardedMegatronOptimizer`` around what
+  ``get_megatron_optimizer`` returns;
+- ``stepguard.integrations.lightning``: ``StepguardCallback`` for a ``lightning.Trainer``;
+- ``stepguard.integrations.transformers``: ``StepguardCallback`` for a ``transformers.Trainer``.
+"""

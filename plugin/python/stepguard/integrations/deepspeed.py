@@ -1,0 +1,304 @@
+"""stepguard inside DeepSpeed: guards the step of the optimizer the engine actually runs.
+
+After ``deepspeed.initialize`` add one line; the training loop stays as it is::
+
+    engine, _, _, scheduler = deepspeed.initialize(model=model, config=ds_config, ...)
+    sg = stepguard.integrations.deepspeed.guard_engine(engine, policy="run.yaml")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)      # records the loss for the guard (mean over micro-batches)
+        engine.step()              # the guard decides inside the engine's optimizer step
+        report = sg.last_report    # None on a micro-step that is not a boundary
+
+What is guarded, by DeepSpeed optimizer (tested with DeepSpeed 0.19.8 on CPU/Gloo):
+
+- fp32 without ZeRO: the client or config optimizer itself (the model's parameters);
+- bf16 without ZeRO (``FP16_UnfusedOptimizer``): its fp32 master copies, inspected on the bf16
+  gradients DeepSpeed averaged;
+- ZeRO stages 1 and 2, fp32 or bf16 (``DeepSpeedZeroOptimizer``): this rank's partition of the
+  fp32 master weights and of the averaged gradients, one view per parameter piece (blame names
+  the model's parameters); norms and counts are summed over the data-parallel ranks.
+
+The guard decides before DeepSpeed's own step: an applied step is DeepSpeed's step, unchanged
+(its clipping, its grad norm, its copy of the master weights into the model); a step the guard
+does not apply takes DeepSpeed's own overflow path, so ``engine.skipped_steps`` counts it and the
+engine does not step its LR scheduler. A rollback restores the fp32 master weights and the
+optimizer state (each rank its own partition) and copies them into the model's bf16 weights
+(ZeRO: DeepSpeed's ``update_lp_params``, an all-gather every rank makes together). The guard's
+LR factor scales the optimizer's groups for the step. Refused, with a message: fp16 (DeepSpeed's
+dynamic loss scaler owns the scale), ZeRO stage 3, CPU offload, ``BF16_Optimizer`` (bf16 with
+fp32 gradient accumulation) and pipeline engines.
+"""
+
+import torch
+
+from .._guard import GuardedOptimizer
+from .._port import TorchOptimPort, check_name
+
+
+def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
+    """Guards ``engine``'s optimizer step; returns the ``EngineGuard`` (``.guard`` is the
+    ``GuardedOptimizer``; ``.last_report`` the newest step's report). ``process_group`` defaults
+    to the engine's data-parallel group; other keywords are ``GuardedOptimizer``'s options."""
+    return EngineGuard(engine, policy=policy, policy_yaml=policy_yaml,
+                       process_group=process_group, **options)
+
+
+class EngineGuard:
+    """The guard installed in a DeepSpeed engine (see the module's docstring)."""
+
+    def __init__(self, engine, *, policy=None, policy_yaml=None, process_group=None, **options):
+        _check_engine(engine)
+        self.engine = engine
+        ds_optimizer = engine.optimizer
+        layout = _layout_of(engine, ds_optimizer)
+        if process_group is None and torch.distributed.is_initialized():
+            process_group = engine.data_parallel_group or torch.distributed.group.WORLD
+        if "sharded_gradients" in options and options["sharded_gradients"] != layout.sharded:
+            raise ValueError("stepguard: sharded_gradients=%r does not match this engine (ZeRO "
+                             "stage %d): leave it out" % (options["sharded_gradients"],
+                                                          engine.zero_optimization_stage()))
+        options["sharded_gradients"] = layout.sharded
+        self._ds_step = ds_optimizer.step  # the bound method DeepSpeed defines
+        port = _DeepSpeedPort(engine.basic_optimizer, layout, self._ds_step)
+        self.guard = GuardedOptimizer(engine.basic_optimizer, port=port, policy=policy,
+                                      policy_yaml=policy_yaml, process_group=process_group,
+                                      **options)
+        self._layout = layout
+        self._losses = []
+        self.last_report = None
+        self._ds_backward = engine.backward
+        # Instance attributes over the engine's and its optimizer's methods: the engine calls
+        # these names, and nothing else of DeepSpeed changes.
+        engine.backward = self._backward
+        ds_optimizer.step = self._step
+
+    def record_loss(self, loss):
+        """This micro-batch's loss, for a loop that calls ``loss.backward()`` itself instead of
+        ``engine.backward(loss)``."""
+        self._losses.append(loss.detach().float().reshape(()))
+
+    def _backward(self, loss, *args, **kwargs):
+        self.record_loss(loss)
+        return self._ds_backward(loss, *args, **kwargs)
+
+    def _step(self, closure=None):
+        loss = torch.stack(self._losses).mean() if self._losses else None
+        self._losses = []
+        report = self.guard.step(loss)
+        self.last_report = report
+        if not report.applied:
+            self._layout.skip(self._ds_step)
+        else:
+            self._layout.applied()
+        return report
+
+
+def _check_engine(engine):
+    refuse = None
+    if engine.fp16_enabled():
+        refuse = ("fp16: DeepSpeed's dynamic loss scaler owns the loss scale and skips overflow "
+                  "steps itself; use bf16 or fp32")
+    elif engine.zero_optimization_stage() > 2:
+        refuse = "ZeRO stage 3 (its partitioned parameters are gathered per layer); use 0, 1 or 2"
+    elif engine.zero_optimization() and engine.zero_cpu_offload():
+        refuse = "ZeRO with CPU offload (its optimizer steps on host copies)"
+    elif type(engine).__name__ == "PipelineEngine":
+        refuse = "pipeline parallelism (PipelineEngine)"
+    if refuse:
+        raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
+
+
+def _layout_of(engine, ds_optimizer):
+    kind = type(ds_optimizer).__name__
+    if ds_optimizer is engine.basic_optimizer:
+        return _PlainLayout(engine)
+    if kind == "FP16_UnfusedOptimizer":
+        return _UnfusedLayout(engine, ds_optimizer)
+    if kind == "DeepSpeedZeroOptimizer":
+        return _ZeroLayout(engine, ds_optimizer)
+    raise ValueError(
+        "stepguard: the DeepSpeed engine steps a %s, which the integration does not know (it "
+        "guards a torch optimizer without ZeRO, bf16 without ZeRO, and ZeRO stages 1 and 2; "
+        "bf16 with fp32 gradient accumulation uses BF16_Optimizer, not guarded yet)" % kind)
+
+
+def _names_by_id(engine):
+    return {id(p): check_name(n, "parameter name")
+            for n, p in engine.module.named_parameters()}
+
+
+class _PlainLayout:
+    """No wrapper: DeepSpeed steps the torch optimizer on the model's own parameters."""
+    sharded = False
+
+    def __init__(self, engine):
+        self.optimizer = engine.basic_optimizer
+        # The engine clips fp32 gradients just before this optimizer's step; the clip moves into
+        # the guarded update so that the guard inspects (and blames) the gradients as they are.
+        self.clip = engine.clip_fp32_gradients if engine.gradient_clipping() > 0.0 else None
+        if self.clip is not None:
+            engine.clip_fp32_gradients = lambda: None
+        names = _names_by_id(engine)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(params)]
+        self.optimizer.overflow = False  # what the engine reads after the step
+
+    def parameters(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]], self.names
+
+    def gradients(self):
+        return None  # the engine reads each parameter's .grad
+
+    def update(self, ds_step):
+        if self.clip is not None:
+            self.clip()
+        ds_step()
+
+    def skip(self, ds_step):
+        self.optimizer.overflow = True
+
+    def applied(self):
+        self.optimizer.overflow = False
+
+    def refresh_model(self):
+        pass
+
+
+class _UnfusedLayout:
+    """bf16 without ZeRO: fp32 master copies, one per model parameter, stepped by the torch
+    optimizer; DeepSpeed copies them into the bf16 parameters after the step."""
+    sharded = False
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        names = _names_by_id(engine)
+        self.model = [p for group in ds_optimizer.fp16_groups for p in group]
+        self.masters = [p for group in ds_optimizer.fp32_groups for p in group]
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def parameters(self):
+        return self.masters, self.names
+
+    def gradients(self):
+        return [p.grad for p in self.model]
+
+    def update(self, ds_step):
+        ds_step()
+
+    def skip(self, ds_step):
+        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        with torch.no_grad():
+            for model, master in zip(self.model, self.masters):
+                model.copy_(master)
+
+
+class _ZeroLayout:
+    """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
+    (and, at the step, of the averaged gradients). Each model parameter that overlaps the
+    partition is one piece: a view of the fp32 partition and of the gradient partition."""
+    sharded = True
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        names = _names_by_id(engine)
+        self.pieces = []  # (group, offset in the partition, length, offset in the parameter)
+        self.names = []
+        for g, params in enumerate(ds_optimizer.params_in_partition):
+            size = int(ds_optimizer.partition_size[g])
+            at = 0
+            for j, p in enumerate(params):
+                start = int(ds_optimizer.first_offset[g]) if j == 0 else 0
+                length = min(p.numel() - start, size - at)
+                self.pieces.append((g, at, length, start))
+                self.names.append(names.get(id(p), "param_%d" % len(self.names)))
+                at += length
+        masters = ds_optimizer.single_partition_of_fp32_groups
+        self.views = [masters[g].narrow(0, at, n) for g, at, n, _ in self.pieces]
+
+    def parameters(self):
+        return self.views, self.names
+
+    def gradients(self):
+        """The averaged gradient of each piece, as DeepSpeed holds it before its step: a list
+        per group, one flat tensor per parameter in the partition (or one for the partition)."""
+        out = []
+        averaged = self.ds.averaged_gradients
+        for g, at, n, _ in self.pieces:
+            grads = averaged.get(g) if isinstance(averaged, dict) else averaged[g]
+            if grads is None:
+                out.append(None)
+                continue
+            flat = grads[0] if len(grads) == 1 else None
+            if flat is not None and flat.numel() >= at + n:
+                out.append(flat.reshape(-1).narrow(0, at, n))
+            else:
+                out.append(self._piece_of(grads, g, at, n))
+        return out
+
+    def _piece_of(self, grads, g, at, n):
+        offset = 0
+        for t in grads:
+            if offset == at and t.numel() == n:
+                return t.reshape(-1)
+            offset += t.numel()
+        raise RuntimeError("stepguard: DeepSpeed's averaged gradients of group %d do not match "
+                           "its partition layout (this DeepSpeed version is not supported)" % g)
+
+    def update(self, ds_step):
+        ds_step()
+
+    def skip(self, ds_step):
+        # DeepSpeed's own overflow path: gradients and buffers released, the scaler told,
+        # overflow set for the engine (skipped_steps, no scheduler step).
+        ds = self.ds
+        saved = ds.check_grad_overflow
+        ds.check_grad_overflow = True
+        ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", True)
+        try:
+            ds_step()
+        finally:
+            del ds.check_overflow
+            ds.check_grad_overflow = saved
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        self.ds.update_lp_params()  # fp32 partitions into the bf16/fp32 model, all-gathered
+
+
+class _DeepSpeedPort(TorchOptimPort):
+    """The torch.optim port over DeepSpeed's basic optimizer: its state (keyed by the flat fp32
+    tensors it steps) is what snapshots hold; the parameters and gradients the engine inspects
+    and restores are the layout's per-parameter views."""
+
+    def __init__(self, basic_optimizer, layout, ds_step):
+        super().__init__(basic_optimizer)
+        self.layout = layout
+        self.ds_step = ds_step
+        if isinstance(layout, _PlainLayout):
+            self.gradients = None  # the model's parameters: the engine reads .grad itself
+
+    def parameters(self):
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._names = ["group%d.tensor%d" % (i, j) for i, g in enumerate(self.optimizer.param_groups)
+                       for j in range(len(g["params"]))]
+        return self.layout.parameters()
+
+    def gradients(self):
+        return self.layout.gradients()
+
+    def sharded_state(self):
+        return self.layout.sharded
+
+    def update(self):
+        self.layout.update(self.ds_step)
+
+    def after_restore(self):
+        self.layout.refresh_model()

@@ -1,0 +1,178 @@
+"""stepguard inside the real DeepSpeed engine on CPU (DS_ACCELERATOR=cpu) with Gloo: ZeRO stages
+0, 1 and 2, fp32 and bf16, on 2 ranks (and one configuration on 1 rank). Each configuration
+trains a small model for 12 steps with three faults: a NaN gradient of one parameter on the last rank
+(step 3), a NaN in its batch (step 5) and a loss spike on every rank (step 8)."""
+
+import json
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+os.environ["DS_ACCELERATOR"] = "cpu"
+import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
+
+import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
+
+POLICY = os.path.join(os.path.dirname(__file__), "policy.yaml")
+CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def _batch(step, rank, dtype):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def _flat_params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _run(rank, world, stage, precision):
+    """One engine, 12 steps; returns what every rank saw, step by step."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = _model()
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+               "weight_decay": 0.01},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+               "weight_decay": 0.0}]
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
+              "bf16": {"enabled": precision == "bf16"}}
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=groups, config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
+    guarded = sg_deepspeed.guard_engine(engine, policy=POLICY, collective_timeout=60)
+    target = dict(engine.module.named_parameters())["2.weight"]
+    steps, after = [], {}
+    position = 0  # the data position: a rollback skips batches
+    for _ in range(STEPS):
+        step = guarded.guard.step_count + 1
+        x, y = _batch(position, rank, dtype)
+        position += 1
+        hook = None
+        if step == NAN_GRAD and rank == world - 1:
+            hook = target.register_hook(lambda g: g * float("nan"))
+        if step == NAN_BATCH and rank == world - 1:
+            x[0, 0] = float("nan")
+        if step == SPIKE:
+            y = y * 300
+        loss = nn.functional.mse_loss(engine(x).float(), y.float())
+        engine.backward(loss)
+        if hook is not None:
+            hook.remove()
+        reference = None
+        if stage == 0 and precision == "fp32":  # DeepSpeed computes no norm of its own here
+            reference = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in engine.module.parameters()]))
+        engine.step()
+        report = guarded.last_report
+        position += report.batches_to_skip
+        ds_norm = engine.get_global_grad_norm()
+        flat = _flat_params(engine.module)
+        after[report.step] = flat
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(gathered, flat)
+        steps.append({
+            "step": report.step, "outcome": report.outcome, "grad_norm": report.grad_norm,
+            "ds_norm": None if ds_norm is None else float(ds_norm), "reference": reference,
+            "skipped_steps": engine.skipped_steps, "scheduler_epoch": scheduler.last_epoch,
+            "lr": engine.get_lr()[0], "equal_across_ranks": all(torch.equal(flat, t)
+                                                               for t in gathered),
+            "incident": report.incident, "rolled_back_to": report.rolled_back_to,
+            "restored_snapshot": (torch.equal(flat, after[report.rolled_back_to])
+                                  if report.rolled_back else None),
+            "finite": bool(torch.isfinite(flat).all()),
+        })
+    return {"steps": steps, "optimizer": type(engine.optimizer).__name__}
+
+
+def _rank_main(rank, world, port, out_dir, configs):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for stage, precision in configs:
+        results["%d-%s" % (stage, precision)] = _run(rank, world, stage, precision)
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(results, f, default=str)
+    torch.distributed.destroy_process_group()
+
+
+def _launch(world, configs):
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), d, configs),
+                                 nprocs=world, start_method="spawn", join=False)
+        while not ctx.join(timeout=300):
+            pass
+        out = []
+        for r in range(world):
+            with open(os.path.join(d, "rank%d.json" % r)) as f:
+                out.append(json.load(f))
+        return out
+
+
+def _check(ranks, key, world):
+    expected_types = {0: ("AdamW", "FP16_UnfusedOptimizer")}
+    for rank, result in enumerate(ranks):
+        run = result[key]
+        stage, precision = key.split("-")
+        if stage == "0":
+            assert run["optimizer"] == expected_types[0][precision == "bf16"], run["optimizer"]
+        else:
+            assert run["optimizer"] == "DeepSpeedZeroOptimizer", run["optimizer"]
+        steps = {s["step"]: s for s in run["steps"]}
+        outcomes = [s["outcome"] for s in run["steps"]]
+        applied = 0
+        for s in run["steps"]:
+            assert s["equal_across_ranks"], (key, rank, s)  # replicas equal after every step
+            assert s["finite"], (key, rank, s)
+            if s["outcome"] == "applied":
+                applied += 1
+                norm = s["reference"] if s["reference"] is not None else s["ds_norm"]
+                assert norm == pytest.approx(s["grad_norm"], rel=1e-6), (key, rank, s)
+            # DeepSpeed's own counters follow the guard: a step not applied is a skipped step
+            # and the LR scheduler steps only on applied steps.
+            assert s["skipped_steps"] == s["step"] - applied, (key, rank, s)
+            assert s["scheduler_epoch"] == applied, (key, rank, s)
+        assert steps[NAN_GRAD]["outcome"] == "skipped", (key, rank, outcomes)
+        assert steps[NAN_BATCH]["outcome"] == "skipped", (key, rank, outcomes)
+        assert steps[NAN_BATCH]["incident"]["ranks"] == [world - 1], (key, steps[NAN_BATCH])
+        spike = steps[SPIKE]
+        assert spike["outcome"] == "rolled_back", (key, rank, outcomes)
+        assert spike["restored_snapshot"], (key, rank, spike)
+        assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
+    # The NaN gradient of '2.weight' is named by the rank(s) holding that parameter's gradient.
+    blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
+    assert any("2.weight" in t for t in blamed), (key, blamed)
+    if world == 1 or key.startswith("0-"):
+        assert all("2.weight" in t for t in blamed), (key, blamed)
+
+
+def test_every_zero_stage_and_precision_on_two_ranks():
+    ranks = _launch(2, CONFIGS)
+    for stage, precision in CONFIGS:
+        _check(ranks, "%d-%s" % (stage, precision), 2)
+
+
+def test_zero_two_bf16_on_one_rank():
+    _check(_launch(1, [(2, "bf16")]), "2-bf16", 1)

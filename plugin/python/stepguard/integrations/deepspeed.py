@@ -200,26 +200,34 @@ class _UnfusedLayout:
 
 class _ZeroLayout:
     """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
-    (and, at the step, of the averaged gradients). Each model parameter that overlaps the
-    partition is one piece: a view of the fp32 partition and of the gradient partition."""
+    (and, at the step, of the averaged gradients). Every model parameter is one piece on every
+    rank, in the same order (the engine's contract for sharded gradients): a view of the fp32
+    partition and of the gradient partition where the parameter overlaps this rank's partition,
+    an empty one where it does not."""
     sharded = True
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
         names = _names_by_id(engine)
-        self.pieces = []  # (group, offset in the partition, length, offset in the parameter)
+        self.pieces = []  # (group, offset in the partition, length)
         self.names = []
-        for g, params in enumerate(ds_optimizer.params_in_partition):
+        for g, params in enumerate(ds_optimizer.bit16_groups):
             size = int(ds_optimizer.partition_size[g])
-            at = 0
-            for j, p in enumerate(params):
-                start = int(ds_optimizer.first_offset[g]) if j == 0 else 0
-                length = min(p.numel() - start, size - at)
-                self.pieces.append((g, at, length, start))
+            rank = torch.distributed.get_rank(group=ds_optimizer.real_dp_process_group[g])
+            lo, hi, start = rank * size, (rank + 1) * size, 0
+            for p in params:
+                end = start + p.numel()
+                first, last = max(start, lo), min(end, hi)
+                self.pieces.append((g, first - lo, last - first) if first < last else (g, 0, 0))
                 self.names.append(names.get(id(p), "param_%d" % len(self.names)))
-                at += length
+                start = end
+            held = [p for p, (_, _, n) in zip(params, self.pieces[-len(params):]) if n > 0]
+            if [id(p) for p in held] != [id(p) for p in ds_optimizer.params_in_partition[g]]:
+                raise ValueError("stepguard: DeepSpeed's partition of parameter group %d is not "
+                                 "laid out as the integration reads it (this DeepSpeed version "
+                                 "is not supported)" % g)
         masters = ds_optimizer.single_partition_of_fp32_groups
-        self.views = [masters[g].narrow(0, at, n) for g, at, n, _ in self.pieces]
+        self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
 
     def parameters(self):
         return self.views, self.names
@@ -229,9 +237,9 @@ class _ZeroLayout:
         per group, one flat tensor per parameter in the partition (or one for the partition)."""
         out = []
         averaged = self.ds.averaged_gradients
-        for g, at, n, _ in self.pieces:
+        for g, at, n in self.pieces:
             grads = averaged.get(g) if isinstance(averaged, dict) else averaged[g]
-            if grads is None:
+            if grads is None or n == 0:
                 out.append(None)
                 continue
             flat = grads[0] if len(grads) == 1 else None

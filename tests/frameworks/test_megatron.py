@@ -1,0 +1,193 @@
+"""stepguard inside the real Megatron-core on CPU with Gloo (the CUDA calls Megatron makes mapped to
+the CPU by tests/frameworks/megatron_cpu.py): a small GPTModel in Megatron's DDP, the optimizer
+from get_megatron_optimizer, steps driven by get_forward_backward_func; fp32 and bf16, with and
+without the distributed optimizer, on 2 ranks (one configuration on 1 rank). Faults: a NaN
+gradient of one parameter on the last rank (step 3), a NaN loss on that rank (step 5), a loss
+spike on every rank (step 8)."""
+
+import json
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
+
+POLICY = os.path.join(os.path.dirname(__file__), "policy.yaml")
+CONFIGS = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
+STEPS, NAN_GRAD, NAN_LOSS, SPIKE = 12, 3, 5, 8
+TARGET = "decoder.layers.1.mlp.linear_fc2.weight"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(precision, distributed_optimizer):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                               use_cpu_initialization=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, bf16=bf16, params_dtype=dtype,
+                               pipeline_dtype=dtype)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=64, max_sequence_length=16).to(dtype)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed_optimizer)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=1.0,
+                                       log_num_zeros_in_grad=True,
+                                       use_distributed_optimizer=distributed_optimizer)
+    return model, config, get_megatron_optimizer(optimizer_config, [model])
+
+
+def _run(rank, world, precision, distributed_optimizer):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    model, config, megatron_optimizer = _build(precision, distributed_optimizer)
+    optimizer = GuardedMegatronOptimizer(megatron_optimizer, model, policy=POLICY,
+                                         collective_timeout=60)
+    config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's training.py does
+    target = dict(model.module.named_parameters())[TARGET]
+    inner = optimizer._inner
+    main_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
+    steps, after, mains = [], {}, {}
+    position = 0
+    for _ in range(STEPS):
+        step = optimizer.guard.step_count + 1
+        g = torch.Generator().manual_seed(100 * position + rank)
+        tokens = torch.randint(0, 64, (2, 8), generator=g)
+        position += 1
+        factor = 1.0
+        if step == NAN_LOSS and rank == world - 1:
+            factor = float("nan")
+        if step == SPIKE:
+            factor = 300.0
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+            output = model(batch, positions, None, labels=batch)
+
+            def loss_func(output):
+                loss = output.float().mean() * factor
+                return loss, {"loss": loss.detach()}
+            return output, loss_func
+
+        hook = None
+        if step == NAN_GRAD and rank == world - 1:
+            hook = target.register_hook(lambda grad: grad * float("nan"))
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]),
+                                    model=[model], num_microbatches=1, seq_length=8,
+                                    micro_batch_size=2, forward_only=False)
+        if hook is not None:
+            hook.remove()
+        success, grad_norm, zeros = optimizer.step()
+        report = optimizer.last_report
+        position += report.batches_to_skip
+        flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+        main = torch.cat([p.detach().reshape(-1) for p in main_params])
+        after[report.step], mains[report.step] = flat, main
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        steps.append({
+            "step": report.step, "outcome": report.outcome, "returned": [success, grad_norm,
+                                                                         zeros],
+            "grad_norm": report.grad_norm, "incident": report.incident,
+            "equal_across_ranks": all(torch.equal(flat, t) for t in gathered),
+            "finite": bool(torch.isfinite(flat).all()),
+            "restored_snapshot": ((torch.equal(flat, after[report.rolled_back_to])
+                                   and torch.equal(main, mains[report.rolled_back_to]))
+                                  if report.rolled_back else None),
+        })
+    return {"steps": steps, "optimizer": type(inner).__name__}
+
+
+def _rank_main(rank, world, port, out_dir, configs):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron_cpu
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    results = {}
+    for precision, distributed_optimizer in configs:
+        key = "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp")
+        results[key] = _run(rank, world, precision, distributed_optimizer)
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(results, f, default=str)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _launch(world, configs):
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), d, configs),
+                                 nprocs=world, start_method="spawn", join=False)
+        while not ctx.join(timeout=300):
+            pass
+        out = []
+        for r in range(world):
+            with open(os.path.join(d, "rank%d.json" % r)) as f:
+                out.append(json.load(f))
+        return out
+
+
+def _check(ranks, key, world):
+    precision, kind = key.split("-")
+    expected = {"ddp": {"fp32": "FP32Optimizer", "bf16": "Float16OptimizerWithFloat16Params"},
+                "distopt": {"fp32": "DistributedOptimizer", "bf16": "DistributedOptimizer"}}
+    for rank, result in enumerate(ranks):
+        run = result[key]
+        assert run["optimizer"] == expected[kind][precision], (key, run["optimizer"])
+        steps = {s["step"]: s for s in run["steps"]}
+        for s in run["steps"]:
+            assert s["equal_across_ranks"] and s["finite"], (key, rank, s)
+            success, grad_norm, zeros = s["returned"]
+            if s["outcome"] == "applied":
+                # Megatron's own values, and the guard's norm is Megatron's.
+                assert success is True and zeros is not None, (key, rank, s)
+                assert grad_norm == pytest.approx(s["grad_norm"], rel=1e-6), (key, rank, s)
+            else:
+                assert s["returned"] == [False, None, None], (key, rank, s)
+        assert steps[NAN_GRAD]["outcome"] == "skipped", (key, rank, run["steps"])
+        assert steps[NAN_LOSS]["outcome"] == "skipped", (key, rank, run["steps"])
+        assert steps[NAN_LOSS]["incident"]["ranks"] == [world - 1], (key, steps[NAN_LOSS])
+        assert steps[SPIKE]["outcome"] == "rolled_back", (key, rank, run["steps"])
+        # Main (fp32) and model parameters are both the snapshot's again.
+        assert steps[SPIKE]["restored_snapshot"], (key, rank, steps[SPIKE])
+        assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
+    blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
+    assert any(TARGET in t for t in blamed), (key, blamed)
+    if kind == "ddp":
+        assert all(TARGET in t for t in blamed), (key, blamed)
+
+
+def test_fp32_bf16_and_the_distributed_optimizer_on_two_ranks():
+    ranks = _launch(2, CONFIGS)
+    for precision, distributed_optimizer in CONFIGS:
+        _check(ranks, "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp"), 2)
+
+
+def test_bf16_distributed_optimizer_on_one_rank():
+    _check(_launch(1, [("bf16", True)]), "bf16-distopt", 1)

@@ -76,9 +76,10 @@ setup(
     name="stepguard",
     version="0.1.0",
     description="Guards every optimizer step of PyTorch training against NaN/Inf and loss spikes",
-    packages=["stepguard"],
+    packages=["stepguard", "stepguard.integrations"],
     package_data={"stepguard": ["_C.pyi", "py.typed"]},
-    package_dir={"stepguard": "plugin/python/stepguard"},
+    package_dir={"stepguard": "plugin/python/stepguard",
+                 "stepguard.integrations": "plugin/python/stepguard/integrations"},
     ext_modules=[Extension("stepguard._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     # Not build/: that is make's CMake build tree.

@@ -46,7 +46,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         policy: path of a YAML policy file; ``policy_yaml``: the policy as text.
         process_group: the group the ranks agree through (``dist.group.WORLD``, any
             ``new_group``); None for one process.
-        port: an adapter's port (see ``stepguard.adapters``); default a ``TorchOptimPort``.
+        port: an integration's port (see ``stepguard.integrations``); default a
+            ``TorchOptimPort``.
         Other keywords mirror the C++ ``GuardOptions``: trace_path, trace_every_step,
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
         run_name, loss_scaling, sharded_gradients, collective_timeout (seconds),
@@ -133,12 +134,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """ZeroRedundancyOptimizer's collective: gathers the full optimizer state on rank ``to``
-        for ``state_dict()`` there. The guard's own snapshots and checkpoints never need it."""
-        if not hasattr(self.optimizer, "consolidate_state_dict"):
-            raise TypeError("stepguard: %s has no consolidate_state_dict() (only a sharded "
-                            "optimizer such as ZeroRedundancyOptimizer has)"
-                            % type(self.optimizer).__name__)
-        self.optimizer.consolidate_state_dict(to=to)
+        for ``state_dict()`` there; nothing for an optimizer that is not sharded (Lightning and
+        Fabric call it on any optimizer that has it before saving). The guard's own snapshots
+        and checkpoints never need it."""
+        if hasattr(self.optimizer, "consolidate_state_dict"):
+            self.optimizer.consolidate_state_dict(to=to)
 
     def __reduce__(self):
         # The guard holds a live engine (threads, a process group, open files): it is saved as its

@@ -3,7 +3,7 @@
 The engine (C++) calls these methods with the GIL held: the parameters and their names, the
 optimizer step with an LR factor, and the optimizer state as named tensors (copied by snapshots and
 written back in place by a restore) plus opaque bytes for everything that is not a tensor.
-Adapters for other training stacks derive from TorchOptimPort.
+The framework integrations (stepguard.integrations) derive from TorchOptimPort.
 
 A ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1: each rank holds the optimizer state
 of its own shard of the parameters, every rank holds all parameters) is recognised by type: its
@@ -179,7 +179,7 @@ class TorchOptimPort:
                 g["lr"] = lr
 
     def update(self):
-        """The update itself (adapters replace it)."""
+        """The update itself (integrations replace it)."""
         self.optimizer.step()
 
     # -- state --------------------------------------------------------------------------------

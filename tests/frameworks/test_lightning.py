@@ -1,0 +1,235 @@
+"""The real Lightning (lightning.pytorch) with stepguard's StepguardCallback: Trainer(strategy=
+"ddp") on CPU, 2 processes, Gloo, automatic optimization, SGD with momentum and a step-interval
+StepLR. A NaN loss on rank 1 alone at one step (its gradient NaN in head.weight only) and a loss
+spike on every rank at a later one; each rank writes what it saw, and the test checks every rank.
+
+This file is also the training script: the test runs it as `python test_lightning.py OUT`, and
+Lightning's subprocess launcher starts rank 1 by running the same command again."""
+
+import csv
+import hashlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError as e:  # a framework that is missing fails the test, never skips it
+    raise ImportError("tests/frameworks needs lightning (requirements.txt pins 2.6.6)") from e
+
+HERE = Path(__file__).resolve().parent
+STEPS = 12
+NAN_AT = 3      # trainer.global_step of the batch whose loss is NaN on rank 1
+SPIKE_AT = 8    # ... of the batch whose loss is 1e4 times larger on both ranks
+GAMMA = 0.9
+LR = 0.05
+
+
+# --- the training script (each rank) -------------------------------------------------------
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                        torch.nn.Linear(32, 32), torch.nn.Tanh())
+        self.head = torch.nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.head(self.body(x)), y)
+        if self.global_step == NAN_AT and self.global_rank == 1:
+            loss = loss + float("nan") * self.head.weight.sum()  # NaN grad in head.weight only
+        if self.global_step == SPIKE_AT:
+            loss = loss * 1e4
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(STEPS * 2 * 8, 8, generator=g)
+        y = x[:, :1] * 0.5 + 0.1 * torch.randn(len(x), 1, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+class Recorder(pl.Callback):
+    """After each batch: the guard's outcome, the LR and a checksum of the parameters."""
+
+    def __init__(self, guard_callback):
+        self.guard_callback = guard_callback
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = self.guard_callback.guards[0]
+        report = guard.last_report
+        digest = hashlib.sha256()
+        for _, p in pl_module.named_parameters():
+            digest.update(p.detach().cpu().numpy().tobytes())
+        self.steps.append({
+            "outcome": report.outcome if report is not None else "dropped",
+            "rolled_back_to": report.rolled_back_to if report is not None else None,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"], "checksum": digest.hexdigest()})
+
+
+def train(out):
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import DDPStrategy
+    from stepguard.integrations.lightning import StepguardCallback
+
+    torch.set_num_threads(1)
+    guard_cb = StepguardCallback(policy=str(HERE / "policy.yaml"), collective_timeout=30)
+    recorder = Recorder(guard_cb)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=STEPS, max_epochs=1,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        callbacks=[guard_cb, recorder], logger=CSVLogger(out, name="csv", version=0),
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    model = Net()
+    trainer.fit(model)
+    trainer.save_checkpoint(os.path.join(out, "last.ckpt"), weights_only=False)
+    guard = guard_cb.guards[0]
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    torch.save({"steps": recorder.steps, "incidents": guard_cb.incidents, "totals": guard.totals,
+                "dropped": guard.dropped, "global_step": trainer.global_step,
+                "scheduler_steps": scheduler.last_epoch,
+                "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
+                "hook_left": "lr_scheduler_step" in model.__dict__},
+               os.path.join(out, "rank%d.pt" % trainer.global_rank))
+
+
+# --- the test ------------------------------------------------------------------------------
+def run_ranks(out, timeout=150):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    for name in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)  # the stepguard under test, from any directory
+    proc = subprocess.Popen([sys.executable, __file__, str(out)], env=env, cwd=str(out),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # rank 1 is rank 0's child: one group
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise AssertionError("the Lightning run did not finish in %d s:\n%s" % (timeout, text))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the run outlives the test
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, text
+    return text
+
+
+def test_lightning_ddp_gloo_two_ranks(tmp_path):
+    start = time.monotonic()
+    text = run_ranks(tmp_path)
+    ranks = [torch.load(tmp_path / ("rank%d.pt" % r), weights_only=False) for r in (0, 1)]
+
+    guard_steps = STEPS - 1  # the batch after the rollback is dropped: no guard step
+    expected = ["applied"] * STEPS
+    expected[NAN_AT], expected[SPIKE_AT], expected[SPIKE_AT + 1] = (
+        "skipped", "rolled_back", "dropped")
+    applied = expected.count("applied")
+    for r, got in enumerate(ranks):
+        steps = got["steps"]
+        assert [s["outcome"] for s in steps] == expected, (r, steps)
+        assert got["global_step"] == STEPS and got["finite"] and not got["hook_left"], r
+        assert got["totals"]["steps"] == guard_steps and got["totals"]["applied"] == applied
+        assert got["totals"]["skipped"] == 1 and got["totals"]["rolled_back"] == 1
+        assert got["dropped"] == 1
+        sums = [s["checksum"] for s in steps]
+        # A skipped step and a dropped batch leave the parameters as they were; the rollback
+        # goes back to the snapshot of guard step 6 (snapshots every 2 steps; the one of step 8,
+        # right before the spike, is not confirmed), i.e. the parameters after batch 5.
+        assert sums[NAN_AT] == sums[NAN_AT - 1] and sums[SPIKE_AT + 1] == sums[SPIKE_AT]
+        assert steps[SPIKE_AT]["rolled_back_to"] == 6 and sums[SPIKE_AT] == sums[5]
+        assert len(set(sums)) == len(sums) - 3
+        # The scheduler moved on applied steps only: StepLR(gamma) once per applied step.
+        assert got["scheduler_steps"] == applied
+        lr = LR
+        for s in steps:
+            if s["outcome"] == "applied":
+                lr *= GAMMA
+            assert abs(s["lr"] - lr) <= 1e-12 * LR, (r, steps)
+        # The incidents: the NaN from rank 1 in head.weight, then the spike everywhere.
+        nan, spike = got["incidents"]
+        assert nan["signal"].startswith("nonfinite") and nan["action"] == "skip_batch", nan
+        assert nan["ranks"] == [1] and "head.weight" in nan["tensors"], nan
+        assert spike["signal"] == "loss_spike" and spike["action"] == "rollback", spike
+    # Every rank, every step: the same parameters, bit for bit.
+    assert [s["checksum"] for s in ranks[0]["steps"]] == [s["checksum"] for s in ranks[1]["steps"]]
+
+    # The incident line, once (rank 0).
+    lines = [l for l in text.splitlines() if "stepguard: step 4 skipped: nonfinite" in l]
+    assert len(lines) == 1 and "from rank 1" in lines[0] and "head.weight" in lines[0], text
+
+    # stepguard's metrics reached Lightning's logger: the CSVLogger's file, one row per step.
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("stepguard/outcome")]
+    assert [int(row["step"]) for row in rows] == list(range(STEPS)), rows
+    codes = {"applied": 0, "skipped": 1, "rolled_back": 2, "aborted": 3, "dropped": 4}
+    assert [int(float(row["stepguard/outcome"])) for row in rows] == [codes[o] for o in expected]
+    assert [float(row["stepguard/lr_factor"]) for row in rows] == [1.0] * STEPS
+    assert [float(row["stepguard/loss_scale"]) for row in rows] == [1.0] * STEPS
+    norms = [float(row["stepguard/grad_norm"]) for row in rows]
+    assert norms[SPIKE_AT] > 100 * norms[5] and math.isnan(norms[SPIKE_AT + 1]), norms
+    assert int(float(rows[NAN_AT]["stepguard/nonfinite_count"])) > 0
+    assert [int(float(row["stepguard/incidents"])) for row in rows][NAN_AT - 1:NAN_AT + 1] == [0, 1]
+    assert int(float(rows[-1]["stepguard/incidents"])) == 2
+    assert int(float(rows[-1]["stepguard/rolled_back"])) == 1
+    assert int(float(rows[-1]["stepguard/dropped"])) == 1
+
+    # The checkpoint: the optimizer's state as plain SGD's, the guard's in the callback's state.
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert set(ckpt["optimizer_states"][0]) == {"state", "param_groups"}
+    (records,) = [v["records"] for k, v in ckpt["callbacks"].items() if "StepguardCallback" in k]
+    assert len(records) == 1 and records[0]["step"] == guard_steps
+    print("lightning DDP run: %.1f s" % (time.monotonic() - start))
+
+
+def fit(root, steps, guard=True, ckpt_path=None):
+    """One process, no DDP: ``steps`` steps in all, from ``ckpt_path`` if given."""
+    from stepguard.integrations.lightning import StepguardCallback
+
+    callbacks = [StepguardCallback(policy=str(HERE / "policy.yaml"))] if guard else []
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps,
+                         callbacks=callbacks, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(root))
+    model = Net()
+    trainer.fit(model, ckpt_path=ckpt_path, weights_only=False)
+    path = str(root / ("after%d.ckpt" % steps))
+    trainer.save_checkpoint(path, weights_only=False)
+    return path, (callbacks[0].guards[0] if guard else None), trainer
+
+
+def test_lightning_checkpoints_resume_with_and_without_the_callback(tmp_path):
+    torch.set_num_threads(1)
+    # A run with the guard resumes with it: the guard's counts and detector state go on.
+    first, guard, _ = fit(tmp_path, 5)
+    assert guard.step_count == 5 and guard.totals["applied"] == 5
+    second, guard, trainer = fit(tmp_path, 7, ckpt_path=first)
+    assert guard.step_count == 7 and guard.totals["applied"] == 7, guard.totals
+    assert trainer.optimizers[0].state  # SGD's momentum came back from the checkpoint
+    # Its checkpoint resumes without stepguard; a plain run's checkpoint resumes with it.
+    fit(tmp_path, 8, guard=False, ckpt_path=second)
+    plain, _, _ = fit(tmp_path, 3, guard=False)
+    _, guard, trainer = fit(tmp_path, 4, ckpt_path=plain)
+    assert guard.step_count == 1 and trainer.global_step == 4
+
+
+if __name__ == "__main__":
+    train(sys.argv[1])

@@ -45,7 +45,7 @@ def _flat_params(model):
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
-def _run(rank, world, stage, precision):
+def _run(rank, world, stage, precision, checkpoint_dir):
     """One engine, 12 steps; returns what every rank saw, step by step."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = _model()
@@ -102,7 +102,18 @@ def _run(rank, world, stage, precision):
                                   if report.rolled_back else None),
             "finite": bool(torch.isfinite(flat).all()),
         })
-    return {"steps": steps, "optimizer": type(engine.optimizer).__name__}
+    # DeepSpeed's own checkpoint carries the guard's decision state as client state.
+    engine.save_checkpoint(checkpoint_dir, client_state=guarded.state_dict())
+    before = guarded.guard._guard.record()
+    _, client_state = engine.load_checkpoint(checkpoint_dir)
+    guarded.load_state_dict(client_state)
+    resumed = {"same_state": guarded.guard._guard.record() == before,
+               "equal": torch.equal(_flat_params(engine.module), after[STEPS])}
+    x, y = _batch(position, rank, dtype)
+    engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+    engine.step()
+    resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
+    return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed}
 
 
 def _rank_main(rank, world, port, out_dir, configs):
@@ -112,7 +123,8 @@ def _rank_main(rank, world, port, out_dir, configs):
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for stage, precision in configs:
-        results["%d-%s" % (stage, precision)] = _run(rank, world, stage, precision)
+        key = "%d-%s" % (stage, precision)
+        results[key] = _run(rank, world, stage, precision, os.path.join(out_dir, key))
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     torch.distributed.destroy_process_group()
@@ -161,6 +173,8 @@ def _check(ranks, key, world):
         assert spike["outcome"] == "rolled_back", (key, rank, outcomes)
         assert spike["restored_snapshot"], (key, rank, spike)
         assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
+        assert run["resumed"] == {"same_state": True, "equal": True,
+                                  "next": [STEPS + 1, "applied"]}, (key, rank, run["resumed"])
     # The NaN gradient of '2.weight' is named by the rank(s) holding that parameter's gradient.
     blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
     assert any("2.weight" in t for t in blamed), (key, blamed)

@@ -78,6 +78,19 @@ class EngineGuard:
         ``engine.backward(loss)``."""
         self._losses.append(loss.detach().float().reshape(()))
 
+    def state_dict(self):
+        """The guard's decision state, for DeepSpeed's checkpoint:
+        ``engine.save_checkpoint(dir, client_state=sg.state_dict())``; DeepSpeed saves the
+        optimizer state itself."""
+        return {"stepguard": self.guard._guard.record()}
+
+    def load_state_dict(self, client_state):
+        """After ``_, client_state = engine.load_checkpoint(dir)``."""
+        if not isinstance(client_state, dict) or "stepguard" not in client_state:
+            raise ValueError("stepguard: this client state holds no 'stepguard' entry (save it "
+                             "with engine.save_checkpoint(dir, client_state=sg.state_dict()))")
+        self.guard._guard.load_record(client_state["stepguard"])
+
     def _backward(self, loss, *args, **kwargs):
         self.record_loss(loss)
         return self._ds_backward(loss, *args, **kwargs)

@@ -6,5 +6,6 @@ only when it is imported itself (``import stepguard`` never imports any of them)
 - ``stepguard.integrations.megatron``: ``GuardedMegatronOptimizer`` around what
   ``get_megatron_optimizer`` returns;
 - ``stepguard.integrations.lightning``: ``StepguardCallback`` for a ``lightning.Trainer``;
-- ``stepguard.integrations.transformers``: ``StepguardCallback`` for a ``transformers.Trainer``.
+- ``stepguard.integrations.transformers``: ``StepguardCallback(...).attach(trainer)`` for a
+  ``transformers.Trainer``.
 """

@@ -1,0 +1,135 @@
+"""One rank of test_transformers.py, started by torchrun: a tiny GPT-2 (built from a config, no
+download) trained by the real transformers.Trainer on CPU with Gloo, guarded by
+stepguard.integrations.transformers. The faults are injected here (in the user's own Trainer
+subclass and a gradient hook), never in the integration: rank 1's loss is NaN at NAN_STEP; one
+element of rank 1's gradient of GRAD_TENSOR is NaN at GRAD_STEP (in backward, before DDP averages
+it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times too large at
+SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
+
+usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from stepguard.integrations.transformers import StepguardCallback
+
+MAX_STEPS = 12
+NAN_STEP, NAN_RANK = 3, 1
+GRAD_STEP, GRAD_RANK, GRAD_TENSOR = 5, 1, "transformer.h.0.mlp.c_fc.weight"
+SPIKE_STEP, SPIKE_RANK = 8, 0
+LR = 1e-3
+MAX_GRAD_NORM = 0.3  # below every clean norm here: the Trainer clips each step
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n, length, vocab):
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class FaultyTrainer(Trainer):
+    """The user's own Trainer subclass, with this test's faults in its loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        step, rank = self.state.global_step + 1, self.args.process_index
+        if step == NAN_STEP and rank == NAN_RANK:
+            loss = loss * float("nan")
+        if step == SPIKE_STEP and rank == SPIKE_RANK:
+            loss = loss * 1e4
+        return loss
+
+
+class Recorder(TrainerCallback):
+    """What the guard reported each step, and the gradients the optimizer stepped with."""
+
+    def __init__(self, guard_callback):
+        self.sg = guard_callback
+        self.steps = []
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        r = self.sg.last_report
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        stepped = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+        self.steps.append({
+            "trainer_step": state.global_step + 1, "step": r.step, "outcome": r.outcome,
+            "applied": r.applied, "loss": r.loss, "grad_norm": r.grad_norm,
+            "actions": list(r.actions), "incident": r.incident and {
+                k: r.incident[k] for k in ("step", "signal", "action", "cause", "ranks",
+                                           "tensors")},
+            "grad_norm_after_step": stepped})
+
+
+def main():
+    out, policy = sys.argv[1], sys.argv[2]
+    # torchrun starts each worker in a session of its own: the test kills these on a timeout.
+    with open(os.path.join(out, "pid%s" % os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "trainer"), max_steps=MAX_STEPS,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=LR,
+        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo", save_strategy="no",
+        seed=7, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
+    trainer = FaultyTrainer(model=model, args=args, train_dataset=RandomTokens(256, 16, 64))
+    rank = args.process_index
+
+    def nan_gradient(grad):
+        if trainer.state.global_step + 1 == GRAD_STEP and rank == GRAD_RANK:
+            grad = grad.clone()
+            grad.view(-1)[3] = float("nan")
+        return grad
+
+    dict(model.named_parameters())[GRAD_TENSOR].register_hook(nan_gradient)
+    sg = StepguardCallback(policy=policy, collective_timeout=60).attach(trainer)
+    recorder = Recorder(sg)
+    trainer.add_callback(recorder)
+    result = trainer.train()
+
+    assert rank == dist.get_rank()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(out, "rank%d.pt" % rank))
+    record = {
+        "rank": rank, "world": dist.get_world_size(),
+        "transformers": transformers.__version__,
+        "global_step": trainer.state.global_step, "result_step": result.global_step,
+        "final_lr": trainer.lr_scheduler.get_last_lr()[0], "lr": LR, "max_steps": MAX_STEPS,
+        "nan_step": NAN_STEP, "nan_rank": NAN_RANK,
+        "grad_step": GRAD_STEP, "grad_rank": GRAD_RANK, "grad_tensor": GRAD_TENSOR,
+        "spike_step": SPIKE_STEP, "spike_rank": SPIKE_RANK, "max_grad_norm": MAX_GRAD_NORM,
+        "totals": sg.guard.totals, "callback_order": [type(c).__name__ for c in
+                                                      trainer.callback_handler.callbacks],
+        "steps": recorder.steps, "log_history": trainer.state.log_history,
+    }
+    with open(os.path.join(out, "rank%d.json" % rank), "w") as f:
+        json.dump(record, f, default=str)
+
+
+if __name__ == "__main__":
+    main()
+    # Leave without interpreter finalization: torch 2.11's Gloo worker thread can drop the last
+    # reference to a finished all_gather (the Trainer's loss gather) after the main thread began
+    # Py_FinalizeEx; its tensors' decref then takes the GIL, the thread is exited mid-destructor
+    # and libstdc++ aborts ("terminate called without an active exception", SIGABRT). It happens
+    # with a plain Trainer too, stepguard or not, in about half the runs on 2 cores.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

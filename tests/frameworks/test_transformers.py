@@ -1,0 +1,187 @@
+"""The real HF Transformers Trainer (with accelerate) and stepguard's StepguardCallback: a tiny
+GPT-2 built from a config (no download) trained on CPU by 2 processes under torchrun, DDP over
+Gloo on loopback, gradient accumulation 2, clipping at max_grad_norm, a linear LR schedule.
+hf_worker.py (each rank) injects a NaN loss on rank 1 at one step, a NaN in one gradient element
+of rank 1 at another, and a loss spike on rank 0 at a third; each rank writes what it saw and the
+test checks every rank."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POLICY = os.path.join(HERE, "policy.yaml")
+WORLD = 2
+TIMEOUT = 240  # seconds for the whole torchrun job (it takes ~10 s on 2 cores)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc, out):
+    """torchrun's agent, then its workers (each in a session of its own under torch 2.x)."""
+    try:
+        proc.send_signal(signal.SIGTERM)  # the agent stops its workers
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    groups = [proc.pid]
+    for r in range(WORLD):
+        try:
+            with open(os.path.join(out, "pid%d" % r)) as f:
+                groups.append(int(f.read()))
+        except (OSError, ValueError):  # not started, or still writing it
+            pass
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def _run_ranks(out):
+    import stepguard
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(stepguard.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", HF_HOME=os.path.join(out, "hf_home"),
+               TOKENIZERS_PARALLELISM="false", DISABLE_MLFLOW_INTEGRATION="TRUE",
+               WANDB_DISABLED="true",
+               PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH")]
+                                          if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "--max_restarts", "0",
+           os.path.join(HERE, "hf_worker.py"), out, POLICY]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _kill(proc, out)
+        text, _ = proc.communicate()
+        raise AssertionError("the torchrun job did not finish in %d s:\n%s"
+                             % (TIMEOUT, text[-6000:]))
+    print("torchrun job: %.1f s" % (time.monotonic() - start))
+    assert proc.returncode == 0, text[-8000:]
+    ranks = []
+    for r in range(WORLD):
+        with open(os.path.join(out, "rank%d.json" % r)) as f:
+            ranks.append(json.load(f))
+        ranks[-1]["params"] = torch.load(os.path.join(out, "rank%d.pt" % r))
+    return ranks, text
+
+
+def test_import_stepguard_does_not_import_transformers():
+    code = "import stepguard, sys; assert 'transformers' not in sys.modules, 'imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _close(a, b, rel):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def test_trainer_ddp_gloo_two_ranks(tmp_path):
+    # A framework that is missing fails the test, never skips it.
+    import accelerate  # noqa: F401
+    import transformers  # noqa: F401
+
+    ranks, text = _run_ranks(str(tmp_path))
+    params = [r["params"] for r in ranks]
+    assert torch.isfinite(params[0]).all()
+    assert torch.equal(params[0], params[1]), "the replicas parted"
+
+    for r in ranks:
+        rank = r["rank"]
+        steps, logs = r["steps"], r["log_history"]
+        max_steps, nan_step, grad_step, spike_step = (r["max_steps"], r["nan_step"],
+                                                      r["grad_step"], r["spike_step"])
+        bad = {nan_step: "skipped", grad_step: "skipped", spike_step: "rolled_back"}
+        # Training went on to max_steps; each Trainer step was one guarded step.
+        assert r["global_step"] == r["result_step"] == max_steps, rank
+        assert [s["step"] for s in steps] == list(range(1, max_steps + 1)), rank
+        assert [s["trainer_step"] for s in steps] == list(range(1, max_steps + 1)), rank
+        assert [s["outcome"] for s in steps] == [bad.get(t, "applied")
+                                                 for t in range(1, max_steps + 1)], rank
+        applied = max_steps - len(bad)
+        assert r["totals"]["applied"] == applied and r["totals"]["skipped"] == 2, r["totals"]
+        assert r["totals"]["rolled_back"] == 1 and r["totals"]["aborted"] == 0, r["totals"]
+        # The callback goes first, so reporters see its log entries.
+        assert r["callback_order"][0] == "StepguardCallback", r["callback_order"]
+
+        # The incidents, on every rank: who, what, which tensor.
+        by_step = {s["step"]: s for s in steps}
+        nan = by_step[nan_step]["incident"]
+        assert (nan["signal"], nan["action"], nan["cause"]) == (
+            "nonfinite_loss", "skip_batch", "forward"), nan
+        assert nan["ranks"] == [r["nan_rank"]], nan  # only rank 1's loss was NaN
+        grad = by_step[grad_step]["incident"]
+        assert (grad["signal"], grad["action"], grad["cause"]) == (
+            "nonfinite_grad", "skip_batch", "backward"), grad
+        # The NaN entered rank 1's gradient before DDP averaged it: both ranks then hold it, in
+        # that one tensor (the Trainer's clipping ran after the verdict, so it did not spread
+        # the NaN to every tensor through the clip coefficient).
+        assert grad["tensors"] == [r["grad_tensor"]], grad
+        assert grad["ranks"] == list(range(WORLD)), grad
+        spike = by_step[spike_step]["incident"]
+        assert (spike["signal"], spike["action"]) == ("loss_spike", "rollback"), spike
+
+        # The scheduler followed applied steps only: the LR each step ran with (logged by the
+        # Trainer before its scheduler step) and the LR at the end.
+        lr0 = r["lr"]
+        train_logs = {e["step"]: e for e in logs if "loss" in e and "train_runtime" not in e}
+        assert sorted(train_logs) == list(range(1, max_steps + 1)), sorted(train_logs)
+        done = 0
+        for t in range(1, max_steps + 1):
+            expected = lr0 * (max_steps - done) / max_steps
+            assert _close(train_logs[t]["learning_rate"], expected, 1e-9), (rank, t)
+            done += by_step[t]["applied"]
+        assert _close(r["final_lr"], lr0 * (max_steps - applied) / max_steps, 1e-9), r["final_lr"]
+
+        for t in range(1, max_steps + 1):
+            entry, report = train_logs[t], by_step[t]
+            # stepguard's report in the Trainer's log history.
+            assert entry["stepguard/outcome"] == report["outcome"], (rank, t)
+            for key in ("grad_norm", "loss_scale", "lr_factor", "applied", "skipped",
+                        "rolled_back", "incidents"):
+                assert "stepguard/" + key in entry, (rank, t, key)
+            assert entry["stepguard/lr_factor"] == 1.0 and entry["stepguard/loss_scale"] == 1.0
+            if t in bad:
+                [logged] = entry["stepguard/incident"]
+                assert logged["step"] == t and logged["ranks"] == report["incident"]["ranks"]
+                assert logged["tensors"] == report["incident"]["tensors"], (rank, t)
+                continue
+            assert "stepguard/incident" not in entry, (rank, t)
+            # The grad norm the guard saw is the one the Trainer logs (both before clipping),
+            # and the loss the guard saw is the one it logs (mean of the micro-batches, mean
+            # over ranks).
+            assert _close(report["grad_norm"], entry["grad_norm"], 1e-6), (rank, t)
+            assert _close(entry["stepguard/grad_norm"], entry["grad_norm"], 1e-6), (rank, t)
+            assert _close(report["loss"], entry["loss"], 1e-6), (rank, t)
+            # ... and the update used clipped gradients all the same.
+            clipped = min(report["grad_norm"], r["max_grad_norm"])
+            assert _close(report["grad_norm_after_step"], clipped, 1e-4), (rank, t)
+        # The spike: the guard saw it whole (no clip in front of the verdict).
+        assert _close(by_step[spike_step]["grad_norm"], train_logs[spike_step]["grad_norm"],
+                      1e-6)
+
+    # Every rank logs a line per incident, naming the origin rank and the tensors.
+    line = "stepguard: step %d: nonfinite_loss -> skip_batch (cause forward) from rank(s) [1]"
+    assert text.count(line % ranks[0]["nan_step"]) == WORLD, text[-6000:]
+    line = "stepguard: step %d: nonfinite_grad -> skip_batch (cause backward) from rank(s) "
+    grad_lines = [l for l in text.splitlines() if line % ranks[0]["grad_step"] in l]
+    assert len(grad_lines) == WORLD and all(
+        l.endswith("tensors: " + ranks[0]["grad_tensor"]) for l in grad_lines), grad_lines

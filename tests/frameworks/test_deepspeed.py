@@ -5,28 +5,19 @@ trains a small model for 12 steps with three faults: a NaN gradient of one param
 
 import json
 import os
-import socket
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
+from conftest import POLICY, spawn_ranks  # noqa: E402
 
-POLICY = os.path.join(os.path.dirname(__file__), "policy.yaml")
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -131,16 +122,7 @@ def _rank_main(rank, world, port, out_dir, configs):
 
 
 def _launch(world, configs):
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), d, configs),
-                                 nprocs=world, start_method="spawn", join=False)
-        while not ctx.join(timeout=300):
-            pass
-        out = []
-        for r in range(world):
-            with open(os.path.join(d, "rank%d.json" % r)) as f:
-                out.append(json.load(f))
-        return out
+    return spawn_ranks(_rank_main, world, configs)
 
 
 def _check(ranks, key, world):

@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
 try:
@@ -63,11 +64,18 @@ class Net(pl.LightningModule):
 
 
 class Recorder(pl.Callback):
-    """After each batch: the guard's outcome, the LR and a checksum of the parameters."""
+    """After each batch: the guard's outcome, the LR, a checksum of the parameters, and the grad
+    norm stepguard reported beside Lightning's own (``lightning.pytorch.utilities.grad_norm``,
+    taken in ``on_before_optimizer_step``, as Lightning's docs log it)."""
 
     def __init__(self, guard_callback):
         self.guard_callback = guard_callback
         self.steps = []
+        self.lightning_norm = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+        self.lightning_norm = float(grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         guard = self.guard_callback.guards[0]
@@ -78,7 +86,10 @@ class Recorder(pl.Callback):
         self.steps.append({
             "outcome": report.outcome if report is not None else "dropped",
             "rolled_back_to": report.rolled_back_to if report is not None else None,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"], "checksum": digest.hexdigest()})
+            "lr": trainer.optimizers[0].param_groups[0]["lr"], "checksum": digest.hexdigest(),
+            "grad_norm": report.grad_norm if report is not None else None,
+            "lightning_norm": self.lightning_norm})
+        self.lightning_norm = None
 
 
 def train(out):
@@ -164,6 +175,11 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
             if s["outcome"] == "applied":
                 lr *= GAMMA
             assert abs(s["lr"] - lr) <= 1e-12 * LR, (r, steps)
+        # On every applied step stepguard's grad norm is Lightning's own (its grad_norm utility
+        # works in float32: 1e-6 relative).
+        for s in steps:
+            if s["outcome"] == "applied":
+                assert s["lightning_norm"] == pytest.approx(s["grad_norm"], rel=1e-6), (r, s)
         # The incidents: the NaN from rank 1 in head.weight, then the spike everywhere.
         nan, spike = got["incidents"]
         assert nan["signal"].startswith("nonfinite") and nan["action"] == "skip_batch", nan

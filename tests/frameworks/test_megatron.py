@@ -7,26 +7,17 @@ spike on every rank (step 8)."""
 
 import json
 import os
-import socket
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
+from conftest import POLICY, spawn_ranks
 
-POLICY = os.path.join(os.path.dirname(__file__), "policy.yaml")
 CONFIGS = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
 STEPS, NAN_GRAD, NAN_LOSS, SPIKE = 12, 3, 5, 8
 TARGET = "decoder.layers.1.mlp.linear_fc2.weight"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(precision, distributed_optimizer):
@@ -141,16 +132,7 @@ def _rank_main(rank, world, port, out_dir, configs):
 
 
 def _launch(world, configs):
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), d, configs),
-                                 nprocs=world, start_method="spawn", join=False)
-        while not ctx.join(timeout=300):
-            pass
-        out = []
-        for r in range(world):
-            with open(os.path.join(d, "rank%d.json" % r)) as f:
-                out.append(json.load(f))
-        return out
+    return spawn_ranks(_rank_main, world, configs)
 
 
 def _check(ranks, key, world):

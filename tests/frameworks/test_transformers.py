@@ -8,23 +8,17 @@ test checks every rank."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import torch
 
+from conftest import POLICY, free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-POLICY = os.path.join(HERE, "policy.yaml")
 WORLD = 2
 TIMEOUT = 240  # seconds for the whole torchrun job (it takes ~10 s on 2 cores)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill(proc, out):
@@ -60,7 +54,7 @@ def _run_ranks(out):
                                           if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "--max_restarts", "0",
+           "--master_port", str(free_port()), "--max_restarts", "0",
            os.path.join(HERE, "hf_worker.py"), out, POLICY]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=subprocess.PIPE,

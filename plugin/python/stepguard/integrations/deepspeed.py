@@ -8,7 +8,9 @@ After ``deepspeed.initialize`` add one line; the training loop stays as it is::
         loss = engine(batch)
         engine.backward(loss)      # records the loss for the guard (mean over micro-batches)
         engine.step()              # the guard decides inside the engine's optimizer step
-        report = sg.last_report    # None on a micro-step that is not a boundary
+        report = sg.last_report    # the newest optimizer step's (DeepSpeed steps at the
+                                   # gradient-accumulation boundary; the loss is the mean of
+                                   # the micro-batches' losses since the last one)
 
 What is guarded, by DeepSpeed optimizer (tested with DeepSpeed 0.19.8 on CPU/Gloo):
 

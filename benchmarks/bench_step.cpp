@@ -3,7 +3,7 @@
 //   build/bin/bench_step [--rounds R] [--block B] [--large-block B] [--large-batch N] [--only TEXT]
 //                        [--threads T] [--per-iteration] [--device cpu|cuda[:N]]
 //
-// Models: the demo's character transformer (integration/demo/model.h, its default dimensions,
+// Models: the demo's character transformer (plugin/cli/demo/model.h, its default dimensions,
 // batch 32 x 64 tokens) and the same class at d_model 768, 8 blocks, 12 heads (57M parameters,
 // batch N x 128 tokens, N = 4 by default: 1.4 s an iteration on 2 cores; the guard's work grows
 // with the parameters, not the tokens, so a smaller batch shows a larger overhead); batches are
@@ -54,8 +54,8 @@
 #include <thread>
 #include <vector>
 
-#include "integration/demo/corpus.h"
-#include "integration/demo/model.h"
+#include "plugin/cli/demo/corpus.h"
+#include "plugin/cli/demo/model.h"
 #include "stepguard/stepguard.h"
 
 namespace {

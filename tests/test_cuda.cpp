@@ -316,33 +316,6 @@ TEST(Nccl, OneRankAllReduceRuns) {
 }  // namespace stepguard
 
 #if STEPGUARD_EXPECT_CUDA
-#include <torch/cuda.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-
-#include "csrc/consensus/nccl_consensus.h"
-
-namespace stepguard {
-namespace {
-
-TEST(NcclConsensus, OneRankAllReduceOfADeviceBufferWithinItsDeadline) {
-  SKIP_WITHOUT_GPU();
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "this LibTorch was built without CUDA";
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  consensus::NcclConsensus c(store, 0, 1, 0, std::chrono::seconds(30));
-  EXPECT_STREQ(c.backend_name(), "nccl");
-  auto buffer = at::arange(9, at::TensorOptions().dtype(at::kDouble).device(at::kCUDA, 0));
-  c.all_reduce_sum(buffer, 1);
-  EXPECT_TRUE(at::equal(buffer.cpu(), at::arange(9, at::kDouble)));
-  EXPECT_EQ(c.collectives(), 1);
-  auto host = at::zeros({3}, at::kDouble);
-  EXPECT_THROW(c.all_reduce_sum(host, 2), c10::Error);  // wrong device: refused
-}
-
-}  // namespace
-}  // namespace stepguard
-#endif
-
-#if STEPGUARD_EXPECT_CUDA
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>

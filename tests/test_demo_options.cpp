@@ -1,7 +1,7 @@
 // The demo's command line: every bad flag gets one line naming it.
 #include <gtest/gtest.h>
 
-#include "integration/demo/demo_options.h"
+#include "plugin/cli/demo/demo_options.h"
 
 namespace stepguard {
 namespace demo {

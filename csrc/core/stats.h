@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/vocabulary.h"
+#include "stepguard/vocabulary.h"
 
 namespace stepguard {
 

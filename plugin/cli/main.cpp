@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "integration/demo/demo.h"
+#include "plugin/cli/demo/demo.h"
 #include "stepguard/replay.h"
 #include "stepguard/tools.h"
 #include "stepguard/version.h"

@@ -48,7 +48,7 @@
 #include "plugin/src/recovery.h"
 #include "plugin/src/step_controller.h"
 #include "stepguard/guard_state.h"
-#include "stepguard/guarded_optimizer.h"
+#include "stepguard/input_verdict.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"
 

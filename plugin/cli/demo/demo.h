@@ -4,7 +4,7 @@
  */
 #pragma once
 
-#include "integration/demo/demo_options.h"
+#include "plugin/cli/demo/demo_options.h"
 
 namespace stepguard {
 namespace demo {

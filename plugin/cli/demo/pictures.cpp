@@ -1,4 +1,4 @@
-#include "integration/demo/pictures.h"
+#include "plugin/cli/demo/pictures.h"
 
 #include <cstdint>
 #include <exception>

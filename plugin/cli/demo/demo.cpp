@@ -1,4 +1,4 @@
-#include "integration/demo/demo.h"
+#include "plugin/cli/demo/demo.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -19,10 +19,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "csrc/common/json_text.h"
-#include "integration/demo/corpus.h"
-#include "integration/demo/launcher.h"
-#include "integration/demo/model.h"
-#include "integration/demo/pictures.h"
+#include "plugin/cli/demo/corpus.h"
+#include "plugin/cli/demo/launcher.h"
+#include "plugin/cli/demo/model.h"
+#include "plugin/cli/demo/pictures.h"
 
 namespace stepguard {
 namespace demo {

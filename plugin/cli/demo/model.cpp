@@ -1,4 +1,4 @@
-#include "integration/demo/model.h"
+#include "plugin/cli/demo/model.h"
 
 #include <cmath>
 #include <limits>

@@ -1,4 +1,4 @@
-#include "integration/demo/launcher.h"
+#include "plugin/cli/demo/launcher.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,4 +1,4 @@
-#include "integration/demo/corpus.h"
+#include "plugin/cli/demo/corpus.h"
 
 #include <algorithm>
 #include <array>

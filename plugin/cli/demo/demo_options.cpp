@@ -1,4 +1,4 @@
-#include "integration/demo/demo_options.h"
+#include "plugin/cli/demo/demo_options.h"
 
 #include <cerrno>
 #include <cmath>

@@ -113,6 +113,20 @@ def _run(rank, world, precision, distributed_optimizer):
     return {"steps": steps, "optimizer": type(inner).__name__}
 
 
+def _moe_is_refused():
+    """A model whose config has MoE experts is refused at construction: Megatron would call
+    grad_scale_func for the auxiliary loss's scale, and the guard would take it for the loss."""
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    model, config, megatron_optimizer = _build("fp32", False)
+    config.num_moe_experts = 2
+    try:
+        GuardedMegatronOptimizer(megatron_optimizer, model, policy=POLICY)
+    except ValueError as e:
+        return "MoE" in str(e)
+    return False
+
+
 def _rank_main(rank, world, port, out_dir, configs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -125,6 +139,7 @@ def _rank_main(rank, world, port, out_dir, configs):
     for precision, distributed_optimizer in configs:
         key = "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp")
         results[key] = _run(rank, world, precision, distributed_optimizer)
+    results["moe_refused"] = _moe_is_refused()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     parallel_state.destroy_model_parallel()
@@ -172,4 +187,6 @@ def test_fp32_bf16_and_the_distributed_optimizer_on_two_ranks():
 
 
 def test_bf16_distributed_optimizer_on_one_rank():
-    _check(_launch(1, [("bf16", True)]), "bf16-distopt", 1)
+    ranks = _launch(1, [("bf16", True)])
+    _check(ranks, "bf16-distopt", 1)
+    assert ranks[0]["moe_refused"] is True

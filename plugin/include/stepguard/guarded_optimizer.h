@@ -54,8 +54,9 @@ class GuardedOptimizer {
   StepReport step(const torch::Tensor& loss = {});
 
   /// The decision state, and its restore (for snapshots and resume). Restoring different states
-  /// on different ranks is detected at the next step and aborts training.
-  GuardState state() const noexcept;
+  /// on different ranks is detected at the next step and aborts training. state() waits for the
+  /// last step's background snapshot copy (whether it succeeded is part of the state).
+  GuardState state() const;
   void restore_state(const GuardState& state);
   /// This rank and the number of ranks agreeing (1 without a process group).
   int rank() const noexcept;
@@ -132,9 +133,10 @@ class GuardedOptimizer {
   /// dict, weight surgery), or to see a write's outcome at once (tests).
   void synchronize();
 
-  /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`).
-  std::size_t snapshots_held() const noexcept;
-  std::int64_t snapshot_bytes() const noexcept;
+  /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`); both wait
+  /// for the last step's background snapshot copy.
+  std::size_t snapshots_held() const;
+  std::int64_t snapshot_bytes() const;
 
   /// Guarded steps taken so far (the step counter; reports number steps from 1).
   std::int64_t step_count() const noexcept;

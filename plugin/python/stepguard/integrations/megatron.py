@@ -24,8 +24,10 @@ copies them into the model's parameters, as Megatron's step does.
 Megatron's ``grad_scale_func`` records each micro-batch's loss (Megatron divides it by the number
 of micro-batches: the step's loss is their sum). Tested with megatron-core 0.16.1: fp32
 (``FP32Optimizer``), bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer,
-one model chunk. Refused with a message: fp16 (Megatron's grad scaler owns the loss scale) and a
-``ChainedOptimizer`` of several optimizers (expert and dense parameters, several chunks).
+one model chunk. Refused with a message: fp16 (Megatron's grad scaler owns the loss scale), a
+``ChainedOptimizer`` of several optimizers (expert and dense parameters, several chunks), and MoE
+or multi-token-prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses'
+scale too). Tensor and pipeline parallelism are not tested yet.
 """
 
 import torch
@@ -49,6 +51,13 @@ class GuardedMegatronOptimizer:
                             "it was built for (GuardedMegatronOptimizer(optimizer, model))"
                             % type(inner).__name__)
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        for chunk in chunks:
+            config = getattr(chunk, "config", None)
+            if (getattr(config, "num_moe_experts", None) is not None
+                    or getattr(config, "mtp_num_layers", None) is not None):
+                raise ValueError("stepguard: MoE and multi-token-prediction models are not guarded "
+                                 "yet: Megatron also calls grad_scale_func for their auxiliary "
+                                 "losses' scale, which the guard would take for the step's loss")
         if getattr(inner, "grad_scaler", None) is not None:
             raise ValueError("stepguard: this Megatron optimizer has a grad scaler (fp16); its "
                              "dynamic loss scale would fight the guard's. Guard bf16 or fp32")

@@ -27,7 +27,7 @@ GuardedOptimizer::GuardedOptimizer(
 GuardedOptimizer::~GuardedOptimizer() = default;
 
 StepReport GuardedOptimizer::step(const torch::Tensor& loss) { return impl_->engine.step(loss); }
-GuardState GuardedOptimizer::state() const noexcept { return impl_->engine.state(); }
+GuardState GuardedOptimizer::state() const { return impl_->engine.state(); }
 void GuardedOptimizer::restore_state(const GuardState& state) {
   impl_->engine.restore_state(state);
 }
@@ -74,10 +74,10 @@ std::int64_t GuardedOptimizer::checkpoints_written() const noexcept {
 }
 void GuardedOptimizer::commit_pending_checkpoint() { impl_->engine.commit_pending_checkpoint(); }
 void GuardedOptimizer::synchronize() { impl_->engine.synchronize(); }
-std::size_t GuardedOptimizer::snapshots_held() const noexcept {
+std::size_t GuardedOptimizer::snapshots_held() const {
   return impl_->engine.snapshots_held();
 }
-std::int64_t GuardedOptimizer::snapshot_bytes() const noexcept {
+std::int64_t GuardedOptimizer::snapshot_bytes() const {
   return impl_->engine.snapshot_bytes();
 }
 std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->engine.step_count(); }

@@ -1,6 +1,6 @@
 """stepguard inside the real DeepSpeed engine on CPU (DS_ACCELERATOR=cpu) with Gloo: ZeRO stages
 0, 1 and 2, fp32 and bf16, on 2 ranks (and one configuration on 1 rank). Each configuration
-trains a small model for 12 steps with three faults: a NaN gradient of one parameter on the last rank
+trains a small model for 12 steps of 2 accumulated micro-batches with three faults: a NaN gradient of one parameter on the last rank
 (step 3), a NaN in its batch (step 5) and a loss spike on every rank (step 8)."""
 
 import json
@@ -18,6 +18,7 @@ from conftest import POLICY, spawn_ranks  # noqa: E402
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
+MICRO = 2  # gradient accumulation: micro-batches per optimizer step
 
 
 def _model():
@@ -44,7 +45,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
                "weight_decay": 0.01},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
                "weight_decay": 0.0}]
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": MICRO,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
               "bf16": {"enabled": precision == "bf16"}}
@@ -57,25 +58,27 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     position = 0  # the data position: a rollback skips batches
     for _ in range(STEPS):
         step = guarded.guard.step_count + 1
-        x, y = _batch(position, rank, dtype)
-        position += 1
         hook = None
         if step == NAN_GRAD and rank == world - 1:
             hook = target.register_hook(lambda g: g * float("nan"))
-        if step == NAN_BATCH and rank == world - 1:
-            x[0, 0] = float("nan")
-        if step == SPIKE:
-            y = y * 300
-        loss = nn.functional.mse_loss(engine(x).float(), y.float())
-        engine.backward(loss)
+        reference = None
+        for micro in range(MICRO):  # engine.step() after every micro-batch, as DeepSpeed's loop
+            x, y = _batch(position, rank, dtype)
+            position += 1
+            if step == NAN_BATCH and rank == world - 1 and micro == 0:
+                x[0, 0] = float("nan")
+            if step == SPIKE:
+                y = y * 300
+            engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+            if micro == MICRO - 1 and stage == 0 and precision == "fp32":
+                # DeepSpeed computes no norm of its own here: the accumulated, averaged gradients'
+                reference = float(torch.nn.utils.get_total_norm(
+                    [p.grad for p in engine.module.parameters()]))
+            engine.step()
         if hook is not None:
             hook.remove()
-        reference = None
-        if stage == 0 and precision == "fp32":  # DeepSpeed computes no norm of its own here
-            reference = float(torch.nn.utils.get_total_norm(
-                [p.grad for p in engine.module.parameters()]))
-        engine.step()
         report = guarded.last_report
+        assert report.step == step  # one guarded step per gradient-accumulation boundary
         position += report.batches_to_skip
         ds_norm = engine.get_global_grad_norm()
         flat = _flat_params(engine.module)
@@ -100,9 +103,11 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     guarded.load_state_dict(client_state)
     resumed = {"same_state": guarded.guard._guard.record() == before,
                "equal": torch.equal(_flat_params(engine.module), after[STEPS])}
-    x, y = _batch(position, rank, dtype)
-    engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
-    engine.step()
+    for _ in range(MICRO):
+        x, y = _batch(position, rank, dtype)
+        position += 1
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+        engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed}
 

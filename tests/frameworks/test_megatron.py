@@ -17,6 +17,7 @@ from conftest import POLICY, spawn_ranks
 
 CONFIGS = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
 STEPS, NAN_GRAD, NAN_LOSS, SPIKE = 12, 3, 5, 8
+MICRO = 2  # micro-batches per step (Megatron scales each loss by 1/MICRO)
 TARGET = "decoder.layers.1.mlp.linear_fc2.weight"
 
 
@@ -63,9 +64,11 @@ def _run(rank, world, precision, distributed_optimizer):
     position = 0
     for _ in range(STEPS):
         step = optimizer.guard.step_count + 1
-        g = torch.Generator().manual_seed(100 * position + rank)
-        tokens = torch.randint(0, 64, (2, 8), generator=g)
-        position += 1
+        batches = []
+        for _ in range(MICRO):
+            g = torch.Generator().manual_seed(100 * position + rank)
+            batches.append(torch.randint(0, 64, (2, 8), generator=g))
+            position += 1
         factor = 1.0
         if step == NAN_LOSS and rank == world - 1:
             factor = float("nan")
@@ -79,7 +82,7 @@ def _run(rank, world, precision, distributed_optimizer):
 
             def loss_func(output):
                 loss = output.float().mean() * factor
-                return loss, {"loss": loss.detach()}
+                return loss, {"loss": loss.detach().clone()}  # Megatron divides loss in place
             return output, loss_func
 
         hook = None
@@ -87,9 +90,11 @@ def _run(rank, world, precision, distributed_optimizer):
             hook = target.register_hook(lambda grad: grad * float("nan"))
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]),
-                                    model=[model], num_microbatches=1, seq_length=8,
-                                    micro_batch_size=2, forward_only=False)
+        losses = get_forward_backward_func()(forward_step_func=forward_step,
+                                             data_iterator=iter(batches),
+                                             model=[model], num_microbatches=MICRO,
+                                             seq_length=8, micro_batch_size=2,
+                                             forward_only=False)
         if hook is not None:
             hook.remove()
         success, grad_norm, zeros = optimizer.step()
@@ -104,6 +109,8 @@ def _run(rank, world, precision, distributed_optimizer):
             "step": report.step, "outcome": report.outcome, "returned": [success, grad_norm,
                                                                          zeros],
             "grad_norm": report.grad_norm, "incident": report.incident,
+            "loss": report.loss, "micro_loss_mean": float(torch.stack(
+                [d["loss"] for d in losses]).mean()),
             "equal_across_ranks": all(torch.equal(flat, t) for t in gathered),
             "finite": bool(torch.isfinite(flat).all()),
             "restored_snapshot": ((torch.equal(flat, after[report.rolled_back_to])
@@ -174,6 +181,12 @@ def _check(ranks, key, world):
         # Main (fp32) and model parameters are both the snapshot's again.
         assert steps[SPIKE]["restored_snapshot"], (key, rank, steps[SPIKE])
         assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
+    # The guard's loss is the step's: the mean of the micro-batch losses Megatron reports, over
+    # the ranks (Megatron hands grad_scale_func each loss divided by the micro-batch count).
+    for i, s in enumerate(ranks[0][key]["steps"]):
+        if s["outcome"] == "applied":
+            mean = sum(r[key]["steps"][i]["micro_loss_mean"] for r in ranks) / len(ranks)
+            assert s["loss"] == pytest.approx(mean, rel=1e-6), (key, s, mean)
     blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
     assert any(TARGET in t for t in blamed), (key, blamed)
     if kind == "ddp":

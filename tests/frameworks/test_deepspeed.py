@@ -112,6 +112,25 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed}
 
 
+def _refusals():
+    """What the integration does not guard is refused with a message naming it."""
+    out = {}
+    base = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6}
+    engine, _, _, _ = deepspeed.initialize(model=_model(), config=base)  # no optimizer
+    stage3 = dict(base, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                  zero_optimization={"stage": 3})
+    model = _model()
+    engine3, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                            config=stage3)
+    for name, e in (("no_optimizer", engine), ("zero3", engine3)):
+        try:
+            sg_deepspeed.guard_engine(e, policy=POLICY)
+            out[name] = "accepted"
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
 def _rank_main(rank, world, port, out_dir, configs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -121,6 +140,8 @@ def _rank_main(rank, world, port, out_dir, configs):
     for stage, precision in configs:
         key = "%d-%s" % (stage, precision)
         results[key] = _run(rank, world, stage, precision, os.path.join(out_dir, key))
+    if world == 1:
+        results["refusals"] = _refusals()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     torch.distributed.destroy_process_group()
@@ -175,5 +196,9 @@ def test_every_zero_stage_and_precision_on_two_ranks():
         _check(ranks, "%d-%s" % (stage, precision), 2)
 
 
-def test_zero_two_bf16_on_one_rank():
-    _check(_launch(1, [(2, "bf16")]), "2-bf16", 1)
+def test_zero_two_bf16_on_one_rank_and_what_is_refused():
+    ranks = _launch(1, [(2, "bf16")])
+    _check(ranks, "2-bf16", 1)
+    refusals = ranks[0]["refusals"]
+    assert "without an optimizer" in refusals["no_optimizer"], refusals
+    assert "ZeRO stage 3" in refusals["zero3"], refusals

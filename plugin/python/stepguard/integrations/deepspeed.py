@@ -41,7 +41,7 @@ from .._port import TorchOptimPort, check_name
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
     """Guards ``engine``'s optimizer step; returns the ``EngineGuard`` (``.guard`` is the
     ``GuardedOptimizer``; ``.last_report`` the newest step's report). ``process_group`` defaults
-    to the engine's data-parallel group; other keywords are ``GuardedOptimizer``'s options."""
+    to every rank of the job (WORLD); other keywords are ``GuardedOptimizer``'s options."""
     return EngineGuard(engine, policy=policy, policy_yaml=policy_yaml,
                        process_group=process_group, **options)
 
@@ -55,7 +55,9 @@ class EngineGuard:
         ds_optimizer = engine.optimizer
         layout = _layout_of(engine, ds_optimizer)
         if process_group is None and torch.distributed.is_initialized():
-            process_group = engine.data_parallel_group or torch.distributed.group.WORLD
+            # Every rank of the job takes each step's decision together (model-parallel peers
+            # too): a rank that decided alone would leave the others waiting in a collective.
+            process_group = torch.distributed.group.WORLD
         if "sharded_gradients" in options and options["sharded_gradients"] != layout.sharded:
             raise ValueError("stepguard: sharded_gradients=%r does not match this engine (ZeRO "
                              "stage %d): leave it out" % (options["sharded_gradients"],
@@ -111,7 +113,9 @@ class EngineGuard:
 
 def _check_engine(engine):
     refuse = None
-    if engine.fp16_enabled():
+    if getattr(engine, "optimizer", None) is None:
+        refuse = "an engine without an optimizer (deepspeed.initialize got none)"
+    elif engine.fp16_enabled():
         refuse = ("fp16: DeepSpeed's dynamic loss scaler owns the loss scale and skips overflow "
                   "steps itself; use bf16 or fp32")
     elif engine.zero_optimization_stage() > 2:

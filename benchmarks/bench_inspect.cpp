@@ -230,8 +230,7 @@ void BM_Fused(benchmark::State& state, const std::string& set) {
     // A pass that reads every byte cannot beat the fastest read of those bytes: the ceiling
     // is wrong on this machine, and vs_ceiling says nothing.
     const std::string why = std::string("the fused pass beat the best read-only ceiling (") +
-                            winner + ") by more than the noise: vs_ceiling " +
-                            std::to_string(best);
+                            winner + ") by more than the noise: vs_ceiling " + std::to_string(best);
     state.SkipWithError(why.c_str());
     g_ceiling_broken = true;
   }
@@ -288,9 +287,11 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   if (g_ceiling_broken) {
-    std::fprintf(stderr, "bench_inspect: the fused pass beat the bandwidth ceiling by more than "
-                         "%.0f%%: the ceiling is not a ceiling on this machine (see the errors "
-                         "above)\n", 100.0 * (kCeilingNoise - 1.0));
+    std::fprintf(stderr,
+                 "bench_inspect: the fused pass beat the bandwidth ceiling by more than "
+                 "%.0f%%: the ceiling is not a ceiling on this machine (see the errors "
+                 "above)\n",
+                 100.0 * (kCeilingNoise - 1.0));
     return 2;
   }
   return 0;

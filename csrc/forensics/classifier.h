@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/vocabulary.h"
+#include "csrc/core/vocabulary.h"
 
 namespace stepguard {
 namespace forensics {

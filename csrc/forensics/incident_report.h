@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/forensics/classifier.h"
 
 namespace stepguard {

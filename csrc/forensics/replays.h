@@ -13,7 +13,7 @@
 #include <functional>
 #include <vector>
 
-#include "stepguard/vocabulary.h"
+#include "csrc/core/vocabulary.h"
 #include "csrc/forensics/classifier.h"
 
 namespace stepguard {

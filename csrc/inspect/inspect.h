@@ -11,7 +11,7 @@
 
 #include <vector>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/inspect/element_ops.h"
 

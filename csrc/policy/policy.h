@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/policy/detectors.h"
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 
 namespace stepguard {

@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 
 namespace stepguard {

@@ -74,12 +74,8 @@ std::int64_t GuardedOptimizer::checkpoints_written() const noexcept {
 }
 void GuardedOptimizer::commit_pending_checkpoint() { impl_->engine.commit_pending_checkpoint(); }
 void GuardedOptimizer::synchronize() { impl_->engine.synchronize(); }
-std::size_t GuardedOptimizer::snapshots_held() const {
-  return impl_->engine.snapshots_held();
-}
-std::int64_t GuardedOptimizer::snapshot_bytes() const {
-  return impl_->engine.snapshot_bytes();
-}
+std::size_t GuardedOptimizer::snapshots_held() const { return impl_->engine.snapshots_held(); }
+std::int64_t GuardedOptimizer::snapshot_bytes() const { return impl_->engine.snapshot_bytes(); }
 std::int64_t GuardedOptimizer::step_count() const noexcept { return impl_->engine.step_count(); }
 GuardTotals GuardedOptimizer::totals() const noexcept { return impl_->engine.totals(); }
 bool GuardedOptimizer::aborted() const noexcept { return impl_->engine.aborted(); }

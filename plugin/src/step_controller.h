@@ -18,7 +18,7 @@
 #include <optional>
 #include <vector>
 
-#include "stepguard/report.h"
+#include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/policy/policy.h"
 #include "csrc/scaling/loss_scaler.h"

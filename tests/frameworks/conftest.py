@@ -18,14 +18,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn_ranks(rank_main, world, *args):
+def spawn_ranks(rank_main, world, *args, timeout=300):
     """Runs ``rank_main(rank, world, port, out_dir, *args)`` on ``world`` spawned processes and
-    returns what each wrote to ``out_dir/rank<r>.json``. A rank that fails fails the call."""
+    returns what each wrote to ``out_dir/rank<r>.json``. A rank that fails fails the call; ranks
+    still running after ``timeout`` seconds (a hang: a run takes seconds) are killed and fail it."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(rank_main, args=(world, free_port(), d) + args, nprocs=world,
                                  start_method="spawn", join=False)
-        while not ctx.join(timeout=300):
-            pass
+        if not ctx.join(timeout=timeout):
+            for process in ctx.processes:
+                process.kill()
+            raise AssertionError("the ranks did not finish within %d s" % timeout)
         out = []
         for r in range(world):
             with open(os.path.join(d, "rank%d.json" % r)) as f:

@@ -15,18 +15,12 @@ struct KindName {
   const char* name;
 };
 constexpr KindName kKinds[] = {
-    {FaultKind::kNanGrad, "nan_grad"},
-    {FaultKind::kInfGrad, "inf_grad"},
-    {FaultKind::kNanLoss, "nan_loss"},
-    {FaultKind::kNanInput, "nan_input"},
-    {FaultKind::kOverflow, "overflow"},
-    {FaultKind::kLrSpike, "lr_spike"},
-    {FaultKind::kLossSpike, "loss_spike"},
-    {FaultKind::kCorruptWeights, "corrupt_weights"},
-    {FaultKind::kDriftWeights, "drift_weights"},
-    {FaultKind::kKill, "kill"},
-    {FaultKind::kKillEarly, "kill_early"},
-    {FaultKind::kTransientNan, "transient_nan"},
+    {FaultKind::kNanGrad, "nan_grad"},           {FaultKind::kInfGrad, "inf_grad"},
+    {FaultKind::kNanLoss, "nan_loss"},           {FaultKind::kNanInput, "nan_input"},
+    {FaultKind::kOverflow, "overflow"},          {FaultKind::kLrSpike, "lr_spike"},
+    {FaultKind::kLossSpike, "loss_spike"},       {FaultKind::kCorruptWeights, "corrupt_weights"},
+    {FaultKind::kDriftWeights, "drift_weights"}, {FaultKind::kKill, "kill"},
+    {FaultKind::kKillEarly, "kill_early"},       {FaultKind::kTransientNan, "transient_nan"},
 };
 
 bool parse_int(const std::string& s, std::int64_t lo, std::int64_t hi, std::int64_t* out) {

@@ -112,16 +112,21 @@ class GuardedMegatronOptimizer:
         self._megatron.zero_grad(set_to_none)
 
     def state_dict(self):
-        return {"optimizer": self._megatron.state_dict(),
-                "stepguard": self.guard.state_dict()["stepguard"]}
+        return {"optimizer": self._megatron.state_dict(), "stepguard": self.guard._guard.record()}
 
     def load_state_dict(self, state_dict):
         if "stepguard" not in state_dict or "optimizer" not in state_dict:
             raise ValueError("stepguard: not a GuardedMegatronOptimizer state dict (it needs the "
                              "keys 'optimizer' and 'stepguard')")
-        self.guard.load_state_dict({"optimizer": self._inner.optimizer.state_dict(),
-                                    "stepguard": state_dict["stepguard"]})
-        self._megatron.load_state_dict(state_dict["optimizer"])
+        # As GuardedOptimizer.load_state_dict: the guard's part is checked whole first, and goes
+        # back if Megatron's part then fails.
+        before = self.guard._guard.record()
+        self.guard._guard.load_record(state_dict["stepguard"])
+        try:
+            self._megatron.load_state_dict(state_dict["optimizer"])
+        except BaseException:
+            self.guard._guard.load_record(before)
+            raise
 
 
 def _single_optimizer(megatron_optimizer):

@@ -7,14 +7,17 @@
  * Installed with the public headers (stepguard/types.h includes it).
  * Plain values: copy freely.
  */
-#pragma once
+// Include guard, not #pragma once: the build and install copy this header to
+// stepguard/report.h for the public headers, and the two copies must count as one.
+#ifndef STEPGUARD_CORE_REPORT_H_
+#define STEPGUARD_CORE_REPORT_H_
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "stepguard/vocabulary.h"
+#include "vocabulary.h"  // beside it, here and in the installed stepguard/
 
 namespace stepguard {
 
@@ -86,3 +89,5 @@ struct StageSeconds {
 };
 
 }  // namespace stepguard
+
+#endif  // STEPGUARD_CORE_REPORT_H_

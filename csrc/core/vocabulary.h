@@ -8,7 +8,10 @@
  * the engine modules and the training loop share it. Standard library only. Thread-safe (constant
  * data).
  */
-#pragma once
+// Include guard, not #pragma once: the build and install copy this header to
+// stepguard/vocabulary.h for the public headers, and the two copies must count as one.
+#ifndef STEPGUARD_CORE_VOCABULARY_H_
+#define STEPGUARD_CORE_VOCABULARY_H_
 
 #include <cstdint>
 #include <optional>
@@ -169,3 +172,5 @@ constexpr std::optional<Cause> parse_cause(std::string_view name) noexcept {
 }
 
 }  // namespace stepguard
+
+#endif  // STEPGUARD_CORE_VOCABULARY_H_

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 
 import torch.multiprocessing as mp
 
@@ -25,10 +26,14 @@ def spawn_ranks(rank_main, world, *args, timeout=300):
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(rank_main, args=(world, free_port(), d) + args, nprocs=world,
                                  start_method="spawn", join=False)
-        if not ctx.join(timeout=timeout):
-            for process in ctx.processes:
-                process.kill()
-            raise AssertionError("the ranks did not finish within %d s" % timeout)
+        # join() returns False each time a rank exits while others still run: wait again, up
+        # to the deadline.
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise AssertionError("the ranks did not finish within %d s" % timeout)
         out = []
         for r in range(world):
             with open(os.path.join(d, "rank%d.json" % r)) as f:

@@ -124,6 +124,158 @@ const char* demo_usage() noexcept {
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 
+namespace {
+
+// What a flag with a value does with it: nullptr once applied, else why the value is bad (the text
+// after "FLAG 'VALUE': ").
+using ApplyValue = const char* (*)(const std::string& value, DemoOptions& o);
+
+struct ValueFlag {
+  const char* name;
+  ApplyValue apply;
+};
+
+// A whole number in [lo, hi] into `out`; `what` is the reason when it is not one.
+template <typename T>
+const char* whole(const std::string& value, std::int64_t lo, std::int64_t hi, const char* what,
+                  T* out) {
+  std::int64_t n = 0;
+  if (!parse_int(value, lo, hi, &n)) return what;
+  *out = static_cast<T>(n);
+  return nullptr;
+}
+
+// A non-empty text into `out`; `what` is the reason when it is empty.
+const char* non_empty(const std::string& value, const char* what, std::string* out) {
+  if (value.empty()) return what;
+  *out = value;
+  return nullptr;
+}
+
+constexpr const char* kAtLeastOne = "expected a whole number >= 1";
+constexpr const char* kAtLeastZero = "expected a whole number >= 0";
+constexpr const char* kFilePath = "expected a file path";
+constexpr const char* kDirectory = "expected a directory";
+constexpr std::int64_t kMaxSteps = 100000000;
+
+// Every flag that takes a value, except --inject (its parser words its own errors).
+const ValueFlag kValueFlags[] = {
+    {"--steps", [](const std::string& v,
+                   DemoOptions& o) { return whole(v, 1, kMaxSteps, kAtLeastOne, &o.steps); }},
+    {"--seed",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, std::numeric_limits<std::int64_t>::max(), kAtLeastZero, &o.seed);
+     }},
+    {"--ranks",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 1, 64, "expected a whole number in [1, 64]", &o.ranks);
+     }},
+    {"--summary-json",
+     [](const std::string& v, DemoOptions& o) { return non_empty(v, kFilePath, &o.summary_json); }},
+    {"--checkpoint-dir",
+     [](const std::string& v, DemoOptions& o) {
+       return non_empty(v, kDirectory, &o.checkpoint_dir);
+     }},
+    {"--checkpoint-every",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 1, kMaxSteps, kAtLeastOne, &o.checkpoint_every);
+     }},
+    {"--incident-dir", [](const std::string& v,
+                          DemoOptions& o) { return non_empty(v, kDirectory, &o.incident_dir); }},
+    {"--resume",
+     [](const std::string& v, DemoOptions& o) { return non_empty(v, kDirectory, &o.resume); }},
+    {"--trace",
+     [](const std::string& v, DemoOptions& o) { return non_empty(v, kFilePath, &o.trace); }},
+    {"--corpus",
+     [](const std::string& v, DemoOptions& o) -> const char* {
+       o.corpus_dir = v;
+       return nullptr;
+     }},
+    {"--batch-size",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 1, 4096, "expected a whole number in [1, 4096]", &o.batch_size);
+     }},
+    {"--context",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 2, 1024, "expected a whole number in [2, 1024]", &o.context);
+     }},
+    {"--lr",
+     [](const std::string& v, DemoOptions& o) -> const char* {
+       double lr = 0;
+       if (!parse_double(v, &lr) || lr <= 0 || lr > 1) return "expected a number in (0, 1]";
+       o.lr = lr;
+       return nullptr;
+     }},
+    {"--threads",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, 1024, "expected a whole number in [0, 1024]", &o.threads);
+     }},
+    {"--max-bad-steps",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, kMaxSteps, kAtLeastZero, &o.max_consecutive_bad_steps);
+     }},
+    {"--collective-timeout",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 1, 86400, "expected whole seconds in [1, 86400]", &o.collective_timeout_s);
+     }},
+    {"--log-every",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, kMaxSteps, kAtLeastZero, &o.log_every);
+     }},
+    {"--policy",
+     [](const std::string& v, DemoOptions& o) { return non_empty(v, kFilePath, &o.policy); }},
+    {"--metrics-port",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, 65535, "expected a TCP port in [0, 65535]", &o.metrics_port);
+     }},
+    {"--linger",
+     [](const std::string& v, DemoOptions& o) {
+       return whole(v, 0, 86400, "expected whole seconds in [0, 86400]", &o.linger_s);
+     }},
+    {"--precision",
+     [](const std::string& v, DemoOptions& o) -> const char* {
+       if (v != "fp32" && v != "fp16") return "expected fp32 or fp16";
+       o.fp16 = v == "fp16";
+       return nullptr;
+     }},
+    {"--run-name", [](const std::string& v,
+                      DemoOptions& o) { return non_empty(v, "expected a name", &o.run_name); }},
+};
+
+const ValueFlag* find_value_flag(const std::string& flag) {
+  for (const auto& f : kValueFlags) {
+    if (flag == f.name) return &f;
+  }
+  return nullptr;
+}
+
+// Splits "--flag=value" into `flag` and `value`; returns whether there was an inline value.
+bool split_inline_value(std::string* flag, std::string* value) {
+  const auto eq = flag->find('=');
+  if (flag->rfind("--", 0) != 0 || eq == std::string::npos) return false;
+  *value = flag->substr(eq + 1);
+  flag->resize(eq);
+  return true;
+}
+
+// The checks across flags, once every flag is read.
+bool check_combinations(const DemoOptions& o, std::string* error) {
+  if (!o.policy.empty() && o.max_consecutive_bad_steps >= 0) {
+    *error = "--max-bad-steps: the policy file '" + o.policy +
+             "' sets the limits; give one or the other";
+    return false;
+  }
+  for (const auto& inj : o.injections) {
+    if (inj.kind == FaultKind::kOverflow && !o.fp16) {
+      *error = "--inject overflow: needs --precision fp16 (an fp16 overflow needs fp16 gradients)";
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args, std::string* error,
                                            bool* help) {
   DemoOptions o;
@@ -132,148 +284,42 @@ std::optional<DemoOptions> parse_demo_args(const std::vector<std::string>& args,
   for (std::size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
     std::string value;
-    bool has_inline_value = false;
-    if (const auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_inline_value = true;
-    }
+    const bool has_inline_value = split_inline_value(&flag, &value);
     if (flag == "--help" || flag == "-h") {
       *help = true;
       *error = demo_usage();
       return std::nullopt;
     }
-    auto take_value = [&]() -> bool {
-      if (has_inline_value) return true;
-      if (i + 1 >= args.size()) {
-        *error = flag + ": missing value";
-        return false;
+    if (flag == "--probe") {
+      if (has_inline_value) {
+        *error = flag + " '" + value + "': takes no value";
+        return std::nullopt;
       }
-      value = args[++i];
-      return true;
-    };
-    auto bad = [&](const std::string& what) {
-      *error = flag + " '" + value + "': " + what;
-      return std::nullopt;
-    };
-    std::int64_t n = 0;
-    if (flag == "--steps") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 1, 100000000, &n)) return bad("expected a whole number >= 1");
-      o.steps = n;
-    } else if (flag == "--seed") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, std::numeric_limits<std::int64_t>::max(), &n)) {
-        return bad("expected a whole number >= 0");
-      }
-      o.seed = static_cast<std::uint64_t>(n);
-    } else if (flag == "--ranks") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 1, 64, &n)) return bad("expected a whole number in [1, 64]");
-      o.ranks = static_cast<int>(n);
-    } else if (flag == "--inject") {
-      if (!take_value()) return std::nullopt;
-      auto inj = parse_injection(value, error);
-      if (!inj) return std::nullopt;
-      o.injections.push_back(*inj);
-    } else if (flag == "--summary-json") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a file path");
-      o.summary_json = value;
-    } else if (flag == "--checkpoint-dir") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a directory");
-      o.checkpoint_dir = value;
-    } else if (flag == "--checkpoint-every") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 1, 100000000, &n)) return bad("expected a whole number >= 1");
-      o.checkpoint_every = n;
-    } else if (flag == "--incident-dir") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a directory");
-      o.incident_dir = value;
-    } else if (flag == "--resume") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a directory");
-      o.resume = value;
-    } else if (flag == "--trace") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a file path");
-      o.trace = value;
-    } else if (flag == "--corpus") {
-      if (!take_value()) return std::nullopt;
-      o.corpus_dir = value;
-    } else if (flag == "--batch-size") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 1, 4096, &n)) return bad("expected a whole number in [1, 4096]");
-      o.batch_size = n;
-    } else if (flag == "--context") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 2, 1024, &n)) return bad("expected a whole number in [2, 1024]");
-      o.context = n;
-    } else if (flag == "--lr") {
-      if (!take_value()) return std::nullopt;
-      double lr = 0;
-      if (!parse_double(value, &lr) || lr <= 0 || lr > 1) return bad("expected a number in (0, 1]");
-      o.lr = lr;
-    } else if (flag == "--threads") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, 1024, &n)) return bad("expected a whole number in [0, 1024]");
-      o.threads = static_cast<int>(n);
-    } else if (flag == "--max-bad-steps") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, 100000000, &n)) return bad("expected a whole number >= 0");
-      o.max_consecutive_bad_steps = n;
-    } else if (flag == "--collective-timeout") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 1, 86400, &n)) return bad("expected whole seconds in [1, 86400]");
-      o.collective_timeout_s = n;
-    } else if (flag == "--log-every") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, 100000000, &n)) return bad("expected a whole number >= 0");
-      o.log_every = n;
-    } else if (flag == "--policy") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a file path");
-      o.policy = value;
-    } else if (flag == "--metrics-port") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, 65535, &n)) return bad("expected a TCP port in [0, 65535]");
-      o.metrics_port = static_cast<int>(n);
-    } else if (flag == "--probe") {
-      if (has_inline_value) return bad("takes no value");
       o.probe = true;
-    } else if (flag == "--linger") {
-      if (!take_value()) return std::nullopt;
-      if (!parse_int(value, 0, 86400, &n)) return bad("expected whole seconds in [0, 86400]");
-      o.linger_s = n;
-    } else if (flag == "--precision") {
-      if (!take_value()) return std::nullopt;
-      if (value != "fp32" && value != "fp16") return bad("expected fp32 or fp16");
-      o.fp16 = value == "fp16";
-    } else if (flag == "--run-name") {
-      if (!take_value()) return std::nullopt;
-      if (value.empty()) return bad("expected a name");
-      o.run_name = value;
-    } else if (flag == "--checkpoint-dir") {
-      *error = flag + ": not available in this build yet (arrives with the checkpoint work)";
-      return std::nullopt;
-    } else {
+      continue;
+    }
+    const ValueFlag* value_flag = find_value_flag(flag);
+    if (value_flag == nullptr && flag != "--inject") {
       *error = "unknown flag '" + flag + "' (see stepguard demo --help)";
       return std::nullopt;
     }
-  }
-  if (!o.policy.empty() && o.max_consecutive_bad_steps >= 0) {
-    *error = "--max-bad-steps: the policy file '" + o.policy +
-             "' sets the limits; give one or the other";
-    return std::nullopt;
-  }
-  for (const auto& inj : o.injections) {
-    if (inj.kind == FaultKind::kOverflow && !o.fp16) {
-      *error = "--inject overflow: needs --precision fp16 (an fp16 overflow needs fp16 gradients)";
+    if (!has_inline_value) {
+      if (i + 1 >= args.size()) {
+        *error = flag + ": missing value";
+        return std::nullopt;
+      }
+      value = args[++i];
+    }
+    if (value_flag == nullptr) {  // --inject
+      auto inj = parse_injection(value, error);
+      if (!inj) return std::nullopt;
+      o.injections.push_back(*inj);
+    } else if (const char* why = value_flag->apply(value, o)) {
+      *error = flag + " '" + value + "': " + why;
       return std::nullopt;
     }
   }
+  if (!check_combinations(o, error)) return std::nullopt;
   return o;
 }
 

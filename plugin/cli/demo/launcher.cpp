@@ -65,21 +65,31 @@ void catch_stop_signals() {
   ::sigaction(SIGINT, &sa, nullptr);
 }
 
-}  // namespace
+// In the forked child: becomes rank `r` of `ranks` (torchrun's environment), running `argv`.
+[[noreturn]] void exec_rank(int r, int ranks, int port, pid_t launcher, std::vector<char*>& argv) {
+  // A rank dies with its launcher, however the launcher ends (even SIGKILL).
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) std::_Exit(1);
+  ::setenv("RANK", std::to_string(r).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("STEPGUARD_DEMO_LAUNCHED", "1", 1);
+  ::execv("/proc/self/exe", argv.data());
+  std::fprintf(stderr, "demo: exec of rank %d failed: %s\n", r, std::strerror(errno));
+  std::_Exit(127);
+}
 
-int launch_ranks(const DemoOptions& o) {
-  const int port = free_loopback_port();
+// Forks one process per rank, each running this binary's demo with the same arguments.
+std::vector<pid_t> start_ranks(const DemoOptions& o, int port) {
   std::vector<std::string> args = {"/proc/self/exe", "demo"};
   args.insert(args.end(), o.raw_args.begin(), o.raw_args.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
 
-  std::fprintf(stderr, "stepguard demo: launching %d ranks (gloo over 127.0.0.1:%d)\n", o.ranks,
-               port);
-  std::fflush(stderr);
   std::vector<pid_t> pids(o.ranks, -1);
-  catch_stop_signals();
   const pid_t launcher = ::getpid();
   for (int r = 0; r < o.ranks; ++r) {
     const pid_t pid = ::fork();
@@ -89,23 +99,16 @@ int launch_ranks(const DemoOptions& o) {
       }
       throw std::runtime_error(std::string("demo: fork(): ") + std::strerror(errno));
     }
-    if (pid == 0) {
-      // A rank dies with its launcher, however the launcher ends (even SIGKILL).
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher) std::_Exit(1);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(o.ranks).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("STEPGUARD_DEMO_LAUNCHED", "1", 1);
-      ::execv("/proc/self/exe", argv.data());
-      std::fprintf(stderr, "demo: exec of rank %d failed: %s\n", r, std::strerror(errno));
-      std::_Exit(127);
-    }
+    if (pid == 0) exec_rank(r, o.ranks, port, launcher, argv);
     pids[r] = pid;
   }
+  return pids;
+}
 
+// The ranks' wait statuses, in rank order, once every rank has ended. A stop signal to the
+// launcher is forwarded; after a failure (or a stop) the ranks still running get a deadline, then
+// are killed.
+std::vector<int> wait_for_ranks(const DemoOptions& o, const std::vector<pid_t>& pids) {
   std::vector<int> status(o.ranks, 0);
   std::vector<bool> done(o.ranks, false);
   int remaining = o.ranks;
@@ -154,17 +157,34 @@ int launch_ranks(const DemoOptions& o) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  return status;
+}
 
-  if (g_stop_signal != 0) return 128 + g_stop_signal;
+// 0 when every rank exited 0, 3 when every rank exited 3 (the policy aborted), otherwise 1.
+int launcher_status(const std::vector<int>& status) {
   bool all_ok = true, all_aborted = true;
-  for (int r = 0; r < o.ranks; ++r) {
-    const bool exited = WIFEXITED(status[r]);
-    all_ok = all_ok && exited && WEXITSTATUS(status[r]) == 0;
-    all_aborted = all_aborted && exited && WEXITSTATUS(status[r]) == 3;
+  for (const int st : status) {
+    const bool exited = WIFEXITED(st);
+    all_ok = all_ok && exited && WEXITSTATUS(st) == 0;
+    all_aborted = all_aborted && exited && WEXITSTATUS(st) == 3;
   }
   if (all_ok) return 0;
   if (all_aborted) return 3;
   return 1;
+}
+
+}  // namespace
+
+int launch_ranks(const DemoOptions& o) {
+  const int port = free_loopback_port();
+  std::fprintf(stderr, "stepguard demo: launching %d ranks (gloo over 127.0.0.1:%d)\n", o.ranks,
+               port);
+  std::fflush(stderr);
+  catch_stop_signals();
+  const std::vector<pid_t> pids = start_ranks(o, port);
+  const std::vector<int> status = wait_for_ranks(o, pids);
+  if (g_stop_signal != 0) return 128 + g_stop_signal;
+  return launcher_status(status);
 }
 
 }  // namespace demo

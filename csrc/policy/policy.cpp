@@ -112,6 +112,20 @@ std::string signal_list(const Signals& signals) {
   return out;
 }
 
+// A decision's reason: the signals raised, what they measured, and the rules and limits that
+// acted ("nonfinite_grad (...) -> skip-nonfinite").
+std::string decision_reason(const Signals& signals, const std::string& detail,
+                            const std::vector<std::string>& rules) {
+  std::string reason = signal_list(signals) + detail;
+  if (!rules.empty()) {
+    reason += " -> ";
+    for (std::size_t i = 0; i < rules.size(); ++i) {
+      reason += (i ? ", " : "") + rules[i];
+    }
+  }
+  return reason;
+}
+
 }  // namespace
 
 bool PolicyConfig::uses(Action action) const noexcept {
@@ -392,7 +406,7 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
     names.push_back(r->name);
   }
   std::ostringstream detail;
-  const bool nonfinite = signals.has(Signal::kNonfiniteGrad) || signals.has(Signal::kNonfiniteLoss);
+  const bool nonfinite = input.stats.nonfinite();
   if (signals.has(Signal::kRankDesync)) {
     // Replicas that disagree on the guard's own state cannot be trusted to agree on anything.
     actions.add(Action::kAbort);
@@ -450,16 +464,7 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
 
   v.decision = actions.finish();
   v.decision.rules = std::move(names);
-  if (signals.any()) {
-    std::string reason = signal_list(signals) + detail.str();
-    if (!v.decision.rules.empty()) {
-      reason += " -> ";
-      for (std::size_t i = 0; i < v.decision.rules.size(); ++i) {
-        reason += (i ? ", " : "") + v.decision.rules[i];
-      }
-    }
-    v.decision.reason = reason;
-  }
+  if (signals.any()) v.decision.reason = decision_reason(signals, detail.str(), v.decision.rules);
   return v;
 }
 

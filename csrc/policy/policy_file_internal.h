@@ -1,7 +1,8 @@
 /*
- * Private to the policy-file code: what policy_reader.cpp (YAML into a PolicyConfig),
- * policy_validation.cpp (keys, values, contradictions, "can never fire") and policy_messages.cpp
- * (human text) share. Not installed and not an API; everything else includes policy_file.h.
+ * Private to the policy-file code: what policy_file.cpp (the text and file entry points),
+ * policy_reader.cpp (YAML into a PolicyConfig), policy_validation.cpp (keys, values,
+ * contradictions, "can never fire") and policy_messages.cpp (human text) share. Not installed and
+ * not an API; everything else includes policy_file.h.
  */
 #pragma once
 
@@ -71,6 +72,10 @@ struct PolicyMarks {
   YAML::Mark max_rollbacks;                                 ///< the 'limits.max_rollbacks' map
   YAML::Mark loss_scale_floor;                              ///< the 'limits.loss_scale_floor' map
 };
+
+/// Reads the sections of `root` (a map; policy_reader.cpp) into `config`, reporting every problem
+/// through `check` and noting in `marks` where the whole-file checks will point.
+void read_policy(const YAML::Node& root, PolicyConfig* config, PolicyMarks* marks, Checker* check);
 
 // Checks of policy_validation.cpp. Each reports through `check` what contradicts itself or can
 // never take effect. The reader calls each as soon as the values it needs are read and valid, so

@@ -1,26 +1,15 @@
-// Reading a policy file into a PolicyConfig: the schema's names, where each section's keys and
-// values go, and the file and text entry points. Whether a value or key is acceptable is decided
-// in policy_validation.cpp (Checker and the semantic checks); text is worded in
-// policy_messages.cpp.
-#include <yaml-cpp/depthguard.h>
-#include <yaml-cpp/eventhandler.h>
-#include <yaml-cpp/parser.h>
+// Reading a policy document into a PolicyConfig: the schema's names and where each section's
+// keys and values go. The text and file entry points (UTF-8, one YAML document, syntax) are in
+// policy_file.cpp; whether a value or key is acceptable is decided in policy_validation.cpp
+// (Checker and the semantic checks); text is worded in policy_messages.cpp.
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
-#include "csrc/common/utf8.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/policy/policy_file_internal.h"
 
@@ -466,83 +455,11 @@ class Reader {
 
 }  // namespace
 
-namespace {
+namespace detail {
 
-// Sees the events of a document without building it; remembers where the document starts.
-class DocumentStart : public YAML::EventHandler {
- public:
-  void OnDocumentStart(const YAML::Mark& mark) override { start = mark; }
-  void OnDocumentEnd() override {}
-  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
-  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
-  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                const std::string&) override {}
-  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                       YAML::EmitterStyle::value) override {}
-  void OnSequenceEnd() override {}
-  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                  YAML::EmitterStyle::value) override {}
-  void OnMapEnd() override {}
-  YAML::Mark start;
-};
-
-// True when `text` holds a second YAML document, starting at `at`. Parses no further than that
-// document (LoadAll would build every one of them).
-bool second_document(const std::string& text, YAML::Mark* at) {
-  std::istringstream in(text);
-  YAML::Parser parser(in);
-  DocumentStart first, next;
-  if (!parser.HandleNextDocument(first)) return false;
-  if (!parser.HandleNextDocument(next)) return false;
-  *at = next.start;
-  return true;
-}
-
-}  // namespace
-
-std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string& name,
-                                      PolicyConfig* config) {
-  Checker check(name);
-  // A rule name that is not UTF-8 would pass and then break every trace and report naming it.
-  if (const Utf8Error bad = find_invalid_utf8(text); bad.found) {
-    YAML::Mark at;
-    at.pos = static_cast<int>(bad.offset);
-    at.line = bad.line;
-    at.column = bad.column;
-    char byte[8];
-    std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(text[bad.offset]));
-    check.issue(at, std::string("invalid UTF-8 (byte ") + byte + "); a policy file is UTF-8 text");
-    return check.take();
-  }
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-    // One document: a second one (after `---`) would otherwise be ignored without a word.
-    YAML::Mark second;
-    if (second_document(text, &second)) {
-      check.issue(second,
-                  "a second YAML document; a policy file holds one (remove the '---' before it)");
-      return check.take();
-    }
-  } catch (const YAML::DeepRecursion& e) {
-    // yaml-cpp's own message for this is "bad file".
-    check.issue(e.mark, "nested too deeply (" + std::to_string(e.depth()) +
-                            " levels); a policy is a few levels deep (configs/policies/README.md)");
-    return check.take();
-  } catch (const YAML::Exception& e) {
-    check.issue(e.mark, "YAML syntax error: " + e.msg);
-    return check.take();
-  }
-  if (!root.IsMap()) {
-    check.issue(root.IsNull() ? YAML::Mark() : root.Mark(),  // an empty file: 1:1
-                "a policy must be a map with at least 'version: " +
-                    std::to_string(kPolicySchemaVersion) + "'");
-    return check.take();
-  }
-  check.check_keys(root, kTopKeys, "");
-  PolicyConfig parsed;
-  detail::PolicyMarks marks;
-  Reader read(&check, &parsed, &marks);
+void read_policy(const YAML::Node& root, PolicyConfig* config, PolicyMarks* marks, Checker* check) {
+  check->check_keys(root, kTopKeys, "");
+  Reader read(check, config, marks);
   read.version(root);
   if (const YAML::Node n = root["loss_scale"]; n) read.loss_scale(n);
   if (const YAML::Node n = root["detectors"]; n) read.detectors(n);
@@ -550,36 +467,8 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
   if (const YAML::Node n = root["limits"]; n) read.limits(n);
   if (const YAML::Node n = root["rules"]; n) read.rules(n);
   read.enable_used_detectors();
-  detail::check_policy(root, parsed, marks, &check);
-  std::vector<PolicyIssue> issues = check.take();
-  // Issues in file order, as a compiler reports them.
-  std::stable_sort(issues.begin(), issues.end(), [](const PolicyIssue& a, const PolicyIssue& b) {
-    return std::tie(a.line, a.column) < std::tie(b.line, b.column);
-  });
-  if (issues.empty() && config != nullptr) *config = parsed;
-  return issues;
 }
 
-std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig* config) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return {{path, 0, 0, "cannot read policy file: it is a directory"}};
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return {{path, 0, 0, std::string("cannot read policy file: ") + std::strerror(errno)}};
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_policy(text.str(), path, config);
-}
-
-PolicyConfig load_policy_file(const std::string& path) {
-  PolicyConfig config;
-  auto issues = check_policy_file(path, &config);
-  if (!issues.empty()) throw PolicyFileError(std::move(issues));
-  return config;
-}
-
+}  // namespace detail
 }  // namespace policy
 }  // namespace stepguard

@@ -14,8 +14,10 @@
 #include <unistd.h>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "csrc/telemetry/http_endpoint.h"
 #endif
@@ -36,6 +38,45 @@ std::string host_label(const MetricsConfig& config) {
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
+
+// Registers the metric families of one Metrics, each labelled with the run, rank and host. Used
+// by the constructor only; not thread-safe.
+class FamilyBuilder {
+ public:
+  FamilyBuilder(prometheus::Registry* registry, std::map<std::string, std::string> labels)
+      : registry_(*registry), labels_(std::move(labels)) {}
+
+  prometheus::Family<prometheus::Counter>& counter(const char* name, const char* help) {
+    return prometheus::BuildCounter().Name(name).Help(help).Labels(labels_).Register(registry_);
+  }
+  prometheus::Gauge* gauge(const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Labels(labels_).Register(registry_).Add(
+        {});
+  }
+  prometheus::Histogram* histogram(const char* name, const char* help,
+                                   const prometheus::Histogram::BucketBoundaries& buckets) {
+    return &prometheus::BuildHistogram()
+                .Name(name)
+                .Help(help)
+                .Labels(labels_)
+                .Register(registry_)
+                .Add({}, buckets);
+  }
+  // stepguard_build_info: always 1, the facts in its labels.
+  void build_info(const std::map<std::string, std::string>& build_labels) {
+    prometheus::BuildGauge()
+        .Name("stepguard_build_info")
+        .Help("Build facts of the running stepguard; always 1.")
+        .Labels(labels_)
+        .Register(registry_)
+        .Add(build_labels)
+        .Set(1);
+  }
+
+ private:
+  prometheus::Registry& registry_;
+  const std::map<std::string, std::string> labels_;
+};
 
 }  // namespace
 
@@ -73,97 +114,111 @@ struct Metrics::State {
   prometheus::Histogram* checkpoint_write_seconds = nullptr;
   prometheus::Histogram* inspect_seconds = nullptr;
   prometheus::Histogram* consensus_seconds = nullptr;
+
+  // The families by concern, registered in this order (the order of the exposition).
+  void add_step_families(FamilyBuilder* f);
+  void add_training_gauges(FamilyBuilder* f);
+  void add_cause_family(FamilyBuilder* f);
+  void add_recovery_families(FamilyBuilder* f, std::int64_t checkpoint_every);
+  void add_duration_histograms(FamilyBuilder* f);
 };
+
+// Outcomes of the guarded steps and what the policy did about them.
+void Metrics::State::add_step_families(FamilyBuilder* f) {
+  auto& step_family = f->counter("stepguard_steps_total", "Guarded optimizer steps, by outcome.");
+  for (Outcome o : kAllOutcomes) steps[o] = &step_family.Add({{"outcome", to_string(o)}});
+  auto& action_family = f->counter("stepguard_actions_total", "Actions the policy took, by kind.");
+  for (Action a : kAllActions) actions[a] = &action_family.Add({{"action", to_string(a)}});
+  auto& incident_family =
+      f->counter("stepguard_incidents_total", "Steps where a detector fired, by first signal.");
+  for (Signal g : kAllSignals)
+    incidents[to_string(g)] = &incident_family.Add({{"signal", to_string(g)}});
+  nonfinite_steps = &f->counter("stepguard_nonfinite_steps_total",
+                                "Steps with a NaN/Inf gradient or loss on any rank.")
+                         .Add({});
+  skipped_batches = &f->counter("stepguard_skipped_batches_total",
+                                "Batches dropped (skipped steps and skips "
+                                "after rollbacks).")
+                         .Add({});
+  rollbacks =
+      &f->counter("stepguard_rollbacks_total", "In-process rollbacks to a snapshot.").Add({});
+  aborts = &f->counter("stepguard_aborts_total", "Times the policy aborted training.").Add({});
+}
+
+// The state of training as of the last step: loss scale, LR factor, loss, norm, step numbers.
+void Metrics::State::add_training_gauges(FamilyBuilder* f) {
+  aborted = f->gauge("stepguard_aborted", "1 once the policy aborted training, else 0.");
+  loss_scale = f->gauge("stepguard_loss_scale", "Current loss scale (1 without loss scaling).");
+  loss_scale_min =
+      f->gauge("stepguard_loss_scale_min", "Floor of the loss scale (0 without loss scaling).");
+  lr_factor = f->gauge("stepguard_lr_factor", "Factor applied to every learning rate.");
+  loss = f->gauge("stepguard_loss", "Loss of the last step (mean over ranks).");
+  grad_norm = f->gauge("stepguard_grad_norm", "Global L2 norm of the last step's gradients.");
+  last_step = f->gauge("stepguard_last_step", "Number of the last guarded step.");
+  last_applied_step = f->gauge("stepguard_last_applied_step", "Number of the last applied step.");
+  last_applied_time =
+      f->gauge("stepguard_last_applied_timestamp_seconds", "Unix time of the last applied step.");
+  consecutive_bad = f->gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
+}
+
+void Metrics::State::add_cause_family(FamilyBuilder* f) {
+  auto& cause_family = f->counter("stepguard_incident_causes_total",
+                                  "Incidents by the root cause forensics assigned.");
+  for (Cause c : kAllCauses) {
+    causes[c] = &cause_family.Add({{"cause", to_string(c)}});
+  }
+}
+
+// RAM snapshots and disk checkpoints: how many, how recent, how many failed or were skipped.
+void Metrics::State::add_recovery_families(FamilyBuilder* f, std::int64_t checkpoint_every) {
+  snapshots = &f->counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});
+  snapshot_bytes =
+      f->gauge("stepguard_snapshot_bytes", "Host bytes held by the RAM snapshot ring.");
+  checkpoints = &f->counter("stepguard_checkpoints_total",
+                            "Disk checkpoints made visible (manifest written).")
+                     .Add({});
+  last_checkpoint_step =
+      f->gauge("stepguard_last_checkpoint_step", "Step of the newest visible disk checkpoint.");
+  snapshot_failures = &f->counter("stepguard_snapshot_failures_total",
+                                  "RAM snapshots that could not be taken (host memory).")
+                           .Add({});
+  checkpoints_skipped =
+      &f->counter("stepguard_checkpoints_skipped_total",
+                  "Disk checkpoints skipped: due while the last one was still being written.")
+           .Add({});
+  checkpoint_failures = &f->counter("stepguard_checkpoint_failures_total",
+                                    "Disk checkpoints that could not be written or committed.")
+                             .Add({});
+  f->gauge("stepguard_checkpoint_interval_steps",
+           "Disk checkpoint cadence in steps (0: no disk checkpoints).")
+      ->Set(static_cast<double>(checkpoint_every));
+  last_checkpoint_time = f->gauge("stepguard_last_checkpoint_timestamp_seconds",
+                                  "Unix time the newest disk checkpoint became visible.");
+}
+
+void Metrics::State::add_duration_histograms(FamilyBuilder* f) {
+  const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
+                                                           3e-2, 0.1,  0.3,  1,    3,    10};
+  inspect_seconds = f->histogram("stepguard_inspect_duration_seconds",
+                                 "Time to inspect all gradients of one step.", buckets);
+  checkpoint_write_seconds =
+      f->histogram("stepguard_checkpoint_write_duration_seconds",
+                   "Time to write one rank's disk checkpoint file.", buckets);
+  consensus_seconds = f->histogram("stepguard_consensus_duration_seconds",
+                                   "Time of the per-step collective across ranks.", buckets);
+}
 
 Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()) {
   State& s = *state_;
-  const std::map<std::string, std::string> constant = {
-      {"run", config.run}, {"rank", std::to_string(config.rank)}, {"host", host_label(config)}};
-  auto& reg = *s.registry;
-  auto counter = [&](const char* name,
-                     const char* help) -> prometheus::Family<prometheus::Counter>& {
-    return prometheus::BuildCounter().Name(name).Help(help).Labels(constant).Register(reg);
-  };
-  auto gauge = [&](const char* name, const char* help) -> prometheus::Gauge* {
-    return &prometheus::BuildGauge().Name(name).Help(help).Labels(constant).Register(reg).Add({});
-  };
-
-  auto& steps = counter("stepguard_steps_total", "Guarded optimizer steps, by outcome.");
-  for (Outcome o : kAllOutcomes) s.steps[o] = &steps.Add({{"outcome", to_string(o)}});
-  auto& actions = counter("stepguard_actions_total", "Actions the policy took, by kind.");
-  for (Action a : kAllActions) s.actions[a] = &actions.Add({{"action", to_string(a)}});
-  auto& incidents =
-      counter("stepguard_incidents_total", "Steps where a detector fired, by first signal.");
-  for (Signal g : kAllSignals)
-    s.incidents[to_string(g)] = &incidents.Add({{"signal", to_string(g)}});
-  s.nonfinite_steps = &counter("stepguard_nonfinite_steps_total",
-                               "Steps with a NaN/Inf gradient or loss on any rank.")
-                           .Add({});
-  s.skipped_batches = &counter("stepguard_skipped_batches_total",
-                               "Batches dropped (skipped steps and skips "
-                               "after rollbacks).")
-                           .Add({});
-  s.rollbacks =
-      &counter("stepguard_rollbacks_total", "In-process rollbacks to a snapshot.").Add({});
-  s.aborts = &counter("stepguard_aborts_total", "Times the policy aborted training.").Add({});
-  s.aborted = gauge("stepguard_aborted", "1 once the policy aborted training, else 0.");
-  s.loss_scale = gauge("stepguard_loss_scale", "Current loss scale (1 without loss scaling).");
-  s.loss_scale_min =
-      gauge("stepguard_loss_scale_min", "Floor of the loss scale (0 without loss scaling).");
-  s.lr_factor = gauge("stepguard_lr_factor", "Factor applied to every learning rate.");
-  s.loss = gauge("stepguard_loss", "Loss of the last step (mean over ranks).");
-  s.grad_norm = gauge("stepguard_grad_norm", "Global L2 norm of the last step's gradients.");
-  s.last_step = gauge("stepguard_last_step", "Number of the last guarded step.");
-  s.last_applied_step = gauge("stepguard_last_applied_step", "Number of the last applied step.");
-  s.last_applied_time =
-      gauge("stepguard_last_applied_timestamp_seconds", "Unix time of the last applied step.");
-  s.consecutive_bad = gauge("stepguard_consecutive_bad_steps", "Bad steps in a row right now.");
-  auto& causes =
-      counter("stepguard_incident_causes_total", "Incidents by the root cause forensics assigned.");
-  for (Cause c : kAllCauses) {
-    s.causes[c] = &causes.Add({{"cause", to_string(c)}});
-  }
-  s.snapshots = &counter("stepguard_snapshots_total", "RAM snapshots taken.").Add({});
-  s.snapshot_bytes = gauge("stepguard_snapshot_bytes", "Host bytes held by the RAM snapshot ring.");
-  s.checkpoints =
-      &counter("stepguard_checkpoints_total", "Disk checkpoints made visible (manifest written).")
-           .Add({});
-  s.last_checkpoint_step =
-      gauge("stepguard_last_checkpoint_step", "Step of the newest visible disk checkpoint.");
-  s.snapshot_failures = &counter("stepguard_snapshot_failures_total",
-                                 "RAM snapshots that could not be taken (host memory).")
-                             .Add({});
-  s.checkpoints_skipped =
-      &counter("stepguard_checkpoints_skipped_total",
-               "Disk checkpoints skipped: due while the last one was still being written.")
-           .Add({});
-  s.checkpoint_failures = &counter("stepguard_checkpoint_failures_total",
-                                   "Disk checkpoints that could not be written or committed.")
-                               .Add({});
-  gauge("stepguard_checkpoint_interval_steps",
-        "Disk checkpoint cadence in steps (0: no disk checkpoints).")
-      ->Set(static_cast<double>(config.checkpoint_every));
-  s.last_checkpoint_time = gauge("stepguard_last_checkpoint_timestamp_seconds",
-                                 "Unix time the newest disk checkpoint became visible.");
-  const prometheus::Histogram::BucketBoundaries buckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
-                                                           3e-2, 0.1,  0.3,  1,    3,    10};
-  auto histogram = [&](const char* name, const char* help) {
-    return &prometheus::BuildHistogram().Name(name).Help(help).Labels(constant).Register(reg).Add(
-        {}, buckets);
-  };
-  s.inspect_seconds =
-      histogram("stepguard_inspect_duration_seconds", "Time to inspect all gradients of one step.");
-  s.checkpoint_write_seconds = histogram("stepguard_checkpoint_write_duration_seconds",
-                                         "Time to write one rank's disk checkpoint file.");
-  s.consensus_seconds = histogram("stepguard_consensus_duration_seconds",
-                                  "Time of the per-step collective across ranks.");
-  prometheus::BuildGauge()
-      .Name("stepguard_build_info")
-      .Help("Build facts of the running stepguard; always 1.")
-      .Labels(constant)
-      .Register(reg)
-      .Add(config.build_labels)
-      .Set(1);
+  FamilyBuilder families(
+      s.registry.get(),
+      {{"run", config.run}, {"rank", std::to_string(config.rank)}, {"host", host_label(config)}});
+  s.add_step_families(&families);
+  s.add_training_gauges(&families);
+  s.add_cause_family(&families);
+  s.add_recovery_families(&families, config.checkpoint_every);
+  s.add_duration_histograms(&families);
+  families.build_info(config.build_labels);
   s.lr_factor->Set(1.0);
   s.loss_scale->Set(1.0);
   s.loss_scale_min->Set(config.loss_scale_min);

@@ -283,7 +283,7 @@ void time_disk_stalls(stepguard::consensus::LocalConsensus& one_rank, stepguard:
   writer.wait_for_checkpoint();
   std::sort(disk_stalls.begin(), disk_stalls.end());
   r->t_disk_stall = disk_stalls.empty() ? 0.0 : disk_stalls[disk_stalls.size() / 2];
-  r->failures = writer.checkpoint_failures();
+  r->failures = writer.checkpoint_counts().failed;
   r->skipped = skipped;
   r->disk_stalls_measured = disk_stalls.size();
 }
@@ -345,6 +345,7 @@ int main(int argc, char** argv) {
   stepguard::LibTorchPort port(opt, torch::OrderedDict<std::string, torch::Tensor>());
   stepguard::consensus::LocalConsensus one_rank;
   stepguard::RecoveryConfig rc;
+  rc.snapshot_every = 1;
   rc.snapshot_keep = 1;
   stepguard::Recovery recovery(one_rank, port, rc);
   const std::int64_t step = time_take_and_restore(recovery, o.repeat, &r);

@@ -94,7 +94,7 @@ def run_case(name, config, batch, context, policy_yaml, rounds, block):
         "overhead": round(guarded_ms / plain_ms - 1, 4),
         "plain_mean_ms": round(plain_mean, 3), "guarded_mean_ms": round(guarded_mean, 3),
         "overhead_mean": round(guarded_mean / plain_mean - 1, 4),
-        "guarded_iterations": len(guarded_times) + 1, "snapshots": guard.totals["snapshots"],
+        "guarded_iterations": len(guarded_times) + 1, "snapshots": guard.stats().totals.snapshots,
     }
 
 

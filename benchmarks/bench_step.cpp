@@ -21,12 +21,11 @@
 // the demo model, --large-block for the large one).
 //
 // Snapshots are counted in proportion: with the default policy R x B must be a multiple of 50,
-// so the timed guarded iterations hold exactly R x B / 50 snapshot steps. Before timing, the
-// guard's step counter is moved (restore_state) to just before steps 50 and 100 for one untimed
-// iteration each, so both ring slots exist and every timed snapshot refills one as in a long run
-// (only a run's first two allocate theirs); then to where each snapshot step falls in the middle
-// of a guarded block, so the next iteration, which the snapshot's background copy overlaps, is a
-// guarded one too.
+// so the timed guarded iterations hold exactly R x B / 50 snapshot steps. Before timing, untimed
+// guarded iterations run past steps 50 and 100, so both ring slots exist and every timed snapshot
+// refills one as in a long run (only a run's first two allocate theirs), and on to where each
+// snapshot step falls in the middle of a guarded block, so the next iteration, which the
+// snapshot's background copy overlaps, is a guarded one too.
 //
 // One JSON object per case: plain_ms and guarded_ms are median iterations, overhead = guarded /
 // plain - 1 from them (a median leaves out the snapshot steps); overhead_mean from means.
@@ -195,15 +194,8 @@ struct CaseLoop {
     return seconds_since(t0);
   }
 
-  // The step counter moves, the decision state stays (the guard's own state() and restore).
-  void move_step_counter(std::int64_t to) {
-    stepguard::GuardState state = guard.state();
-    state.step = to;
-    guard.restore_state(state);
-  }
-
-  // Untimed iterations of each kind; with snapshots, the ring filled and the step counter moved
-  // so that every snapshot step falls in the middle of a guarded block.
+  // Untimed iterations of each kind; with snapshots, on until the ring is filled and every
+  // snapshot step falls in the middle of a guarded block.
   void warm_up() {
     double ignored = 0.0;
     for (int i = 0; i < 2; ++i) {
@@ -211,14 +203,14 @@ struct CaseLoop {
       iteration(true, &ignored);
     }
     if (c.snapshots) {
-      for (std::int64_t k = 1; k <= kSnapshotKeep; ++k) {
-        move_step_counter(k * kSnapshotEvery - 1);
-        iteration(true, &ignored);
-      }
-      TORCH_CHECK(guard.snapshots_held() == static_cast<std::size_t>(kSnapshotKeep),
+      // Untimed guarded iterations up to the second snapshot step, as in a long run.
+      while (guard.stats().step_count < kSnapshotKeep * kSnapshotEvery) iteration(true, &ignored);
+      TORCH_CHECK(guard.stats().snapshots_held == kSnapshotKeep,
                   "bench_step: the snapshot ring was not filled before timing");
       // Snapshot steps in mid-block: the iteration after each, which the copy overlaps, is guarded.
-      move_step_counter((kSnapshotKeep + 1) * kSnapshotEvery - (c.block / 2) % kSnapshotEvery);
+      const std::int64_t start =
+          (kSnapshotKeep + 1) * kSnapshotEvery - (c.block / 2) % kSnapshotEvery;
+      while (guard.stats().step_count < start) iteration(true, &ignored);
     }
   }
 
@@ -243,7 +235,7 @@ struct CaseLoop {
             m->snapshot_steps.push_back(m->guarded_times.size());
           }
           m->guarded_times.push_back(seconds);
-          m->stages.push_back(guard.last_stage_seconds());
+          m->stages.push_back(guard.stats().last_step_seconds);
         }
       }
     }
@@ -338,13 +330,13 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
 
   CaseLoop loop{c, model, adamw, guard, batches, device};
   loop.warm_up();
-  const std::int64_t snapshots_before = guard.totals().snapshots;
-  const std::int64_t applied_before = guard.totals().applied;
+  const std::int64_t snapshots_before = guard.stats().totals.snapshots;
+  const std::int64_t applied_before = guard.stats().totals.applied;
   Measured m;
   loop.time_rounds(rounds, args.per_iteration, &m);
-  m.snapshots = guard.totals().snapshots - snapshots_before;
-  m.applied = guard.totals().applied - applied_before;
-  m.incidents = guard.totals().incidents;
+  m.snapshots = guard.stats().totals.snapshots - snapshots_before;
+  m.applied = guard.stats().totals.applied - applied_before;
+  m.incidents = guard.stats().totals.incidents;
   print_case(c, args, num_params, timed, m);
   std::fflush(stdout);
 }

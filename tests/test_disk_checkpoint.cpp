@@ -34,10 +34,11 @@ std::vector<std::vector<torch::Tensor>> train_with_checkpoints(const std::string
     auto loss = loss_of(model, step);
     loss.backward();
     EXPECT_TRUE(guard.step(loss).applied());
-    guard.synchronize();
+    guard.wait_for_background_work();
     after.push_back(clone_all(model->parameters()));
   }
-  EXPECT_EQ(guard.checkpoints_written(), (steps - 1) / 3);  // the last one waits for a next step
+  EXPECT_EQ(guard.stats().checkpoints_written,
+            (steps - 1) / 3);  // the last one waits for a next step
   return after;
 }
 
@@ -50,9 +51,9 @@ TEST(GuardResume, ContinuesBitwiseFromTheNewestValidCheckpoint) {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   GuardedOptimizer guard(opt, GuardOptions().checkpoint_dir(dir).checkpoint_every(3));
   ASSERT_EQ(guard.resume(dir), 9);
-  EXPECT_EQ(guard.step_count(), 9);
-  EXPECT_EQ(guard.data_position(), 9);
-  EXPECT_EQ(guard.totals().applied, 9);
+  EXPECT_EQ(guard.stats().step_count, 9);
+  EXPECT_EQ(guard.stats().data_position, 9);
+  EXPECT_EQ(guard.stats().totals.applied, 9);
   for (std::size_t i = 0; i < reference[8].size(); ++i) {
     EXPECT_TRUE(bitwise_equal(model->parameters()[i], reference[8][i])) << i;
   }
@@ -107,7 +108,8 @@ TEST(GuardResume, ADirectoryOfAnotherRunIsRefusedUnlessResumedFrom) {
     auto loss = loss_of(model, step);
     loss.backward();
     ASSERT_TRUE(guard.step(loss).applied());
-    guard.synchronize();  // each write done before the next step: no checkpoint is skipped
+    guard.wait_for_background_work();  // each write done before the next step: no checkpoint is
+                                       // skipped
   }
   std::vector<std::int64_t> steps;
   for (const auto& e : list_checkpoints(dir)) {
@@ -153,7 +155,7 @@ TEST(GuardResume, NothingValidChangesNothing) {
     }
   }
   EXPECT_EQ(guard.resume(other), 0);
-  EXPECT_EQ(guard.step_count(), 0);
+  EXPECT_EQ(guard.stats().step_count, 0);
   for (std::size_t i = 0; i < before.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(model->parameters()[i], before[i]));
   }
@@ -189,7 +191,7 @@ TEST(GuardResume, AWrongOptimizerStateShapeIsRefusedBeforeAnythingChanges) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("cannot resume from " + step_dir(bad, 9)), std::string::npos) << err;
   EXPECT_NE(err.find(reshaped.substr(std::string("optimizer.").size())), std::string::npos) << err;
-  EXPECT_EQ(guard.step_count(), 0);
+  EXPECT_EQ(guard.stats().step_count, 0);
   for (std::size_t i = 0; i < before.size(); ++i) {
     EXPECT_TRUE(bitwise_equal(model->parameters()[i], before[i])) << i;
   }
@@ -213,7 +215,7 @@ TEST(GuardResume, ACheckpointIsDiscardedWhenTheNextStepIsBad) {
   }
   EXPECT_TRUE(list_checkpoints(dir).empty());  // step 2's state is the suspect
   EXPECT_FALSE(fs::exists(step_dir(dir, 2)));
-  EXPECT_EQ(guard.checkpoints_written(), 0);
+  EXPECT_EQ(guard.stats().checkpoints_written, 0);
 }
 
 TEST(GuardResume, CheckpointDirWithoutCadenceIsRefused) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tests/support/guard_archive.h"
 #include "tests/support/model_fixture.h"
 
 namespace stepguard {
@@ -47,8 +48,8 @@ TEST(GuardedOptimizer, AppliedStepsEqualPlainOptimizerStepsBitwise) {
   const auto a = guarded_model->parameters();
   const auto b = plain_model->parameters();
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
-  EXPECT_EQ(guard.totals().applied, 5);
-  EXPECT_EQ(guard.collectives(), 5);  // one collective per step
+  EXPECT_EQ(guard.stats().totals.applied, 5);
+  EXPECT_EQ(guard.stats().collective_calls, 5);  // one collective per step
 }
 
 TEST(GuardedOptimizer, SkippedStepLeavesParametersAndOptimizerStateBitwiseUnchanged) {
@@ -92,7 +93,7 @@ TEST(GuardedOptimizer, SkippedStepLeavesParametersAndOptimizerStateBitwiseUnchan
   for (const auto& p : model->parameters()) {
     EXPECT_TRUE(torch::all(p.grad() == 0).item<bool>());  // zeroed on skip
   }
-  EXPECT_EQ(guard.totals().skipped, 1);
+  EXPECT_EQ(guard.stats().totals.skipped, 1);
 }
 
 TEST(GuardedOptimizer, NonFiniteLossIsSkipped) {
@@ -181,8 +182,8 @@ TEST(GuardedOptimizer, BadLossIsRefusedAndChangesNothing) {
                           "loss is on meta but the gradients are on cpu");
   expect_error_containing([&] { guard.step(torch::ones({1}).to_sparse()); },
                           "loss must be a dense tensor, got Sparse");
-  EXPECT_EQ(guard.step_count(), 0);
-  EXPECT_EQ(guard.collectives(), 0);
+  EXPECT_EQ(guard.stats().step_count, 0);
+  EXPECT_EQ(guard.stats().collective_calls, 0);
   const auto after = model->parameters();
   for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i]));
 }
@@ -194,7 +195,7 @@ TEST(GuardedOptimizer, UnsupportedGradientDtypeIsRefused) {
   p.mutable_grad() = torch::ones({4}, torch::kFloat).to(torch::kComplexFloat);
   expect_error_containing([&] { guard.step(torch::tensor(1.0)); },
                           "gradient 0 has dtype ComplexFloat");
-  EXPECT_EQ(guard.step_count(), 0);
+  EXPECT_EQ(guard.stats().step_count, 0);
 }
 
 TEST(GuardedOptimizer, AbortsAfterTheConsecutiveBadStepLimitAndRefusesFurtherSteps) {
@@ -209,7 +210,7 @@ TEST(GuardedOptimizer, AbortsAfterTheConsecutiveBadStepLimitAndRefusesFurtherSte
   EXPECT_EQ(r.actions, std::vector<Action>({Action::kAbort}));
   ASSERT_TRUE(r.incident.has_value());
   EXPECT_STREQ(to_string(r.incident->action), "abort");
-  EXPECT_TRUE(guard.aborted());
+  EXPECT_TRUE(guard.stats().aborted);
   expect_error_containing([&] { guard.step(torch::tensor(1.0)); },
                           "training was aborted at step 3");
 }
@@ -223,7 +224,7 @@ TEST(GuardedOptimizer, GoodStepResetsTheBadStreak) {
     EXPECT_EQ(guard.step(nan_loss).outcome, Outcome::kSkipped);
     EXPECT_EQ(guard.step(torch::tensor(1.0)).outcome, Outcome::kApplied);
   }
-  EXPECT_FALSE(guard.aborted());
+  EXPECT_FALSE(guard.stats().aborted);
 }
 
 TEST(GuardedOptimizer, LossScalingUnscalesInThePassAndMatchesAPlainStepBitwise) {
@@ -232,7 +233,7 @@ TEST(GuardedOptimizer, LossScalingUnscalesInThePassAndMatchesAPlainStepBitwise) 
   torch::optim::AdamW scaled_opt(scaled_model->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-2));
   GuardedOptimizer guard(scaled_opt, GuardOptions().loss_scaling(true));
-  EXPECT_EQ(guard.loss_scale(), 65536.0);
+  EXPECT_EQ(guard.stats().loss_scale, 65536.0);
   for (int step = 0; step < 3; ++step) {
     scaled_opt.zero_grad();
     auto loss = loss_of(scaled_model, step);
@@ -264,8 +265,7 @@ TEST(GuardedOptimizer, OverflowSkipsAndHalvesTheLossScale) {
   EXPECT_EQ(r.outcome, Outcome::kSkipped);
   EXPECT_EQ(r.actions, std::vector<Action>({Action::kSkipBatch, Action::kDropLossScale}));
   EXPECT_EQ(r.loss_scale, 32768.0);
-  EXPECT_EQ(guard.loss_scale(), 32768.0);
-  EXPECT_EQ(guard.state().loss_scale, 32768.0);
+  EXPECT_EQ(guard.stats().loss_scale, 32768.0);
   const auto after = model->parameters();
   for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(before[i], after[i]));
 }
@@ -276,25 +276,28 @@ TEST(GuardedOptimizer, PolicyFileLossScaleSectionSetsTheNumbers) {
   auto p = torch::zeros({2}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
   GuardedOptimizer guard(sgd, GuardOptions().policy(path));
-  EXPECT_EQ(guard.loss_scale(), 8.0);
-  const GuardState initial = guard.state();
-  EXPECT_EQ(initial.loss_scale, 8.0);
+  EXPECT_EQ(guard.stats().loss_scale, 8.0);
+  const std::string initial = testing_support::saved_bytes(guard);
   for (int i = 0; i < 2; ++i) {
     sgd.zero_grad();
     auto loss = (p - 1.0).pow(2).sum();
     guard.scale_loss(loss).backward();
     guard.step(loss);
   }
-  EXPECT_EQ(guard.loss_scale(), 16.0);  // grown after 2 clean steps
-  // A restored state brings the scale back with it.
-  EXPECT_EQ(guard.state().loss_scale, 16.0);
-  guard.restore_state(initial);
-  EXPECT_EQ(guard.loss_scale(), 8.0);
-  EXPECT_EQ(guard.step_count(), 0);
-  GuardState broken = initial;
-  broken.words.pop_back();
-  EXPECT_THROW(guard.restore_state(broken), c10::Error);
-  EXPECT_EQ(guard.loss_scale(), 8.0);
+  EXPECT_EQ(guard.stats().loss_scale, 16.0);  // grown after 2 clean steps
+  // A loaded archive brings the scale back with it.
+  testing_support::load_bytes(guard, initial);
+  EXPECT_EQ(guard.stats().loss_scale, 8.0);
+  EXPECT_EQ(guard.stats().step_count, 0);
+  const std::string broken =
+      testing_support::edited_bytes(guard, [](std::vector<std::int64_t>& w) { w.pop_back(); });
+  try {
+    testing_support::load_bytes(guard, broken);
+    ADD_FAILURE() << "a decision state one word short loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find("does not fit this guard"), std::string::npos) << e.msg();
+  }
+  EXPECT_EQ(guard.stats().loss_scale, 8.0);  // nothing changed
   std::remove(path.c_str());
 }
 
@@ -374,7 +377,7 @@ TEST(GuardedOptimizer, LastStageSecondsSplitsEachStepWithTheSnapshotApart) {
   GuardedOptimizer guard(opt, model->named_parameters(),
                          GuardOptions().policy_yaml(
                              "version: 1\ncheckpoint: {snapshot_every: 2, snapshot_keep: 1}\n"));
-  EXPECT_EQ(guard.last_stage_seconds().total(), 0.0);
+  EXPECT_EQ(guard.stats().last_step_seconds.total(), 0.0);
   std::vector<StageSeconds> seen;
   for (int step = 0; step < 2; ++step) {
     opt.zero_grad();
@@ -384,13 +387,13 @@ TEST(GuardedOptimizer, LastStageSecondsSplitsEachStepWithTheSnapshotApart) {
     ASSERT_TRUE(guard.step(loss).applied());
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const StageSeconds& s = guard.last_stage_seconds();
+    const StageSeconds& s = guard.stats().last_step_seconds;
     for (double stage : {s.inspect, s.agree, s.decide, s.act, s.record}) EXPECT_GT(stage, 0.0);
     EXPECT_GE(s.snapshot, 0.0);
     EXPECT_LE(s.total(), wall);
     seen.push_back(s);
   }
-  EXPECT_EQ(guard.totals().snapshots, 1);  // step 2's copy: more than step 1's cadence check
+  EXPECT_EQ(guard.stats().totals.snapshots, 1);  // step 2's copy: more than step 1's cadence check
   EXPECT_GT(seen[1].snapshot, seen[0].snapshot);
 }
 
@@ -411,6 +414,71 @@ TEST(GuardedOptimizer, APresetIsAcceptedByName) {
               std::string::npos)
         << e.what();
   }
+}
+
+}  // namespace
+}  // namespace stepguard
+
+namespace stepguard {
+namespace {
+
+TEST(GuardedOptimizer, SaveAndLoadCarryTheGuardAndTheOptimizerTogether) {
+  auto model = make_model(21);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer guard(opt);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    auto loss = loss_of(model, step);
+    loss.backward();
+    guard.step(loss);
+  }
+  guard.set_data_position(7);
+  const std::string saved = testing_support::saved_bytes(guard);
+  const GuardStats at_save = guard.stats();
+  const auto moments = adamw_state(opt);
+
+  auto fresh_model = make_model(22);
+  torch::optim::AdamW fresh_opt(fresh_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer fresh(fresh_opt);
+  testing_support::load_bytes(fresh, saved);
+  const GuardStats loaded = fresh.stats();
+  EXPECT_EQ(loaded.step_count, 3);
+  EXPECT_EQ(loaded.data_position, 7);
+  EXPECT_EQ(loaded.totals.applied, at_save.totals.applied);
+  const auto fresh_moments = adamw_state(fresh_opt);
+  ASSERT_EQ(fresh_moments.size(), moments.size());
+  for (std::size_t i = 0; i < moments.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(fresh_moments[i], moments[i])) << i;
+  }
+
+  // An archive without the guard's part is refused by name, and nothing changes.
+  torch::serialize::OutputArchive optimizer_only;
+  opt.save(optimizer_only);
+  std::ostringstream out;
+  optimizer_only.save_to(out);
+  try {
+    testing_support::load_bytes(fresh, out.str());
+    ADD_FAILURE() << "an archive without 'stepguard' loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find("lacks the key 'stepguard'"), std::string::npos) << e.msg();
+  }
+  EXPECT_EQ(fresh.stats().step_count, 3);
+}
+
+TEST(GuardedOptimizer, RecordedLossIsUsedByTheNextStepWithoutOne) {
+  auto p = torch::zeros({2}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd);
+  auto loss = (p - 1.0).pow(2).sum();
+  loss.backward();
+  guard.record_loss(torch::full({}, std::numeric_limits<float>::quiet_NaN()));
+  const StepReport first = guard.step();
+  EXPECT_TRUE(first.loss_given);
+  EXPECT_FALSE(first.applied());  // the recorded NaN loss is this step's loss
+  sgd.zero_grad();
+  (p - 1.0).pow(2).sum().backward();
+  EXPECT_FALSE(guard.step().loss_given);  // used once
+  EXPECT_THROW(guard.record_loss(torch::ones({2})), c10::Error);
 }
 
 }  // namespace

@@ -39,8 +39,8 @@ TEST(Metrics, CountersAndGaugesFollowTheGuard) {
   auto p = torch::zeros({4}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
   GuardedOptimizer guard(
-      sgd, GuardOptions().metrics_port(0).run_name("unit").max_consecutive_bad_steps(2));
-  ASSERT_FALSE(guard.metrics_endpoint().empty());
+      sgd, GuardOptions().metrics_port(0).metrics_run_label("unit").max_consecutive_bad_steps(2));
+  ASSERT_FALSE(guard.stats().metrics_endpoint.empty());
   std::string text = guard.metrics_text();
   // Every series exists at zero before the first step.
   EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "skipped"}, {"run", "unit"}}), 0);
@@ -85,7 +85,7 @@ TEST(Metrics, CountersAndGaugesFollowTheGuard) {
   EXPECT_EQ(value_of(text, "stepguard_steps_total", {{"outcome", "aborted"}}), 1);
 
   // A real scrape over HTTP sees the same.
-  const std::string endpoint = guard.metrics_endpoint();
+  const std::string endpoint = guard.stats().metrics_endpoint;
   const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
   int status = 0;
   const std::string scraped = testing_support::http_get("127.0.0.1", port, "/metrics", &status);
@@ -112,7 +112,8 @@ TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     guard.step(loss);
-    guard.synchronize();  // the copy and the write are done before the next step, at any speed
+    guard.wait_for_background_work();  // the copy and the write are done before the next step, at
+                                       // any speed
   }
   const std::string text = guard.metrics_text();
   EXPECT_EQ(value_of(text, "stepguard_snapshots_total"), 5);
@@ -140,7 +141,7 @@ TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     EXPECT_TRUE(guard.step(loss).applied()) << i;
-    guard.synchronize();
+    guard.wait_for_background_work();
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("step 2: writing the disk checkpoint failed (/proc/stepguard-no/"),
@@ -150,7 +151,7 @@ TEST(Metrics, ACheckpointThatCannotBeWrittenIsCountedAndTrainingGoesOn) {
   const std::string text = guard.metrics_text();
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 2);  // steps 2 and 4
   EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 0);
-  EXPECT_EQ(guard.checkpoints_written(), 0);
+  EXPECT_EQ(guard.stats().checkpoints_written, 0);
 }
 
 // Steps through a guard that checkpoints every 2 steps into `dir`, waiting for the background work
@@ -178,9 +179,9 @@ TEST(Metrics, ABackgroundWriteErrorIsCountedAndTheLastGoodCheckpointStays) {
   CheckpointingRun run(dir);
   for (int i = 1; i <= 3; ++i) {  // step 2's checkpoint is written, step 3 commits it
     EXPECT_TRUE(run.step().applied());
-    run.guard.synchronize();
+    run.guard.wait_for_background_work();
   }
-  ASSERT_EQ(run.guard.checkpoints_written(), 1);
+  ASSERT_EQ(run.guard.stats().checkpoints_written, 1);
   ::testing::internal::CaptureStderr();
   {
     Gate gate(&Recovery::set_write_hook_for_testing);
@@ -188,7 +189,7 @@ TEST(Metrics, ABackgroundWriteErrorIsCountedAndTheLastGoodCheckpointStays) {
     EXPECT_EQ(gate.held(), 4);
     EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoint_failures_total"), 0);
     gate.open(/*fail=*/true);
-    run.guard.synchronize();  // the failure is in now
+    run.guard.wait_for_background_work();  // the failure is in now
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("step 4: writing the disk checkpoint failed (std::bad_alloc)"),
@@ -198,9 +199,9 @@ TEST(Metrics, ABackgroundWriteErrorIsCountedAndTheLastGoodCheckpointStays) {
   EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoint_failures_total"), 1);
   for (int i = 5; i <= 7; ++i) {  // step 6's checkpoint is written, step 7 commits it
     EXPECT_TRUE(run.step().applied());
-    run.guard.synchronize();
+    run.guard.wait_for_background_work();
   }
-  EXPECT_EQ(run.guard.checkpoints_written(), 2);
+  EXPECT_EQ(run.guard.stats().checkpoints_written, 2);
   std::vector<std::int64_t> steps;
   for (const auto& e : checkpoint::list_checkpoints(dir)) steps.push_back(e.step);
   EXPECT_EQ(steps, (std::vector<std::int64_t>{2, 6}));  // step 4's never became visible
@@ -221,9 +222,9 @@ TEST(Metrics, ACheckpointDueWhileOneIsWritingIsSkippedAndCounted) {
     EXPECT_TRUE(run.step().applied());
     EXPECT_TRUE(run.step().applied());  // step 4's is due while step 2's is being written
     EXPECT_EQ(gate.passed(), 0);
-    EXPECT_EQ(run.guard.checkpoints_written(), 0);
+    EXPECT_EQ(run.guard.stats().checkpoints_written, 0);
     gate.open();
-    run.guard.synchronize();
+    run.guard.wait_for_background_work();
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("step 4: disk checkpoint skipped: the one of step 2 is still being written"),
@@ -233,12 +234,12 @@ TEST(Metrics, ACheckpointDueWhileOneIsWritingIsSkippedAndCounted) {
   EXPECT_EQ(value_of(text, "stepguard_checkpoints_skipped_total"), 1);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_failures_total"), 0);
   EXPECT_TRUE(run.step().applied());  // step 5: every rank has written step 2's; it is clean
-  EXPECT_EQ(run.guard.checkpoints_written(), 1);
+  EXPECT_EQ(run.guard.stats().checkpoints_written, 1);
   ASSERT_EQ(checkpoint::list_checkpoints(dir).size(), 1u);
   EXPECT_EQ(checkpoint::list_checkpoints(dir)[0].step, 2);
-  run.guard.synchronize();
+  run.guard.wait_for_background_work();
   EXPECT_TRUE(run.step().applied());  // step 6: written again
-  run.guard.synchronize();
+  run.guard.wait_for_background_work();
   run.guard.commit_pending_checkpoint();
   EXPECT_EQ(checkpoint::list_checkpoints(dir).back().step, 6);
   EXPECT_EQ(value_of(run.guard.metrics_text(), "stepguard_checkpoints_skipped_total"), 1);
@@ -263,7 +264,7 @@ TEST(Metrics, ABusyPortOrBadAddressIsAClearError) {
   auto p = torch::zeros({1}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
   GuardedOptimizer first(sgd, GuardOptions().metrics_port(0));
-  const std::string endpoint = first.metrics_endpoint();
+  const std::string endpoint = first.stats().metrics_endpoint;
   const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
   try {
     GuardedOptimizer second(sgd, GuardOptions().metrics_port(port));
@@ -284,7 +285,7 @@ TEST(Metrics, OffByDefault) {
   auto p = torch::zeros({1}, torch::requires_grad());
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
   GuardedOptimizer guard(sgd);
-  EXPECT_TRUE(guard.metrics_endpoint().empty());
+  EXPECT_TRUE(guard.stats().metrics_endpoint.empty());
   EXPECT_TRUE(guard.metrics_text().empty());
 }
 

@@ -14,6 +14,7 @@
 
 #include "csrc/consensus/process_group_consensus.h"
 #include "csrc/consensus/step_buffer.h"
+#include "tests/support/guard_archive.h"
 
 namespace stepguard {
 namespace {
@@ -134,9 +135,9 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
         model->weight.mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
       }
       if (step == 7 && r == 0) loss = loss * std::numeric_limits<float>::infinity();
-      const std::int64_t bytes_before = guard.collective_bytes();
+      const std::int64_t bytes_before = guard.stats().collective_bytes;
       const StepReport report = guard.step(loss);
-      if (step == 1) me.first_step_bytes = guard.collective_bytes() - bytes_before;
+      if (step == 1) me.first_step_bytes = guard.stats().collective_bytes - bytes_before;
       me.outcomes.push_back(report.outcome);
       me.ranks.push_back(report.incident ? report.incident->ranks : std::vector<int>{});
       me.causes.push_back(report.incident ? report.incident->cause : Cause::kUnknown);
@@ -148,8 +149,8 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
         for (const auto& p : model->parameters()) me.params_at_10.push_back(p.detach().clone());
       }
     }
-    me.collectives = guard.collectives();
-    me.step_buffer_bytes = guard.step_buffer_bytes();
+    me.collectives = guard.stats().collective_calls;
+    me.step_buffer_bytes = guard.stats().step_buffer_bytes;
   });
   std::vector<Outcome> expected(steps, Outcome::kApplied);
   expected[2] = expected[4] = expected[6] = expected[8] = Outcome::kSkipped;
@@ -208,15 +209,15 @@ TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
       ASSERT_TRUE(guard.step(loss).applied());
     }
     if (r == 1) {
-      GuardState s = guard.state();
-      s.words[0] += 1;  // a bug or a bit flip on one rank (its bad-step streak)
-      guard.restore_state(s);
+      // A bug or a bit flip on one rank (its bad-step streak).
+      testing_support::load_bytes(guard, testing_support::edited_bytes(
+                                             guard, [](std::vector<std::int64_t>& w) { ++w[0]; }));
     }
     auto loss = (p - 1.0).pow(2).sum();
     sgd.zero_grad();
     loss.backward();
     last[r] = guard.step(loss);
-    EXPECT_TRUE(guard.aborted());
+    EXPECT_TRUE(guard.stats().aborted);
   });
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(last[r].outcome, Outcome::kAborted) << r;
@@ -253,7 +254,7 @@ TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
       EXPECT_EQ(e.missing_ranks(), std::vector<int>({2}));
     }
     seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_TRUE(guard.aborted());
+    EXPECT_TRUE(guard.stats().aborted);
     EXPECT_THROW(guard.step(loss), c10::Error);
   });
   for (int r = 0; r < 2; ++r) {

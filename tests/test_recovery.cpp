@@ -35,6 +35,7 @@ struct Rig {
         recovery(one_rank, port, config(keep)) {}
   static RecoveryConfig config(std::int64_t keep) {
     RecoveryConfig c;
+    c.snapshot_every = 1;
     c.snapshot_keep = keep;
     return c;
   }
@@ -132,20 +133,21 @@ TEST(Recovery, ACorruptedCopyIsDroppedAndTheNextOlderOneIsUsed) {
   Rig rig(opt, 3);
   for (std::int64_t step : {2, 4}) {
     train_step(model, opt, step);
-    rig.recovery.take_snapshot(step, {});
+    rig.recovery.take_snapshot(step, {step});
+    rig.recovery.on_step(step + 1, true);  // a clean next step confirms it
   }
   // A bit flip in host memory of the newest copy.
   auto* newest = const_cast<checkpoint::Snapshot*>(rig.recovery.ring()->at(4));
   newest->tensors[1].tensor.view(-1)[3].add_(1.0f);
-  std::vector<std::int64_t> damaged;
-  EXPECT_EQ(rig.recovery.agree_rollback(5, {4, 2}, &damaged), 2);
-  EXPECT_EQ(damaged, std::vector<std::int64_t>({4}));
-  EXPECT_EQ(rig.recovery.snapshots_held(), 1u);
+  const std::optional<RollbackTarget> target = rig.recovery.roll_back(6, false);
+  ASSERT_TRUE(target.has_value());
+  EXPECT_EQ(target->step, 2);
+  EXPECT_EQ(target->words, std::vector<std::int64_t>({2}));
+  EXPECT_EQ(rig.recovery.snapshots_held(), 1u);  // the damaged one is gone, from the book too
   // With every copy damaged, a rollback cannot happen: the run must stop.
   auto* older = const_cast<checkpoint::Snapshot*>(rig.recovery.ring()->at(2));
   older->tensors[0].tensor.view(-1)[0].add_(1.0f);
-  damaged.clear();
-  EXPECT_THROW(rig.recovery.agree_rollback(6, {2}, &damaged), RollbackFailure);
+  EXPECT_THROW(rig.recovery.roll_back(7, false), RollbackFailure);
 }
 
 // begin_snapshot() returns while the copy waits at the gate; a restore called then waits for the
@@ -324,8 +326,8 @@ TEST(GuardRollback, BrokenWeightsAreRolledBackToTheNewestConfirmedSnapshot) {
   const auto adam = adamw_state(opt);
   ASSERT_EQ(adam.size(), adam_at_4.size());
   for (std::size_t i = 0; i < adam.size(); ++i) EXPECT_TRUE(bitwise_equal(adam[i], adam_at_4[i]));
-  EXPECT_EQ(guard.totals().rolled_back, 1);
-  EXPECT_EQ(guard.step_count(), 7);  // the step counter keeps counting
+  EXPECT_EQ(guard.stats().totals.rolled_back, 1);
+  EXPECT_EQ(guard.stats().step_count, 7);  // the step counter keeps counting
   // Training goes on from the restored state.
   opt.zero_grad();
   auto loss = loss_of(model, 8);
@@ -368,9 +370,9 @@ TEST(GuardRollback, StepReturnsBeforeItsSnapshotIsCopied) {
   std::thread opener([&gate] { gate.open(); });
   ASSERT_TRUE(run.guard.step(loss).applied());  // waits for the copy of step 1 first
   opener.join();
-  EXPECT_EQ(run.guard.snapshots_held(), 2u);  // waits for step 2's copy
-  EXPECT_EQ(gate.passed(), 2);                // step 1's copy, then step 2's
-  EXPECT_EQ(run.guard.totals().snapshots, 2);
+  EXPECT_EQ(run.guard.stats().snapshots_held, 2);  // waits for step 2's copy
+  EXPECT_EQ(gate.passed(), 2);                     // step 1's copy, then step 2's
+  EXPECT_EQ(run.guard.stats().totals.snapshots, 2);
 }
 
 // The snapshot copied while the next step's forward and backward ran is the one a rollback
@@ -381,7 +383,7 @@ TEST(GuardRollback, ARollbackRestoresASnapshotCopiedInTheBackgroundBitwise) {
   ASSERT_TRUE(run.guard.step(run.backward(1)).applied());
   const auto at_1 = clone_all(run.model->parameters());
   ASSERT_TRUE(run.guard.step(run.backward(2)).applied());  // confirms step 1's snapshot
-  run.guard.synchronize();  // step 2's copy is done: the gate holds step 3's
+  run.guard.wait_for_background_work();  // step 2's copy is done: the gate holds step 3's
   Gate gate(&checkpoint::set_copy_hook_for_testing);
   ASSERT_TRUE(run.guard.step(run.backward(3)).applied());  // confirms step 2's
   const auto at_3 = clone_all(run.model->parameters());
@@ -412,14 +414,14 @@ TEST(GuardRollback, ASnapshotCopyThatFailsIsReportedAndTheOlderOnesStay) {
     ASSERT_TRUE(run.guard.step(run.backward(step)).applied());
   }
   const auto at_2 = clone_all(run.model->parameters());
-  run.guard.synchronize();  // step 2's copy is done: the gate holds step 3's
+  run.guard.wait_for_background_work();  // step 2's copy is done: the gate holds step 3's
   ::testing::internal::CaptureStderr();
   {
     Gate gate(&checkpoint::set_copy_hook_for_testing);
     ASSERT_TRUE(run.guard.step(run.backward(3)).applied());
     EXPECT_EQ(gate.held(), 3);
     gate.open(/*fail=*/true);
-    EXPECT_EQ(run.guard.snapshots_held(), 1u);  // step 2's; step 1's buffers went to the copy
+    EXPECT_EQ(run.guard.stats().snapshots_held, 1u);  // step 2's; step 1's buffers went to the copy
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("step 3: the RAM snapshot could not be taken (std::bad_alloc); training goes "
@@ -430,7 +432,7 @@ TEST(GuardRollback, ASnapshotCopyThatFailsIsReportedAndTheOlderOnesStay) {
   EXPECT_NE(text.find("stepguard_snapshot_failures_total{"), std::string::npos);
   EXPECT_NE(text.find("} 1\n", text.find("stepguard_snapshot_failures_total{")), std::string::npos)
       << text;
-  EXPECT_EQ(run.guard.totals().snapshots, 2);
+  EXPECT_EQ(run.guard.stats().totals.snapshots, 2);
   const StepReport r = run.guard.step(run.backward(4, /*bad=*/true));
   ASSERT_EQ(r.outcome, Outcome::kRolledBack);
   EXPECT_EQ(r.rolled_back_to, 2);

@@ -22,14 +22,15 @@ TEST(StepController, OutcomeFollowsTheStrongestAction) {
                          "  - {on: nonfinite_loss, action: rollback}\n"
                          "  - {on: nonfinite_grad, action: skip_batch}\n"),
                    false);
+  SnapshotBook book(1, 2);
   // Snapshots every step: step 2 confirms step 1's; the bad step 3 discards step 2's.
   const char* steps = "ccnl";
   const Outcome expected[] = {Outcome::kApplied, Outcome::kApplied, Outcome::kSkipped,
                               Outcome::kRolledBack};
   for (std::int64_t s = 1; s <= 4; ++s) {
-    const StepDecision d = c.decide(s, stats_for(steps[s - 1], s));
+    const StepDecision d = c.decide(s, stats_for(steps[s - 1], s), &book);
     EXPECT_EQ(d.decision.outcome, expected[s - 1]) << "step " << s;
-    (void)c.snapshot_due(s, d.decision.outcome);
+    if (book.due(s, d.decision.outcome)) book.add(s, c.encode());
     if (s == 4) EXPECT_EQ(d.rolled_back_to, 1);
   }
 }
@@ -205,23 +206,35 @@ TEST(StepController, RollbackWithoutAConfirmedSnapshotIsASkip) {
   EXPECT_NE(d.decision.reason.find("no confirmed snapshot to roll back to yet"), std::string::npos);
 }
 
-TEST(StepController, RollbackGoesWhereTheRanksAgreeAndDropsNewerSnapshots) {
+// The holder a rank sees when another rank holds only the snapshot of step 1.
+class AgreedOnStepOne : public SnapshotBook {
+ public:
+  using SnapshotBook::SnapshotBook;
+  std::optional<RollbackTarget> roll_back(std::int64_t, bool replicas_diverged) override {
+    offered = candidates(replicas_diverged);
+    RollbackTarget target{1, at(1)->words};
+    drop_newer_than(1);
+    return target;
+  }
+  std::vector<std::int64_t> offered;
+};
+
+TEST(StepController, RollbackGoesWhereTheHolderSaysAndNewerSnapshotsAreForgotten) {
   StepController c(parse("version: 1\ncheckpoint: {snapshot_every: 1, snapshot_keep: 4}\n"
                          "rules:\n  - {on: nonfinite_loss, action: rollback}\n"),
                    false);
+  AgreedOnStepOne book(1, 4);
   for (std::int64_t s = 1; s <= 3; ++s) {
-    (void)c.snapshot_due(s, c.decide(s, stats_for('c', s)).decision.outcome);
+    if (book.due(s, c.decide(s, stats_for('c', s), &book).decision.outcome)) {
+      book.add(s, c.encode());
+    }
   }
   // Confirmed: 1 and 2 (3 waits for step 4, which is bad and discards it).
-  std::vector<std::int64_t> offered;
-  const StepDecision d = c.decide(4, stats_for('l', 4), [&](const std::vector<std::int64_t>& v) {
-    offered = v;
-    return std::int64_t{1};  // another rank holds only step 1
-  });
-  EXPECT_EQ(offered, std::vector<std::int64_t>({2, 1}));
+  const StepDecision d = c.decide(4, stats_for('l', 4), &book);
+  EXPECT_EQ(book.offered, std::vector<std::int64_t>({2, 1}));
   EXPECT_EQ(d.decision.outcome, Outcome::kRolledBack);
   EXPECT_EQ(d.rolled_back_to, 1);
-  EXPECT_EQ(c.snapshots().steps(), std::vector<std::int64_t>({1}));
+  EXPECT_EQ(book.steps(), std::vector<std::int64_t>({1}));
   const StepReport r = make_report(4, stats_for('l', 4), d);
   EXPECT_EQ(r.rolled_back_to, 1);
   EXPECT_EQ(r.outcome, Outcome::kRolledBack);
@@ -234,24 +247,37 @@ namespace stepguard {
 namespace {
 
 TEST(SnapshotBook, ConfirmedOnlyByACleanNextStep) {
-  policy::CheckpointCadence cadence;
-  cadence.snapshot_every = 10;
-  cadence.snapshot_keep = 3;
-  SnapshotBook book(cadence);
+  SnapshotBook book(10, 3);
   EXPECT_TRUE(book.due(10, Outcome::kApplied));
   EXPECT_FALSE(book.due(10, Outcome::kSkipped));
   EXPECT_FALSE(book.due(11, Outcome::kApplied));
   book.add(10, {1, 2});
-  EXPECT_TRUE(book.confirmed_steps().empty());  // pending
+  EXPECT_TRUE(book.candidates(false).empty());  // pending
   book.on_step(11, true);
-  EXPECT_EQ(book.confirmed_steps(), std::vector<std::int64_t>({10}));
+  EXPECT_EQ(book.candidates(false), std::vector<std::int64_t>({10}));
   EXPECT_EQ(book.at(10)->words, std::vector<std::int64_t>({1, 2}));
   book.add(20, {3});
   book.on_step(21, false);  // the step after it raised a signal: the snapshot is the suspect
   EXPECT_EQ(book.steps(), std::vector<std::int64_t>({10}));
   // Only the snapshot of the previous step is pending; older confirmations are final.
   book.on_step(30, false);
-  EXPECT_EQ(book.confirmed_steps(), std::vector<std::int64_t>({10}));
+  EXPECT_EQ(book.candidates(false), std::vector<std::int64_t>({10}));
+}
+
+TEST(SnapshotBook, AfterReplicasDivergedOnlySnapshotsFromBeforeTheLastGoodCheckAreCandidates) {
+  SnapshotBook book(1, 4);
+  for (std::int64_t s = 1; s <= 3; ++s) {
+    book.add(s, {s});
+    book.on_step(s + 1, true);
+  }
+  book.replicas_agreed_before(3);  // the check at step 3 passed; step 3's snapshot came after
+  EXPECT_EQ(book.candidates(false), std::vector<std::int64_t>({3, 2, 1}));
+  EXPECT_EQ(book.candidates(true), std::vector<std::int64_t>({2, 1}));
+  const std::optional<RollbackTarget> t = book.roll_back(5, true);
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->step, 2);
+  EXPECT_EQ(t->words, std::vector<std::int64_t>({2}));
+  EXPECT_EQ(book.steps(), std::vector<std::int64_t>({1, 2}));
 }
 
 }  // namespace

@@ -62,6 +62,9 @@ struct StepReport {
   double lr_factor = 1.0;
   std::int64_t nonfinite_count = 0;  ///< NaN/Inf gradient elements over all ranks
   std::vector<Action> actions;
+  /// The strongest of `actions` (abort, rollback, lower_lr, drop_loss_scale, skip_batch, clip,
+  /// alert; apply when none), which names the step and its incident; the trace carries it.
+  Action action = Action::kApply;
   std::int64_t batches_to_skip = 0;  ///< batches the loop must drop before the next step
   /// With outcome kRolledBack: the step whose snapshot was restored. The loop continues from its
   /// current data position plus batches_to_skip (batches consumed since the snapshot are not

@@ -70,6 +70,9 @@ struct GlobalStats {
   std::vector<int> origin_ranks;
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
+  /// "This step is non-finite": a NaN/Inf gradient element or loss on some rank. The one
+  /// definition the policy, the loss scaler and forensics read.
+  bool nonfinite() const noexcept { return nonfinite_count() > 0 || loss_nonfinite_ranks > 0; }
 };
 
 /// What the detectors raised on one step, plus the streak they track.

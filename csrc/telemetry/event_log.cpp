@@ -115,6 +115,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   nlohmann::json actions = nlohmann::json::array();
   for (Action a : report.actions) actions.push_back(to_string(a));
   line["actions"] = std::move(actions);
+  line["action"] = to_string(report.action);
   line["batches_to_skip"] = report.batches_to_skip;
   if (report.rolled_back_to > 0) line["rolled_back_to"] = report.rolled_back_to;
   if (signals.any()) {

@@ -197,7 +197,7 @@ def main(argv):
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
         metrics_port=args.metrics_port + int(os.environ.get("LOCAL_RANK", "0"))
         if args.metrics_port > 0 else args.metrics_port,
-        run_name="train_gpt", collective_timeout=args.collective_timeout)
+        metrics_run_label="train_gpt", collective_timeout=args.collective_timeout)
     guard.track_buffers(raw.named_buffers())
     named = dict(raw.named_parameters())
     summary = train(args, model, raw, guard, named, tokens, vocab, rank, world)
@@ -307,9 +307,9 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
             break
     guard.set_replay(None)
     tail = applied_losses[-10:]
-    totals = guard.totals
+    totals = guard.stats().totals.to_dict()
     finite = all(bool(torch.isfinite(p).all()) for p in raw.parameters())
-    if not guard.aborted:
+    if not guard.stats().aborted:
         if world > 1:
             dist.barrier()
         guard.commit_pending_checkpoint()
@@ -317,9 +317,9 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
         "steps": totals["steps"], "applied": totals["applied"], "skipped": totals["skipped"],
         "rollbacks": totals["rolled_back"], "aborted": totals["aborted"] > 0,
         "initial_loss": initial_loss, "final_loss": sum(tail) / len(tail) if tail else None,
-        "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": guard.loss_scale,
-        "lr_factor": guard.lr_factor, "ranks": world, "seed": args.seed,
-        "collectives": guard.collectives, "step_buffer_bytes": guard.step_buffer_bytes,
+        "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": guard.stats().loss_scale,
+        "lr_factor": guard.stats().lr_factor, "ranks": world, "seed": args.seed,
+        "collectives": guard.stats().collective_calls, "step_buffer_bytes": guard.stats().step_buffer_bytes,
         "batches_consumed": batch_index,
         "incidents": incidents, "policy": args.policy or "default.yaml",
         "optimizer": args.optimizer,

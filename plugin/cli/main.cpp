@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "plugin/cli/demo/demo.h"
+#include "plugin/cli/plot_tool.h"
 #include "stepguard/replay.h"
 #include "stepguard/tools.h"
 #include "stepguard/version.h"
@@ -232,7 +233,7 @@ int main(int argc, char** argv) {
     if (command == "replay") return run_replay_command(args);
     if (command == "ckpt") return run_ckpt_command(args);
     if (command == "incident") return run_incident_command(args);
-    if (command == "plot") return stepguard::run_plot_tool(args);
+    if (command == "plot") return stepguard::cli::run_plot_script(args);
     std::cerr << "stepguard: unknown command '" << command << "'\n" << kUsage;
     return 2;
   } catch (const std::invalid_argument& e) {

@@ -1,5 +1,6 @@
-// run_plot_tool(): starts the Python tool that draws a run (plugin/python/stepguard/plot.py) and
-// waits for it. Nothing is drawn here.
+// run_plot_script(): starts the Python tool that draws a run (plugin/python/stepguard/plot.py) and
+// waits for it. Nothing is drawn here. The CLI's, not the library's: a library call does not
+// start interpreters.
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,11 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "stepguard/tools.h"
+#include "plugin/cli/plot_tool.h"
 
 extern char** environ;
 
 namespace stepguard {
+namespace cli {
 
 namespace {
 
@@ -42,7 +44,7 @@ std::string plot_script_beside_program() {
 
 }  // namespace
 
-int run_plot_tool(const std::vector<std::string>& args) {
+int run_plot_script(const std::vector<std::string>& args) {
   std::vector<std::string> command = {python_interpreter()};
   // By its path, plot.py needs neither torch nor the extension (the package's __init__ loads
   // both); an installed package is found by module name.
@@ -71,4 +73,5 @@ int run_plot_tool(const std::vector<std::string>& args) {
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
+}  // namespace cli
 }  // namespace stepguard

@@ -187,6 +187,44 @@ py::dict totals_dict(const GuardTotals& t) {
   return d;
 }
 
+py::dict stage_dict(const StageSeconds& s) {
+  py::dict d;
+  d["inspect"] = s.inspect;
+  d["agree"] = s.agree;
+  d["decide"] = s.decide;
+  d["act"] = s.act;
+  d["snapshot"] = s.snapshot;
+  d["record"] = s.record;
+  return d;
+}
+
+// Every field of GuardStats, nested values as dicts: what json.dumps takes.
+py::dict stats_dict(const GuardStats& g) {
+  py::dict d;
+  d["step_count"] = g.step_count;
+  d["totals"] = totals_dict(g.totals);
+  d["aborted"] = g.aborted;
+  d["consecutive_bad_steps"] = g.consecutive_bad_steps;
+  d["bad_steps_total"] = g.bad_steps_total;
+  d["loss_scale"] = g.loss_scale;
+  d["lr_factor"] = g.lr_factor;
+  d["rank"] = g.rank;
+  d["world_size"] = g.world_size;
+  d["data_position"] = g.data_position;
+  d["skipped_ranges"] = g.skipped_ranges;
+  d["snapshots_held"] = g.snapshots_held;
+  d["snapshot_bytes"] = g.snapshot_bytes;
+  d["checkpoints_written"] = g.checkpoints_written;
+  d["checkpoints_failed"] = g.checkpoints_failed;
+  d["checkpoints_skipped"] = g.checkpoints_skipped;
+  d["collective_calls"] = g.collective_calls;
+  d["collective_bytes"] = g.collective_bytes;
+  d["step_buffer_bytes"] = g.step_buffer_bytes;
+  d["last_step_seconds"] = stage_dict(g.last_step_seconds);
+  d["metrics_endpoint"] = g.metrics_endpoint;
+  return d;
+}
+
 // One property per GuardOptions field: the name is the C++ member's, the type its type.
 #define STEPGUARD_BIND_OPTION(cls, field)                                              \
   do {                                                                                 \
@@ -222,7 +260,7 @@ void bind_options(py::module_& m) {
   STEPGUARD_BIND_OPTION(options, store);
   STEPGUARD_BIND_OPTION(options, metrics_port);
   STEPGUARD_BIND_OPTION(options, metrics_bind_address);
-  STEPGUARD_BIND_OPTION(options, run_name);
+  STEPGUARD_BIND_OPTION(options, metrics_run_label);
   STEPGUARD_BIND_OPTION(options, sharded_gradients);
   STEPGUARD_BIND_OPTION(options, collective_timeout);
   options.attr("fields") = py::tuple(fields);
@@ -262,6 +300,7 @@ void bind_report(py::module_& m) {
       .def_readonly("grad_norm", &StepReport::grad_norm)
       .def_readonly("nonfinite_count", &StepReport::nonfinite_count)
       .def_property_readonly("actions", [](const StepReport& r) { return action_names(r.actions); })
+      .def_property_readonly("action", [](const StepReport& r) { return to_string(r.action); })
       .def_readonly("batches_to_skip", &StepReport::batches_to_skip)
       .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
       .def_readonly("loss_scale", &StepReport::loss_scale)
@@ -272,6 +311,60 @@ void bind_report(py::module_& m) {
         return "StepReport(step=" + std::to_string(r.step) + ", outcome='" + to_string(r.outcome) +
                "')";
       });
+}
+
+// GuardStats and its parts as read-only values with the C++ field names; to_dict() for JSON.
+void bind_stats(py::module_& m) {
+  py::class_<GuardTotals>(m, "GuardTotals", "Running totals by outcome.")
+      .def_readonly("steps", &GuardTotals::steps)
+      .def_readonly("applied", &GuardTotals::applied)
+      .def_readonly("skipped", &GuardTotals::skipped)
+      .def_readonly("rolled_back", &GuardTotals::rolled_back)
+      .def_readonly("aborted", &GuardTotals::aborted)
+      .def_readonly("incidents", &GuardTotals::incidents)
+      .def_readonly("snapshots", &GuardTotals::snapshots)
+      .def("to_dict", &totals_dict)
+      .def("__eq__", [](const GuardTotals& a,
+                        const GuardTotals& b) { return totals_dict(a).equal(totals_dict(b)); })
+      .def("__repr__", [](const GuardTotals& t) {
+        return "GuardTotals(" + py::str(totals_dict(t)).cast<std::string>() + ")";
+      });
+  py::class_<StageSeconds>(m, "StageSeconds", "Where one step's time went, stage by stage.")
+      .def_readonly("inspect", &StageSeconds::inspect)
+      .def_readonly("agree", &StageSeconds::agree)
+      .def_readonly("decide", &StageSeconds::decide)
+      .def_readonly("act", &StageSeconds::act)
+      .def_readonly("snapshot", &StageSeconds::snapshot)
+      .def_readonly("record", &StageSeconds::record)
+      .def("total", &StageSeconds::total)
+      .def("to_dict", &stage_dict);
+  py::class_<GuardStats> stats(m, "GuardStats", "What the guard knows now (guard.stats()).");
+#define STEPGUARD_STAT(field) stats.def_readonly(#field, &GuardStats::field)
+  STEPGUARD_STAT(step_count);
+  STEPGUARD_STAT(totals);
+  STEPGUARD_STAT(aborted);
+  STEPGUARD_STAT(consecutive_bad_steps);
+  STEPGUARD_STAT(bad_steps_total);
+  STEPGUARD_STAT(loss_scale);
+  STEPGUARD_STAT(lr_factor);
+  STEPGUARD_STAT(rank);
+  STEPGUARD_STAT(world_size);
+  STEPGUARD_STAT(data_position);
+  STEPGUARD_STAT(skipped_ranges);
+  STEPGUARD_STAT(snapshots_held);
+  STEPGUARD_STAT(snapshot_bytes);
+  STEPGUARD_STAT(checkpoints_written);
+  STEPGUARD_STAT(checkpoints_failed);
+  STEPGUARD_STAT(checkpoints_skipped);
+  STEPGUARD_STAT(collective_calls);
+  STEPGUARD_STAT(collective_bytes);
+  STEPGUARD_STAT(step_buffer_bytes);
+  STEPGUARD_STAT(last_step_seconds);
+  STEPGUARD_STAT(metrics_endpoint);
+#undef STEPGUARD_STAT
+  stats.def("to_dict", &stats_dict).def("__repr__", [](const GuardStats& g) {
+    return "GuardStats(" + py::str(stats_dict(g)).cast<std::string>() + ")";
+  });
 }
 
 void bind_guard(py::module_& m) {
@@ -326,34 +419,14 @@ void bind_guard(py::module_& m) {
           "commit_pending_checkpoint", [](PyGuard& g) { g.engine->commit_pending_checkpoint(); },
           Release())
       .def(
-          "synchronize", [](PyGuard& g) { g.engine->synchronize(); }, Release())
+          "wait_for_background_work", [](PyGuard& g) { g.engine->wait_for_background_work(); },
+          Release())
       .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
       .def("load_record",
            [](PyGuard& g, const py::object& d) { g.engine->load_record(record_of(d)); })
       .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
-      .def_property_readonly("step_count", [](const PyGuard& g) { return g.engine->step_count(); })
-      .def_property_readonly("totals",
-                             [](const PyGuard& g) { return totals_dict(g.engine->totals()); })
-      .def_property_readonly("aborted", [](const PyGuard& g) { return g.engine->aborted(); })
-      .def_property_readonly("loss_scale", [](const PyGuard& g) { return g.engine->loss_scale(); })
-      .def_property_readonly("lr_factor", [](const PyGuard& g) { return g.engine->lr_factor(); })
-      .def_property_readonly("metrics_endpoint",
-                             [](const PyGuard& g) { return g.engine->metrics_endpoint(); })
-      .def_property_readonly("data_position",
-                             [](const PyGuard& g) { return g.engine->data_position(); })
-      .def_property_readonly("skipped_ranges",
-                             [](const PyGuard& g) { return g.engine->skipped_ranges(); })
-      .def_property_readonly("rank", [](const PyGuard& g) { return g.engine->rank(); })
-      .def_property_readonly("world_size", [](const PyGuard& g) { return g.engine->world_size(); })
-      .def_property_readonly("collectives",
-                             [](const PyGuard& g) { return g.engine->collectives(); })
-      .def_property_readonly(
-          "step_buffer_bytes", [](const PyGuard&) { return consensus::StepBuffer::bytes(); },
-          "Bytes each step's collective carries: a fixed size at any world size.")
-      .def_property_readonly("snapshots_held",
-                             [](const PyGuard& g) { return g.engine->snapshots_held(); })
-      .def_property_readonly("checkpoints_written",
-                             [](const PyGuard& g) { return g.engine->checkpoints_written(); })
+      .def(
+          "stats", [](PyGuard& g) { return g.engine->stats(); }, Release())
       .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); });
 }
 
@@ -383,6 +456,7 @@ PYBIND11_MODULE(_C, m) {
   });
   stepguard::bind_options(m);
   stepguard::bind_report(m);
+  stepguard::bind_stats(m);
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));
   m.def("explain_policy_file", &stepguard::explain_policy_file, py::arg("path"));

@@ -124,7 +124,7 @@ std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank
   telemetry::MetricsConfig mc;
   mc.bind_address = o.metrics_bind_address();
   mc.port = o.metrics_port();
-  mc.run = o.run_name();
+  mc.run = o.metrics_run_label();
   mc.rank = rank;
   mc.loss_scale_min = loss_scale_floor;
   mc.checkpoint_every = o.checkpoint_dir().empty() ? 0 : checkpoint_every;

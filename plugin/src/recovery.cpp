@@ -6,16 +6,12 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
-#include <random>
 
-#include "csrc/checkpoint/dir_lock.h"
 #include "csrc/checkpoint/disk_checkpoint.h"
 
 namespace stepguard {
@@ -44,35 +40,16 @@ std::vector<NamedTensor> model_part(const std::vector<NamedTensor>& tensors) {
   return out;
 }
 
-// Run ids travel through gather_values as exact doubles: at most 52 bits.
-constexpr std::int64_t kRunBits = (std::int64_t{1} << 52) - 1;
-
-std::string run_hex(std::int64_t v) {
-  char hex[16];
-  std::snprintf(hex, sizeof hex, "%013" PRIx64, static_cast<std::uint64_t>(v));
-  return hex;
-}
-
-bool same_dir(const std::string& a, const std::string& b) {
-  std::error_code ea, eb;
-  const auto ca = std::filesystem::weakly_canonical(a, ea);
-  const auto cb = std::filesystem::weakly_canonical(b, eb);
-  return (ea || eb) ? a == b : ca == cb;
-}
-
 constexpr const char* kBufferPrefix = "buffer.";
-
-checkpoint::TestHook write_hook;
 
 }  // namespace
 
-void Recovery::set_write_hook_for_testing(std::function<void(std::int64_t)> hook) {
-  write_hook.set(std::move(hook));
-}
-
 Recovery::Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config)
-    : consensus_(consensus), port_(port), config_(std::move(config)) {
-  if (config_.snapshot_keep > 0) {
+    : consensus_(consensus),
+      port_(port),
+      config_(std::move(config)),
+      book_(config_.snapshot_every, config_.snapshot_keep) {
+  if (config_.snapshot_every > 0 && config_.snapshot_keep > 0) {
     ring_ =
         std::make_unique<checkpoint::SnapshotRing>(static_cast<std::size_t>(config_.snapshot_keep));
   }
@@ -89,63 +66,6 @@ Recovery::~Recovery() {
   writer_.reset();
   disk_copy_.release_sources();
   if (dir_lock_ >= 0) ::close(dir_lock_);  // the directory is free for another run
-}
-
-void Recovery::claim_checkpoint_dir(std::int64_t step) {
-  if (claimed_ || config_.disk_every <= 0) return;
-  claimed_ = true;
-  // A run id given or adopted by resume() is checked for equality across ranks; otherwise
-  // rank 0's random one is everyone's.
-  const bool chosen = !run_.empty() || !config_.run_id.empty();
-  if (run_.empty()) run_ = config_.run_id;
-  std::string refusal;
-  if (consensus_.rank() == 0) {
-    // From now on the directory is this run's while it lives: a second run started on it is
-    // refused here, before either has written a checkpoint.
-    std::string holder;
-    try {
-      dir_lock_ = checkpoint::lock_checkpoint_dir(config_.checkpoint_dir, &holder);
-    } catch (const checkpoint::CheckpointError& e) {
-      // A directory that cannot be made or opened is no other run's: its writes will fail,
-      // be logged and counted, and training goes on, as for any checkpoint that cannot be written.
-      std::fprintf(stderr, "stepguard: cannot lock checkpoint_dir: %s\n", e.what());
-    }
-    if (dir_lock_ < 0 && !holder.empty()) {
-      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
-                " is in use by another live run (" + holder +
-                "): give each run its own directory. Nothing was written.";
-    }
-  }
-  if (refusal.empty() &&
-      (resumed_from_.empty() || !same_dir(config_.checkpoint_dir, resumed_from_))) {
-    for (const std::string& other : checkpoint::runs_under(config_.checkpoint_dir)) {
-      if (chosen && other == run_) continue;
-      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
-                " holds checkpoints of another run ('" + (other.empty() ? "unnamed" : other) +
-                "'; see `stepguard ckpt ls`): resume from it (resume() / --resume), give this "
-                "run that run's id (run_id), or use another directory. Nothing was written.";
-      break;
-    }
-  }
-  std::int64_t mine = 0;
-  if (chosen) {
-    mine = static_cast<std::int64_t>(std::hash<std::string>{}(run_)&kRunBits);
-  } else {
-    std::random_device device_entropy;  // never the training RNG: runs stay reproducible
-    mine = ((static_cast<std::int64_t>(device_entropy()) << 32) ^ device_entropy()) & kRunBits;
-  }
-  const auto all =
-      consensus::gather_values(consensus_, refusal.empty() ? mine : -1, step, device());
-  TORCH_CHECK(refusal.empty(), refusal);
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    TORCH_CHECK(all[r] >= 0, "stepguard: rank ", r, " refused checkpoint_dir ",
-                config_.checkpoint_dir,
-                " (another run's checkpoints are there, or another live run uses it; see rank ", r,
-                "'s error)");
-    TORCH_CHECK(!chosen || all[r] == all[0], "stepguard: the ranks were given different run ids ",
-                "(rank 0 and rank ", r, " differ); give every rank the same run_id");
-  }
-  if (!chosen) run_ = run_hex(all[0]);
 }
 
 at::Device Recovery::device() const {
@@ -181,7 +101,9 @@ void Recovery::begin_snapshot(std::int64_t step, std::vector<std::int64_t> guard
   if (!ring_) return;
   finish_snapshot();  // one copy in flight at a time (the engine has waited already)
   std::string opaque = port_.state_bytes();  // here: a Python port pickles under the GIL
-  ring_->begin_take(step, frozen_tensors(), std::move(opaque), std::move(guard_words));
+  ring_->begin_take(step, frozen_tensors(), std::move(opaque), guard_words);
+  book_.add(step, std::move(guard_words));
+  ring_->keep_only(book_.steps());
 }
 
 void Recovery::finish_snapshot() {
@@ -190,12 +112,32 @@ void Recovery::finish_snapshot() {
     disk_copy_.release_sources();
     disk_copy_ = checkpoint::SnapshotCopy();
   }
-  if (ring_) ring_->finish_take();
+  if (!ring_) return;
+  try {
+    ring_->finish_take();
+  } catch (...) {
+    // The ring lacks the failed copy and the snapshot whose buffers it refilled: so does the book.
+    for (std::int64_t s : book_.steps()) {
+      if (ring_->at(s) == nullptr) book_.drop(s);
+    }
+    throw;
+  }
 }
 
-std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::int64_t>& confirmed,
-                                      std::vector<std::int64_t>* damaged) {
+void Recovery::on_step(std::int64_t step, bool clean) {
+  book_.on_step(step, clean);
+  if (ring_) ring_->keep_only(book_.steps());
+}
+
+void Recovery::clear_snapshots() {
   finish_snapshot();
+  book_.clear();
+  if (ring_) ring_->keep_only({});
+}
+
+std::optional<RollbackTarget> Recovery::roll_back(std::int64_t step, bool replicas_diverged) {
+  finish_snapshot();
+  const std::vector<std::int64_t> confirmed = book_.candidates(replicas_diverged);
   std::int64_t mine = 0;
   for (std::int64_t candidate : confirmed) {
     const checkpoint::Snapshot* s = ring_ ? ring_->at(candidate) : nullptr;
@@ -208,7 +150,7 @@ std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::
                  " no longer matches its checksum (host memory corrupted); dropped\n",
                  step, candidate);
     if (ring_) ring_->drop(candidate);
-    damaged->push_back(candidate);
+    book_.drop(candidate);
   }
   // Every rank must restore the same step: the newest one all of them hold.
   const auto all = consensus::gather_values(consensus_, mine, step, device());
@@ -222,7 +164,11 @@ std::int64_t Recovery::agree_rollback(std::int64_t step, const std::vector<std::
                           " holds no snapshot of step " + std::to_string(agreed) +
                           ", the newest every rank holds");
   }
-  return agreed;
+  if (agreed == 0) return std::nullopt;
+  RollbackTarget target{agreed, book_.at(agreed)->words};
+  book_.drop_newer_than(agreed);
+  ring_->keep_only(book_.steps());
+  return target;
 }
 
 void Recovery::restore_snapshot(std::int64_t step) {
@@ -232,10 +178,6 @@ void Recovery::restore_snapshot(std::int64_t step) {
   const std::string source = "the RAM snapshot of step " + std::to_string(step);
   check_restorable(s->tensors, s->opaque, s->rng, source);
   restore(s->tensors, s->opaque, s->rng, source);
-}
-
-void Recovery::keep_snapshots(const std::vector<std::int64_t>& steps) {
-  if (ring_) ring_->keep_only(steps);
 }
 
 void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std::string& opaque,
@@ -273,197 +215,6 @@ void Recovery::restore(const std::vector<NamedTensor>& saved, const std::string&
   checkpoint::copy_into(saved, live);
   checkpoint::restore_rng(rng);
   port_.after_restore();
-}
-
-bool Recovery::disk_due(std::int64_t step, bool applied) const noexcept {
-  return config_.disk_every > 0 && applied && step % config_.disk_every == 0;
-}
-
-checkpoint::BackgroundThread& Recovery::writer() {
-  if (!writer_) writer_ = std::make_unique<checkpoint::BackgroundThread>("sg-ckpt-writer");
-  return *writer_;
-}
-
-bool Recovery::write_checkpoint(const checkpoint::GuardRecord& record) {
-  if (pending_step_ != 0) {
-    // One checkpoint in flight: host memory stays bounded and the ranks settle one at a time.
-    ++checkpoints_skipped_;
-    std::fprintf(stderr,
-                 "stepguard: rank %d: step %" PRId64
-                 ": disk checkpoint skipped: the one of step %" PRId64
-                 " is still being written (the disk is slower than the checkpoint cadence)\n",
-                 consensus_.rank(), record.step, pending_step_);
-    return false;
-  }
-  pending_step_ = record.step;  // settled at a later step either way
-  pending_verdict_ = Verdict::kOpen;
-  pending_failed_ = false;
-  pending_seen_ = false;
-  pending_seconds_ = 0.0;
-  try {
-    // The RAM snapshot of this step when there is one; else a host copy of its own, made on the
-    // writer thread before the write (the training thread waits for it, not for the write).
-    checkpoint::SnapshotCopy copy =
-        ring_ ? ring_->copy_of(record.step) : checkpoint::SnapshotCopy();
-    if (!copy.valid()) {
-      std::shared_ptr<const checkpoint::Snapshot> reuse = std::move(disk_spare_);
-      if (reuse && reuse.use_count() != 1) reuse.reset();   // still held: never refilled
-      std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the holder's release
-      disk_copy_ = checkpoint::start_copy(writer(), record.step, frozen_tensors(),
-                                          port_.state_bytes(), {}, reuse, /*checksum=*/false);
-      copy = disk_copy_;
-      pending_copy_ = disk_copy_;
-    }
-    auto timer = std::make_shared<double>(0.0);
-    pending_timer_ = timer;
-    pending_write_ = writer().submit([copy, record, timer, dir = config_.checkpoint_dir, run = run_,
-                                      rank = consensus_.rank()]() mutable {
-      using Clock = std::chrono::steady_clock;
-      // The job lets go of the copy before its future is ready: by then only the training
-      // thread holds it (so its buffers can be refilled).
-      struct Release {
-        checkpoint::SnapshotCopy& copy;
-        ~Release() { copy = checkpoint::SnapshotCopy(); }
-      } release{copy};
-      write_hook.run(record.step);
-      const auto start = Clock::now();
-      const std::shared_ptr<const checkpoint::Snapshot> s = copy.get();
-      const checkpoint::EncodedPayload payload =
-          checkpoint::encode_payload(record, s->tensors, s->opaque, s->rng);
-      checkpoint::write_rank_file(dir, run, record.step, rank, payload.pieces());
-      *timer = std::chrono::duration<double>(Clock::now() - start).count();
-    });
-  } catch (const std::exception& e) {
-    // Nothing started (the opaque state could not be taken, no thread): a failed write.
-    pending_write_ = std::future<void>();
-    pending_seen_ = true;
-    write_failed(e.what());
-  }
-  return true;
-}
-
-void Recovery::write_failed(const char* why) {
-  pending_failed_ = true;
-  ++checkpoint_failures_;
-  std::fprintf(stderr,
-               "stepguard: rank %d: step %" PRId64
-               ": writing the disk checkpoint failed (%s); training goes on, the last good "
-               "checkpoint stays\n",
-               consensus_.rank(), pending_step_, why);
-}
-
-void Recovery::observe_write(bool wait) {
-  if (pending_step_ == 0 || pending_seen_) return;
-  if (!wait && pending_write_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    return;
-  }
-  pending_seen_ = true;
-  try {
-    pending_write_.get();
-    pending_seconds_ = *pending_timer_;
-  } catch (const std::exception& e) {
-    write_failed(e.what());
-  }
-}
-
-bool Recovery::checkpoint_written() {
-  observe_write(false);
-  return pending_step_ == 0 || pending_seen_;
-}
-
-void Recovery::wait_for_checkpoint() { observe_write(true); }
-
-void Recovery::remove_later(std::vector<std::string> hidden) noexcept {
-  if (hidden.empty()) return;
-  try {
-    // Behind the writes on the writer thread: the next commit comes after it.
-    (void)writer().submit([hidden] { checkpoint::remove_hidden(hidden); });
-  } catch (const std::exception&) {
-    checkpoint::remove_hidden(hidden);
-  }
-}
-
-bool Recovery::commit(std::int64_t step) {
-  std::vector<std::string> hidden;  // pruned checkpoints, out of sight, deleted in the background
-  try {
-    checkpoint::commit_checkpoint(config_.checkpoint_dir, run_, step, consensus_.world_size(),
-                                  config_.disk_keep, &hidden);
-    remove_later(std::move(hidden));
-    return true;
-  } catch (const std::exception& e) {
-    remove_later(std::move(hidden));
-    ++checkpoint_failures_;
-    std::fprintf(stderr,
-                 "stepguard: step %" PRId64
-                 ": committing the disk checkpoint failed (%s); it is discarded, the last good "
-                 "checkpoint stays\n",
-                 step, e.what());
-    discard(step);
-    return false;
-  }
-}
-
-void Recovery::discard(std::int64_t step) noexcept {
-  std::vector<std::string> hidden;
-  try {
-    checkpoint::discard_checkpoint(config_.checkpoint_dir, run_, step, &hidden);
-    remove_later(std::move(hidden));
-  } catch (const std::exception& e) {
-    remove_later(std::move(hidden));
-    // What is left is pending and never loaded; the next commit clears it.
-    std::fprintf(stderr, "stepguard: step %" PRId64 ": removing a pending checkpoint failed (%s)\n",
-                 step, e.what());
-  }
-}
-
-std::int64_t Recovery::finish_pending(bool keep) {
-  const std::int64_t pending = pending_step_;
-  pending_step_ = 0;
-  pending_write_ = std::future<void>();
-  pending_timer_.reset();
-  if (pending_copy_.valid()) {
-    // Written: its buffers serve the next checkpoint that needs a copy of its own.
-    if (!pending_failed_ && pending_copy_.finished()) {
-      try {
-        disk_spare_ = pending_copy_.get();
-      } catch (const std::exception&) {
-      }
-    }
-    pending_copy_ = checkpoint::SnapshotCopy();
-  }
-  // Rank 0 writes the manifest: every rank's write has finished (agreed by a collective).
-  if (consensus_.rank() == 0) {
-    if (keep && pending_failed_) {
-      keep = false;  // counted when the write failed
-      discard(pending);
-    } else if (keep) {
-      keep = commit(pending);
-    } else {
-      discard(pending);
-    }
-  }
-  return keep ? pending : 0;
-}
-
-std::int64_t Recovery::settle_pending(std::int64_t step, bool clean, bool all_written) {
-  if (pending_step_ == 0) return 0;
-  if (pending_verdict_ == Verdict::kOpen) {
-    pending_verdict_ = pending_step_ == step - 1 && clean ? Verdict::kKeep : Verdict::kDrop;
-  }
-  // Until every rank has finished writing, nobody commits or removes its directory.
-  if (!all_written) return 0;
-  observe_write(true);  // finished: this rank said so before the collective
-  return finish_pending(pending_verdict_ == Verdict::kKeep);
-}
-
-std::int64_t Recovery::commit_pending() {
-  if (pending_step_ == 0) return 0;
-  observe_write(true);
-  if (consensus_.world_size() > 1) {
-    // Rank 0 commits only once every rank's file is written: each has waited for its own.
-    (void)consensus::gather_values(consensus_, pending_failed_ ? 0 : 1, pending_step_, device());
-  }
-  return finish_pending(pending_verdict_ != Verdict::kDrop);
 }
 
 std::int64_t Recovery::newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,

@@ -1,10 +1,12 @@
 /*
  * Recovery: everything that puts training back to an earlier state, and its agreement across
  * ranks. It names what a snapshot or checkpoint holds (the parameters, the tracked module buffers
- * and the optimizer port's state), keeps the RAM snapshot copies whose bookkeeping the step
- * controller keeps, agrees on a rollback target (the newest snapshot every rank holds intact),
- * writes disk checkpoints and commits them once the next step confirms them, and resumes from
- * disk only after the whole checkpoint has been checked against the live model on every rank.
+ * and the optimizer port's state), owns the RAM snapshots (the copies and their book: cadence,
+ * confirmation, the decision state each holds; the step controller asks it through
+ * SnapshotHolder), agrees on a rollback target (the newest snapshot every rank holds intact),
+ * writes disk checkpoints and commits them once the next step confirms them, counts them, and
+ * resumes from disk only after the whole checkpoint has been checked against the live model on
+ * every rank.
  *
  * Off the training thread: a RAM snapshot's tensors are copied in the background while the next
  * forward and backward run (begin_snapshot() returns at once; finish_snapshot() waits), and a
@@ -32,12 +34,14 @@
 #include "csrc/checkpoint/snapshot.h"
 #include "csrc/consensus/consensus.h"
 #include "plugin/src/optimizer_port.h"
+#include "plugin/src/snapshot_book.h"
 
 namespace stepguard {
 
 struct RecoveryConfig {
-  std::int64_t snapshot_keep = 0;  ///< RAM snapshots held (0: none)
-  std::string checkpoint_dir;      ///< empty: no disk checkpoints
+  std::int64_t snapshot_every = 0;  ///< RAM snapshot cadence in applied steps (0: none)
+  std::int64_t snapshot_keep = 0;   ///< RAM snapshots held
+  std::string checkpoint_dir;       ///< empty: no disk checkpoints
   std::int64_t disk_every = 0;
   int disk_keep = 3;
   std::string run_id;  ///< the run its checkpoints belong to; empty: chosen at the first step
@@ -49,11 +53,26 @@ class RollbackFailure : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-class Recovery {
+/// Disk checkpoints so far on this rank: one count each, kept here only.
+struct CheckpointCounts {
+  std::int64_t written = 0;  ///< made visible (committed)
+  std::int64_t failed = 0;   ///< writes or commits that failed
+  std::int64_t skipped = 0;  ///< due while one was still pending
+};
+
+/// What Recovery tells as it happens (on the training thread): a checkpoint made visible (its
+/// step and the seconds its write took), or one failed or skipped (step 0).
+struct CheckpointEvent {
+  enum class Kind { kWritten, kFailed, kSkipped } kind;
+  std::int64_t step = 0;
+  double write_seconds = 0.0;
+};
+
+class Recovery final : public SnapshotHolder {
  public:
   Recovery(consensus::Consensus& consensus, OptimizerPort& port, RecoveryConfig config);
   /// Waits for the copy and the write in flight (a pending checkpoint stays pending on disk).
-  ~Recovery();
+  ~Recovery() override;
   Recovery(const Recovery&) = delete;
   Recovery& operator=(const Recovery&) = delete;
 
@@ -64,10 +83,15 @@ class Recovery {
   std::vector<NamedTensor> training_tensors() const;
 
   // RAM snapshots.
-  /// Starts the snapshot of the state after `step`: the optimizer's opaque bytes, the RNG state
-  /// and the tracked buffers (a forward pass updates those) are captured now; parameters and
-  /// optimizer state tensors are copied in the background and must not change before
-  /// finish_snapshot(). Throws (and starts nothing) when the opaque bytes cannot be taken.
+  /// Whether a RAM snapshot is due after `step` with `outcome`.
+  bool snapshot_due(std::int64_t step, Outcome outcome) const noexcept {
+    return ring_ && book_.due(step, outcome);
+  }
+  /// Starts the snapshot of the state after `step`, holding `guard_words` (the decision state):
+  /// the optimizer's opaque bytes, the RNG state and the tracked buffers (a forward pass updates
+  /// those) are captured now; parameters and optimizer state tensors are copied in the background
+  /// and must not change before finish_snapshot(). Throws (and starts nothing) when the opaque
+  /// bytes cannot be taken.
   void begin_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words);
   /// begin_snapshot() then finish_snapshot(): the snapshot is held when it returns.
   void take_snapshot(std::int64_t step, std::vector<std::int64_t> guard_words) {
@@ -75,23 +99,25 @@ class Recovery {
     finish_snapshot();
   }
   /// Waits for the copies in flight: the snapshot joins the ring, and the host copy a disk write
-  /// makes of its step is complete. Throws what made the snapshot's copy fail (the ring then
-  /// lacks it and the oldest snapshot whose buffers it refilled).
+  /// makes of its step is complete. Throws what made the snapshot's copy fail (the book then
+  /// forgets it and the oldest snapshot whose buffers it refilled).
   void finish_snapshot();
   /// The step of the snapshot being copied, or 0.
   std::int64_t snapshot_in_flight() const noexcept {
     return ring_ && ring_->in_flight().valid() ? ring_->in_flight().step() : 0;
   }
-  /// The step every rank restores, given the confirmed snapshots (newest first): this rank's
-  /// newest one whose copies pass their checksum, agreed by MIN across ranks; 0 for none. The
-  /// damaged ones are dropped and listed in `damaged`. Throws RollbackFailure when snapshots
-  /// existed but none is intact, or a rank lacks the agreed one.
-  std::int64_t agree_rollback(std::int64_t step, const std::vector<std::int64_t>& confirmed,
-                              std::vector<std::int64_t>* damaged);
+  // SnapshotHolder: the book, and the copies kept to it.
+  void on_step(std::int64_t step, bool clean) override;
+  /// The step every rank restores: this rank's newest candidate whose copies pass their checksum,
+  /// agreed by MIN across ranks (one collective); the damaged ones are dropped. Throws
+  /// RollbackFailure when snapshots existed but none is intact, or a rank lacks the agreed one.
+  std::optional<RollbackTarget> roll_back(std::int64_t step, bool replicas_diverged) override;
+  /// A replica check passed at `step`: the snapshots taken before it hold equal replicas.
+  void replicas_agreed_before(std::int64_t step) noexcept { book_.replicas_agreed_before(step); }
   /// Writes the snapshot of `step` back (tensors in place, optimizer state, RNG).
   void restore_snapshot(std::int64_t step);
-  /// Keeps only the snapshots of `steps` (the controller's book).
-  void keep_snapshots(const std::vector<std::int64_t>& steps);
+  /// Forgets every snapshot (after the guard's state was replaced).
+  void clear_snapshots();
   /// The copies (tests and tools), once the copy in flight has landed.
   const checkpoint::SnapshotRing* ring() {
     finish_snapshot();
@@ -100,11 +126,6 @@ class Recovery {
   std::size_t snapshots_held() {
     finish_snapshot();
     return ring_ ? ring_->size() : 0;
-  }
-  /// Whether the RAM snapshot of `step` is held (after the copy in flight).
-  bool holds_snapshot(std::int64_t step) {
-    finish_snapshot();
-    return ring_ && ring_->at(step) != nullptr;
   }
   std::int64_t snapshot_bytes() {
     finish_snapshot();
@@ -144,11 +165,13 @@ class Recovery {
   /// Waits for this rank's write in flight; a failure is logged and counted now. The checkpoint
   /// stays pending (it becomes visible at the next step, or at commit_pending()).
   void wait_for_checkpoint();
-  /// Checkpoint writes or commits that failed on this rank so far.
-  std::int64_t checkpoint_failures() const noexcept { return checkpoint_failures_; }
-  /// Checkpoints skipped so far because one was still pending when they were due.
-  std::int64_t checkpoints_skipped() const noexcept { return checkpoints_skipped_; }
-  double pending_write_seconds() const noexcept { return pending_seconds_; }
+  const CheckpointCounts& checkpoint_counts() const noexcept { return counts_; }
+  /// The count of checkpoints written, as a resumed or loaded record holds it.
+  void set_checkpoints_written(std::int64_t n) noexcept { counts_.written = n; }
+  /// Told every checkpoint event as it happens (the engine's metrics); none by default.
+  void on_checkpoint_event(std::function<void(const CheckpointEvent&)> observer) {
+    observer_ = std::move(observer);
+  }
   /// Tests only: called on the writer thread as each checkpoint write starts, with its step (an
   /// empty function: none). Lets a test hold a write in flight without timing anything.
   static void set_write_hook_for_testing(std::function<void(std::int64_t)> hook);
@@ -189,6 +212,7 @@ class Recovery {
   OptimizerPort& port_;
   RecoveryConfig config_;
   std::vector<at::Tensor> buffers_;
+  SnapshotBook book_;
   std::unique_ptr<checkpoint::SnapshotRing> ring_;
   std::string run_;           ///< this run's id in its checkpoints
   std::string resumed_from_;  ///< the directory resume() loaded from
@@ -208,8 +232,9 @@ class Recovery {
   bool pending_failed_ = false;            ///< this rank could not write the pending checkpoint
   std::shared_ptr<double> pending_timer_;  ///< seconds the write took, set by the writer
   double pending_seconds_ = 0.0;
-  std::int64_t checkpoint_failures_ = 0;
-  std::int64_t checkpoints_skipped_ = 0;
+  CheckpointCounts counts_;
+  std::function<void(const CheckpointEvent&)> observer_;
+  void count(CheckpointEvent event);
   checkpoint::SnapshotCopy disk_copy_;     ///< a host copy made for a checkpoint alone, in flight
   checkpoint::SnapshotCopy pending_copy_;  ///< that copy, until the write of it has finished
   /// The host copy of the last checkpoint written from a copy of its own: the next such copy

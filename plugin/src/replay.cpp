@@ -106,6 +106,9 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
     }
   }();
 
+  // Replay holds no copies: the book alone answers, with the newest confirmed snapshot (the one
+  // a live run restores).
+  SnapshotBook snapshots(config.checkpoint.snapshot_every, config.checkpoint.snapshot_keep);
   ReplaySummary summary;
   std::string text;
   std::int64_t line_no = 0;
@@ -132,9 +135,8 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
 
     const GlobalStats g = stats_of_line(j, options.trace_file, line_no);
 
-    // Replay holds no copies: the newest confirmed snapshot is the one a live run restores.
-    const StepDecision d = controller.decide(step, g, newest_confirmed);
-    (void)controller.snapshot_due(step, d.decision.outcome);
+    const StepDecision d = controller.decide(step, g, &snapshots);
+    if (snapshots.due(step, d.decision.outcome)) snapshots.add(step, controller.encode());
     const StepReport report = make_report(step, g, d);
     out << telemetry::trace_line(report, g, d.signals, d.decision, {}) << '\n';
 

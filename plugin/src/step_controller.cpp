@@ -10,10 +10,7 @@
 namespace stepguard {
 
 StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
-    : config_(config),
-      loss_scaling_requested_(loss_scaling),
-      engine_(std::move(config)),
-      book_(config_.checkpoint) {
+    : config_(config), loss_scaling_requested_(loss_scaling), engine_(std::move(config)) {
   const policy::PolicyConfig& c = engine_.config();
   if (c.has_loss_scale ? c.loss_scale.enabled : loss_scaling) {
     const policy::LossScaleSettings& l = c.loss_scale;  // defaults = GradScaler's
@@ -34,7 +31,7 @@ StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
 }
 
 StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
-                                    const RollbackAgreement& agree) {
+                                    SnapshotHolder* snapshots) {
   policy::StepInput input;
   input.step = step;
   input.stats = stats;
@@ -49,8 +46,10 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   out.loss_scale = loss_scale();
   out.signals = std::move(verdict.signals);
   out.decision = std::move(verdict.decision);
-  book_.on_step(step, !out.signals.any());
-  if (out.decision.outcome == Outcome::kRolledBack) settle_rollback(agree, &out);
+  if (snapshots != nullptr) snapshots->on_step(step, !out.signals.any());
+  if (out.decision.outcome == Outcome::kRolledBack) {
+    settle_rollback(step, !stats.diverged_replicas.empty(), snapshots, &out);
+  }
   return out;
 }
 
@@ -58,7 +57,7 @@ void StepController::update_knobs(const GlobalStats& stats, Decision* d) {
   if (scaler_) {
     // GradScaler's rule on every step, then the policy's extra drop.
     const double before = scaler_->scale();
-    scaler_->update(stats.nonfinite_count() > 0 || stats.loss_nonfinite_ranks > 0);
+    scaler_->update(stats.nonfinite());
     if (d->has(Action::kDropLossScale)) scaler_->drop(d->loss_scale_factor);
     if (scaler_->scale() < before && !d->has(Action::kDropLossScale) &&
         d->outcome != Outcome::kAborted) {
@@ -73,14 +72,14 @@ void StepController::update_knobs(const GlobalStats& stats, Decision* d) {
   }
 }
 
-void StepController::settle_rollback(const RollbackAgreement& agree, StepDecision* out) {
+void StepController::settle_rollback(std::int64_t step, bool replicas_diverged,
+                                     SnapshotHolder* snapshots, StepDecision* out) {
   Decision& d = out->decision;
-  const std::int64_t to_step = agree(book_.confirmed_steps());
-  const SnapshotBook::Entry* target = to_step > 0 ? book_.at(to_step) : nullptr;
-  if (target != nullptr) {
-    const std::vector<std::int64_t> words = target->words;
-    rollback_to(words, d);
-    book_.drop_newer_than(to_step);
+  const std::optional<RollbackTarget> target =
+      snapshots != nullptr ? snapshots->roll_back(step, replicas_diverged) : std::nullopt;
+  if (target) {
+    const std::int64_t to_step = target->step;
+    rollback_to(target->words, d);
     out->loss_scale = loss_scale();
     out->lr_factor = lr_factor();
     out->rolled_back_to = to_step;
@@ -94,12 +93,6 @@ void StepController::settle_rollback(const RollbackAgreement& agree, StepDecisio
                   d.actions.end());
   d.actions.insert(d.actions.begin(), Action::kSkipBatch);
   d.reason += " (no confirmed snapshot to roll back to yet: skipped instead)";
-}
-
-bool StepController::snapshot_due(std::int64_t step, Outcome outcome) {
-  if (!book_.due(step, outcome)) return false;
-  book_.add(step, encode());
-  return true;
 }
 
 std::vector<std::int64_t> StepController::encode() const {
@@ -165,68 +158,7 @@ void StepController::rollback_to(const std::vector<std::int64_t>& words, const D
   }
 }
 
-void StepController::reset() {
-  SnapshotBook book = std::move(book_);
-  *this = StepController(config_, loss_scaling_requested_);
-  book_ = std::move(book);
-}
-
-bool SnapshotBook::due(std::int64_t step, Outcome outcome) const noexcept {
-  return cadence_.snapshot_every > 0 && outcome == Outcome::kApplied &&
-         step % cadence_.snapshot_every == 0;
-}
-
-void SnapshotBook::add(std::int64_t step, std::vector<std::int64_t> words) {
-  entries_.push_back({step, false, std::move(words)});
-  while (static_cast<std::int64_t>(entries_.size()) >
-         std::max<std::int64_t>(1, cadence_.snapshot_keep)) {
-    entries_.pop_front();
-  }
-}
-
-void SnapshotBook::on_step(std::int64_t step, bool clean) {
-  if (entries_.empty() || entries_.back().confirmed || entries_.back().step != step - 1) return;
-  if (clean) {
-    entries_.back().confirmed = true;
-  } else {
-    entries_.pop_back();
-  }
-}
-
-std::vector<std::int64_t> SnapshotBook::confirmed_steps() const {
-  std::vector<std::int64_t> out;
-  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
-    if (it->confirmed) out.push_back(it->step);
-  }
-  return out;
-}
-
-const SnapshotBook::Entry* SnapshotBook::at(std::int64_t step) const {
-  for (const auto& e : entries_) {
-    if (e.step == step) return &e;
-  }
-  return nullptr;
-}
-
-std::vector<std::int64_t> SnapshotBook::steps() const {
-  std::vector<std::int64_t> out;
-  for (const auto& e : entries_) out.push_back(e.step);
-  return out;
-}
-
-void SnapshotBook::drop(std::int64_t step) {
-  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
-                                [step](const Entry& e) { return e.step == step; }),
-                 entries_.end());
-}
-
-void SnapshotBook::drop_newer_than(std::int64_t step) {
-  while (!entries_.empty() && entries_.back().step > step) entries_.pop_back();
-}
-
-std::int64_t newest_confirmed(const std::vector<std::int64_t>& confirmed) {
-  return confirmed.empty() ? 0 : confirmed.front();
-}
+void StepController::reset() { *this = StepController(config_, loss_scaling_requested_); }
 
 StepReport make_report(std::int64_t step, const GlobalStats& stats, const StepDecision& decided) {
   StepReport r;
@@ -237,6 +169,7 @@ StepReport make_report(std::int64_t step, const GlobalStats& stats, const StepDe
   r.grad_norm = stats.grad_norm;
   r.nonfinite_count = stats.nonfinite_count();
   r.actions = decided.decision.actions;
+  r.action = strongest_action(r.actions);
   r.batches_to_skip = decided.decision.batches_to_skip;
   r.loss_scale = decided.loss_scale;
   r.lr_factor = decided.lr_factor;

@@ -38,7 +38,8 @@ StepController make_controller(const EngineConfig& config) {
 
 RecoveryConfig recovery_config(const GuardOptions& o, const EngineConfig& c) {
   RecoveryConfig r;
-  r.snapshot_keep = c.policy.checkpoint.snapshot_every > 0 ? c.policy.checkpoint.snapshot_keep : 0;
+  r.snapshot_every = c.policy.checkpoint.snapshot_every;
+  r.snapshot_keep = c.policy.checkpoint.snapshot_keep;
   r.checkpoint_dir = o.checkpoint_dir();
   r.disk_every = c.disk_every;
   r.disk_keep = static_cast<int>(c.policy.checkpoint.disk_keep);
@@ -61,9 +62,10 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor(),
                           config_.disk_every);
   event_log_ = open_trace(options_);
+  recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
 }
 
-StepEngine::~StepEngine() { synchronize(); }
+StepEngine::~StepEngine() { wait_for_background_work(); }
 
 StepReport StepEngine::step(const at::Tensor& loss) {
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
@@ -169,7 +171,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
                                   consensus_->world_size(), &a.global);
     }
     if (a.global.replica_checked && a.global.diverged_replicas.empty()) {
-      replica_ok_before_ = step;  // snapshots taken before this step hold agreeing replicas
+      recovery_.replicas_agreed_before(step);  // snapshots taken before hold agreeing replicas
     }
   } catch (const std::exception& e) {
     // The ranks can no longer agree: nothing may be applied from here on. A ConsensusError
@@ -185,18 +187,8 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
 StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
   step_loss_scale_ = controller_.loss_scale();
   try {
-    return controller_.decide(step, global, [&](std::vector<std::int64_t> confirmed) {
-      if (!global.diverged_replicas.empty()) {
-        // Only snapshots from before the last replica check that agreed hold equal replicas.
-        confirmed.erase(std::remove_if(confirmed.begin(), confirmed.end(),
-                                       [&](std::int64_t s) { return s >= replica_ok_before_; }),
-                        confirmed.end());
-      }
-      std::vector<std::int64_t> damaged;
-      const std::int64_t agreed = recovery_.agree_rollback(step, confirmed, &damaged);
-      for (std::int64_t s : damaged) controller_.snapshots().drop(s);
-      return agreed;
-    });
+    // Recovery owns the snapshots: it confirms them and agrees on a rollback target.
+    return controller_.decide(step, global, &recovery_);
   } catch (const RollbackFailure& e) {
     abort_with(e.what());
     TORCH_CHECK(false, "stepguard: step ", step, ": cannot roll back: ", e.what());
@@ -258,13 +250,9 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
   // The disk checkpoint written after an earlier step becomes visible once the step after it
   // came out clean and every rank has finished writing (the step's collective says so).
   const bool all_written = global.checkpoint_written_ranks >= consensus_->world_size();
-  if (const std::int64_t committed =
-          recovery_.settle_pending(step, !decided.signals.any(), all_written)) {
-    ++checkpoints_written_;
-    if (metrics_) metrics_->record_checkpoint(committed, recovery_.pending_write_seconds());
-  }
+  (void)recovery_.settle_pending(step, !decided.signals.any(), all_written);
   const auto t_snapshot = Clock::now();
-  if (controller_.snapshot_due(step, decided.decision.outcome)) {
+  if (recovery_.snapshot_due(step, decided.decision.outcome)) {
     last_snapshot_step_ = step;  // the replica-check schedule is the same on every rank
     try {
       // Copied in the background; it lands (or is reported failed) at the next settle_snapshot().
@@ -275,10 +263,8 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
     }
   }
   stage_seconds_.snapshot = seconds_since(t_snapshot);
-  recovery_.keep_snapshots(controller_.snapshots().steps());
   // One checkpoint in flight: one due while the last is still being written is skipped.
   if (recovery_.disk_due(step, applied)) recovery_.write_checkpoint(guard_record(step));
-  report_checkpoint_counts();
 }
 
 void StepEngine::settle_snapshot() noexcept {
@@ -294,10 +280,7 @@ void StepEngine::settle_snapshot() noexcept {
 
 void StepEngine::snapshot_failed(std::int64_t step, const char* why) {
   // Out of host memory, or optimizer state that cannot be copied: the step stands, and so does
-  // every snapshot still held; the book forgets those the ring no longer has.
-  for (std::int64_t s : controller_.snapshots().steps()) {
-    if (!recovery_.holds_snapshot(s)) controller_.snapshots().drop(s);
-  }
+  // every snapshot still held (Recovery forgets those it no longer has).
   std::fprintf(stderr,
                "stepguard: step %" PRId64
                ": the RAM snapshot could not be taken (%s); training goes on, %zu older "
@@ -306,21 +289,24 @@ void StepEngine::snapshot_failed(std::int64_t step, const char* why) {
   if (metrics_) metrics_->record_snapshot_failure();
 }
 
-void StepEngine::report_checkpoint_counts() {
-  for (; checkpoint_failures_reported_ < recovery_.checkpoint_failures();
-       ++checkpoint_failures_reported_) {
-    if (metrics_) metrics_->record_checkpoint_failure();
-  }
-  for (; checkpoints_skipped_reported_ < recovery_.checkpoints_skipped();
-       ++checkpoints_skipped_reported_) {
-    if (metrics_) metrics_->record_checkpoint_skipped();
+void StepEngine::export_checkpoint_event(const CheckpointEvent& e) {
+  if (!metrics_) return;
+  switch (e.kind) {
+    case CheckpointEvent::Kind::kWritten:
+      metrics_->record_checkpoint(e.step, e.write_seconds);
+      break;
+    case CheckpointEvent::Kind::kFailed:
+      metrics_->record_checkpoint_failure();
+      break;
+    case CheckpointEvent::Kind::kSkipped:
+      metrics_->record_checkpoint_skipped();
+      break;
   }
 }
 
-void StepEngine::synchronize() {
+void StepEngine::wait_for_background_work() {
   settle_snapshot();
   recovery_.wait_for_checkpoint();
-  report_checkpoint_counts();
 }
 
 // Every replica_every steps, on the step after each snapshot (so a rollback knows which
@@ -337,32 +323,32 @@ void StepEngine::abort_with(const std::string& reason) {
   abort_reason_ = reason;
 }
 
-GuardState StepEngine::state() {
-  settle_snapshot();  // a copy that failed changes the book the words hold
-  GuardState g;
-  g.step = step_;
-  g.words = controller_.encode();
+GuardStats StepEngine::stats() {
+  settle_snapshot();  // a copy that failed changes the counts
+  GuardStats g;
+  g.step_count = step_;
+  g.totals = totals_;
+  g.aborted = aborted_;
   g.consecutive_bad_steps = controller_.engine_state().consecutive_bad_steps;
   g.bad_steps_total = controller_.engine_state().bad_steps_total;
   g.loss_scale = controller_.loss_scale();
   g.lr_factor = controller_.lr_factor();
+  g.rank = consensus_->rank();
+  g.world_size = consensus_->world_size();
+  g.data_position = data_position_;
+  g.skipped_ranges = skipped_ranges_;
+  g.snapshots_held = static_cast<std::int64_t>(recovery_.snapshots_held());
+  g.snapshot_bytes = recovery_.snapshot_bytes();
+  const CheckpointCounts& c = recovery_.checkpoint_counts();
+  g.checkpoints_written = c.written;
+  g.checkpoints_failed = c.failed;
+  g.checkpoints_skipped = c.skipped;
+  g.collective_calls = consensus_->collectives();
+  g.collective_bytes = consensus_->bytes();
+  g.step_buffer_bytes = consensus::StepBuffer::bytes();
+  g.last_step_seconds = stage_seconds_;
+  g.metrics_endpoint = metrics_ ? metrics_->endpoint() : std::string();
   return g;
-}
-
-void StepEngine::restore_state(const GuardState& state) {
-  TORCH_CHECK(state.step >= 0, "stepguard: restore_state got a negative step ", state.step);
-  settle_snapshot();
-  if (state.words.empty()) {
-    controller_.reset();
-  } else {
-    try {
-      controller_.check(state.words, state.step);
-      controller_.decode(state.words);
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK(false, "stepguard: restore_state: ", e.what());
-    }
-  }
-  step_ = state.step;
 }
 
 at::Tensor StepEngine::scale_loss(const at::Tensor& loss) const {
@@ -375,8 +361,9 @@ checkpoint::GuardRecord StepEngine::guard_record(std::int64_t at_step) const {
   r.step = at_step;
   r.data_position = data_position_;
   r.guard = controller_.encode();
-  r.totals = {totals_.steps,   totals_.applied,   totals_.skipped,   totals_.rolled_back,
-              totals_.aborted, totals_.incidents, totals_.snapshots, checkpoints_written_};
+  r.totals = {
+      totals_.steps,   totals_.applied,   totals_.skipped,   totals_.rolled_back,
+      totals_.aborted, totals_.incidents, totals_.snapshots, recovery_.checkpoint_counts().written};
   for (const auto& [first, count] : skipped_ranges_) {
     r.skipped_ranges.push_back(first);
     r.skipped_ranges.push_back(count);
@@ -390,12 +377,12 @@ void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
   data_position_ = record.data_position;
   const auto& t = record.totals;
   totals_ = GuardTotals{t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
-  checkpoints_written_ = t[7];
+  recovery_.set_checkpoints_written(t[7]);
   skipped_ranges_.clear();
   for (std::size_t i = 0; i + 1 < record.skipped_ranges.size(); i += 2) {
     skipped_ranges_.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
   }
-  controller_.snapshots().clear();
+  recovery_.clear_snapshots();
 }
 
 void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
@@ -456,11 +443,7 @@ void StepEngine::set_data_position(std::int64_t position) {
 void StepEngine::commit_pending_checkpoint() {
   if (aborted_) return;
   settle_snapshot();
-  if (const std::int64_t step = recovery_.commit_pending()) {
-    ++checkpoints_written_;
-    if (metrics_) metrics_->record_checkpoint(step, recovery_.pending_write_seconds());
-  }
-  report_checkpoint_counts();
+  (void)recovery_.commit_pending();
 }
 
 }  // namespace stepguard

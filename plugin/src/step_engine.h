@@ -16,9 +16,9 @@
  * contract with the loop: parameters and optimizer state change only inside step() (zero_grad,
  * forward and backward touch neither), so the copy is waited for at the start of the next step(),
  * before anything there can change them; a loop that changes them in place between steps (loading
- * a state dict, weight surgery) calls synchronize() first. Everything that reads or restores
- * snapshots (rollback, resume, state(), restore_state(), the snapshot counts) waits for the copy
- * first, and a copy that failed is reported then, as a failure to take the snapshot.
+ * a state dict, weight surgery) calls wait_for_background_work() first. Everything that reads or
+ * restores snapshots (rollback, resume, stats(), the guard's record) waits for the copy first, and
+ * a copy that failed is reported then, as a failure to take the snapshot.
  */
 #pragma once
 
@@ -47,7 +47,7 @@
 #include "plugin/src/optimizer_port.h"
 #include "plugin/src/recovery.h"
 #include "plugin/src/step_controller.h"
-#include "stepguard/guard_state.h"
+#include "stepguard/guard_stats.h"
 #include "stepguard/input_verdict.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"
@@ -69,12 +69,9 @@ class StepEngine {
   /// no value this step (StepReport::loss_given is false).
   StepReport step(const at::Tensor& loss);
 
-  /// The decision state (after the snapshot in flight has landed or failed).
-  GuardState state();
-  void restore_state(const GuardState& state);
   /// Waits for the background work of the last step: the snapshot copy (a failure is reported
   /// as one to take it) and this rank's checkpoint write (a failure is logged and counted).
-  void synchronize();
+  void wait_for_background_work();
   at::Tensor scale_loss(const at::Tensor& loss) const;
   InputVerdict check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
   void set_replay(forensics::Recompute recompute);
@@ -92,35 +89,10 @@ class StepEngine {
   checkpoint::GuardRecord record() const { return guard_record(step_); }
   void load_record(const checkpoint::GuardRecord& record);
 
-  int rank() const noexcept { return consensus_->rank(); }
-  int world_size() const noexcept { return consensus_->world_size(); }
-  std::string metrics_endpoint() const { return metrics_ ? metrics_->endpoint() : std::string(); }
+  /// What the guard knows now (after the snapshot in flight has landed or failed).
+  GuardStats stats();
   std::string metrics_text() const { return metrics_ ? metrics_->serialize() : std::string(); }
-  double loss_scale() const noexcept { return controller_.loss_scale(); }
-  double lr_factor() const noexcept { return controller_.lr_factor(); }
-  std::int64_t data_position() const noexcept { return data_position_; }
-  const std::vector<std::pair<std::int64_t, std::int64_t>>& skipped_ranges() const noexcept {
-    return skipped_ranges_;
-  }
-  std::int64_t checkpoints_written() const noexcept { return checkpoints_written_; }
-  /// RAM snapshots held and their bytes, once the copy in flight has landed.
-  std::size_t snapshots_held() {
-    settle_snapshot();
-    return recovery_.snapshots_held();
-  }
-  std::int64_t snapshot_bytes() {
-    settle_snapshot();
-    return recovery_.snapshot_bytes();
-  }
-  std::int64_t step_count() const noexcept { return step_; }
-  GuardTotals totals() const noexcept { return totals_; }
-  bool aborted() const noexcept { return aborted_; }
-  std::int64_t collectives() const noexcept { return consensus_->collectives(); }
-  std::int64_t collective_bytes() const noexcept { return consensus_->bytes(); }
-  const GuardOptions& options() const noexcept { return options_; }
   OptimizerPort& port() noexcept { return port_; }
-  /// Where the last step()'s time went, stage by stage (zeros before the first step).
-  const StageSeconds& last_stage_seconds() const noexcept { return stage_seconds_; }
 
  private:
   /// What inspection and agreement produced for one step.
@@ -155,8 +127,8 @@ class StepEngine {
   /// as a snapshot that could not be taken. Never throws.
   void settle_snapshot() noexcept;
   void snapshot_failed(std::int64_t step, const char* why);
-  /// Brings the checkpoint failure and skip counters in the metrics up to Recovery's.
-  void report_checkpoint_counts();
+  /// Exports a checkpoint Recovery wrote, failed or skipped to the metrics.
+  void export_checkpoint_event(const CheckpointEvent& event);
   StepReport record(std::int64_t step, const Agreed& agreed, const StepDecision& decided,
                     const Findings& findings);
   std::optional<Incident> make_incident(std::int64_t step, const Agreed& agreed,
@@ -185,16 +157,11 @@ class StepEngine {
   StageSeconds stage_seconds_;  ///< of the last step, filled as step() runs the stages
   bool aborted_ = false;
   std::string abort_reason_;
-  std::int64_t checkpoints_written_ = 0;
-  std::int64_t checkpoint_failures_reported_ = 0;
-  std::int64_t checkpoints_skipped_reported_ = 0;
   std::int64_t data_position_ = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> skipped_ranges_;
   /// Where this step's buffers live: the loss's device, else the gradients'.
   std::optional<at::Device> step_device_;
-  // Replica check: snapshots taken before replica_ok_before_ hold replicas that agreed.
-  std::int64_t replica_ok_before_ = 0;
-  std::int64_t last_snapshot_step_ = -1;
+  std::int64_t last_snapshot_step_ = -1;  ///< the replica-check schedule follows it
   std::int64_t last_incident_step_ = -1;
 
   // Forensics.

@@ -94,7 +94,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
                  f.origin_ranks.end();
   if (f.origin) {
     // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
-    if (replay_ && (ev.loss_nonfinite || ev.grads_nonfinite) &&
+    if (replay_ && agreed.global.nonfinite() &&
         decided.signals.consecutive_bad_steps <= 1) {
       run_replays(&ev);
     }
@@ -255,7 +255,7 @@ std::optional<Incident> StepEngine::make_incident(std::int64_t step, const Agree
   Incident incident;
   incident.step = step;
   incident.signal = decided.signals.raised.front();
-  incident.action = strongest_action(decided.decision.actions);
+  incident.action = report.action;
   incident.tensors = findings.blamed;
   incident.ranks = findings.origin_ranks;
   incident.reason = decided.decision.reason;

@@ -115,7 +115,7 @@ def main():
         "nan_step": NAN_STEP, "nan_rank": NAN_RANK,
         "grad_step": GRAD_STEP, "grad_rank": GRAD_RANK, "grad_tensor": GRAD_TENSOR,
         "spike_step": SPIKE_STEP, "spike_rank": SPIKE_RANK, "max_grad_norm": MAX_GRAD_NORM,
-        "totals": sg.guard.totals, "callback_order": [type(c).__name__ for c in
+        "totals": sg.guard.stats().totals.to_dict(), "callback_order": [type(c).__name__ for c in
                                                       trainer.callback_handler.callbacks],
         "steps": recorder.steps, "log_history": trainer.state.log_history,
     }

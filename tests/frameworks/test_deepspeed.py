@@ -57,7 +57,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     steps, after = [], {}
     position = 0  # the data position: a rollback skips batches
     for _ in range(STEPS):
-        step = guarded.guard.step_count + 1
+        step = guarded.guard.stats().step_count + 1
         hook = None
         if step == NAN_GRAD and rank == world - 1:
             hook = target.register_hook(lambda g: g * float("nan"))

@@ -111,7 +111,7 @@ def train(out):
     trainer.save_checkpoint(os.path.join(out, "last.ckpt"), weights_only=False)
     guard = guard_cb.guards[0]
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    torch.save({"steps": recorder.steps, "incidents": guard_cb.incidents, "totals": guard.totals,
+    torch.save({"steps": recorder.steps, "incidents": guard_cb.incidents, "totals": guard.stats().totals.to_dict(),
                 "dropped": guard.dropped, "global_step": trainer.global_step,
                 "scheduler_steps": scheduler.last_epoch,
                 "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
@@ -236,15 +236,15 @@ def test_lightning_checkpoints_resume_with_and_without_the_callback(tmp_path):
     torch.set_num_threads(1)
     # A run with the guard resumes with it: the guard's counts and detector state go on.
     first, guard, _ = fit(tmp_path, 5)
-    assert guard.step_count == 5 and guard.totals["applied"] == 5
+    assert guard.stats().step_count == 5 and guard.stats().totals.applied == 5
     second, guard, trainer = fit(tmp_path, 7, ckpt_path=first)
-    assert guard.step_count == 7 and guard.totals["applied"] == 7, guard.totals
+    assert guard.stats().step_count == 7 and guard.stats().totals.applied == 7, guard.stats().totals.to_dict()
     assert trainer.optimizers[0].state  # SGD's momentum came back from the checkpoint
     # Its checkpoint resumes without stepguard; a plain run's checkpoint resumes with it.
     fit(tmp_path, 8, guard=False, ckpt_path=second)
     plain, _, _ = fit(tmp_path, 3, guard=False)
     _, guard, trainer = fit(tmp_path, 4, ckpt_path=plain)
-    assert guard.step_count == 1 and trainer.global_step == 4
+    assert guard.stats().step_count == 1 and trainer.global_step == 4
 
 
 if __name__ == "__main__":

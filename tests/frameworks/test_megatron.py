@@ -63,7 +63,7 @@ def _run(rank, world, precision, distributed_optimizer):
     steps, after, mains = [], {}, {}
     position = 0
     for _ in range(STEPS):
-        step = optimizer.guard.step_count + 1
+        step = optimizer.guard.stats().step_count + 1
         batches = []
         for _ in range(MICRO):
             g = torch.Generator().manual_seed(100 * position + rank)

@@ -20,6 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   (void)policy::explain_policy(config);
   // A valid policy must build (loss scaling on, so drop_loss_scale is allowed) and decide.
   StepController controller(config, true);
+  SnapshotBook snapshots(config.checkpoint.snapshot_every, config.checkpoint.snapshot_keep);
   for (std::int64_t step = 1; step <= 64; ++step) {
     GlobalStats g;
     const std::uint8_t b = data[static_cast<std::size_t>(step) % size];
@@ -29,9 +30,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     g.grad_norm = (b & 4) ? 1000.0 : 1.0 + 0.01 * (b >> 3);
     g.sum_squares = g.grad_norm * g.grad_norm;
     // Rollbacks go to the newest confirmed snapshot, as in a replay.
-    const StepDecision d = controller.decide(step, g, newest_confirmed);
+    const StepDecision d = controller.decide(step, g, &snapshots);
     if (d.decision.actions.empty()) __builtin_trap();
-    (void)controller.snapshot_due(step, d.decision.outcome);
+    if (snapshots.due(step, d.decision.outcome)) snapshots.add(step, controller.encode());
     if (d.decision.outcome == Outcome::kAborted) break;
   }
   StepController copy(config, true);

@@ -58,3 +58,41 @@ def test_the_public_python_api_has_type_hints():
             continue
         hints = fn.__annotations__
         assert "return" in hints, name
+
+
+# The C++ GuardedOptimizer's methods and their Python names: the same, except where each language
+# follows torch's own optimizers (C++ save/load archives, Python state_dict/load_state_dict).
+_CPP_TO_PYTHON = {"save": "state_dict", "load": "load_state_dict"}
+# torch.optim.Optimizer's own surface (and ZeroRedundancyOptimizer's consolidate_state_dict),
+# passed through to the wrapped optimizer.
+_TORCH_OPTIM = {"param_groups", "state", "defaults", "zero_grad", "add_param_group",
+                "consolidate_state_dict", "register_step_pre_hook", "register_step_post_hook",
+                "register_state_dict_pre_hook", "register_state_dict_post_hook",
+                "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+                "OptimizerPreHook", "OptimizerPostHook", "profile_hook_step"}
+
+
+def _cpp_public_methods():
+    header = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "plugin",
+                          "include", "stepguard", "guarded_optimizer.h")
+    text = open(header).read()
+    public = text[text.index(" public:"):text.index(" private:")]
+    names = set()
+    for line in public.splitlines():
+        line = line.strip()
+        if not line or line.startswith("//") or "operator=" in line or "~" in line:
+            continue
+        head = line.split("(")[0].split()
+        if "(" in line and head and head[-1] != "GuardedOptimizer" and not line.startswith(":"):
+            names.add(head[-1].lstrip("&*"))
+    return names
+
+
+def test_the_cpp_guard_is_as_narrow_as_torchs_optimizer_and_python_matches_it_name_for_name():
+    cpp = _cpp_public_methods()
+    assert 12 <= len(cpp) <= 16, sorted(cpp)
+    # What the class itself defines, less torch.optim's pass-throughs; the wrapped optimizer is an
+    # attribute.
+    python = {n for n in vars(stepguard.GuardedOptimizer) if not n.startswith("_")}
+    python = (python - _TORCH_OPTIM) | {"optimizer"}
+    assert python == {_CPP_TO_PYTHON.get(n, n) for n in cpp}

@@ -49,8 +49,8 @@ def _rank_main(rank, world, init_file, out_dir):
             assert report.incident["ranks"] == [1]
             assert report.incident["rank_causes"] == {1: "backward"}
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    torch.save({"outcomes": outcomes, "params": flat, "collectives": guard.collectives,
-                "step_buffer_bytes": guard.step_buffer_bytes},
+    torch.save({"outcomes": outcomes, "params": flat, "collectives": guard.stats().collective_calls,
+                "step_buffer_bytes": guard.stats().step_buffer_bytes},
                os.path.join(out_dir, "rank%d.pt" % rank))
     dist.destroy_process_group()
 

@@ -35,7 +35,7 @@ def test_clean_steps_match_the_plain_optimizer_bitwise():
         assert report.actions == ["apply"] and report.incident is None
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
-    assert guard.collectives == 5 and guard.step_count == 5
+    assert guard.stats().collective_calls == 5 and guard.stats().step_count == 5
 
 
 def test_a_nan_gradient_is_skipped_named_and_the_scheduler_waits():
@@ -58,7 +58,7 @@ def test_a_nan_gradient_is_skipped_named_and_the_scheduler_waits():
     assert report.incident["tensors"] == ["2.weight"]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert guard.param_groups[0]["lr"] == 0.1  # the scheduler did not step
-    assert guard.totals["skipped"] == 1
+    assert guard.stats().totals.skipped == 1
 
 
 def test_accepted_wherever_the_optimizer_is():
@@ -107,7 +107,7 @@ def test_rollback_restores_parameters_and_state_bitwise(make_optimizer):
     for p, q in zip(model.parameters(), params_at_2):
         assert torch.equal(p, q)
     assert same_state(opt, state_at_2)
-    assert guard.data_position == 4 + 2
+    assert guard.stats().data_position == 4 + 2
     guard.zero_grad()
     loss = loss_of(model, 5)
     loss.backward()
@@ -135,12 +135,12 @@ def test_state_dict_continues_the_run_exactly():
                                     policy_yaml=ROLLBACK_POLICY)
     b.load_state_dict(saved["model"])
     gb.load_state_dict(saved["optim"])
-    assert gb.step_count == 4 and gb.data_position == ga.data_position
+    assert gb.stats().step_count == 4 and gb.stats().data_position == ga.stats().data_position
     run(a, ga, range(4, 8))
     run(b, gb, range(4, 8))
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
-    assert gb.totals == ga.totals
+    assert gb.stats().totals.to_dict() == ga.stats().totals.to_dict()
 
 
 def test_a_bad_loss_raises_and_changes_nothing():
@@ -155,7 +155,7 @@ def test_a_bad_loss_raises_and_changes_nothing():
         guard.step(torch.tensor(1))
     with pytest.raises(TypeError, match="takes the loss tensor, a closure or nothing, got str"):
         guard.step("loss")
-    assert guard.step_count == 0
+    assert guard.stats().step_count == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
@@ -173,7 +173,7 @@ def test_loss_scaling_unscales_in_place_and_backs_off():
     model = make_model(8)
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        loss_scaling=True)
-    assert guard.loss_scale == 65536.0
+    assert guard.stats().loss_scale == 65536.0
     guard.zero_grad()
     loss = loss_of(model, 0)
     guard.scale_loss(loss).backward()
@@ -187,7 +187,7 @@ def test_loss_scaling_unscales_in_place_and_backs_off():
     model[0].weight.grad[0, 0] = float("inf")
     report = guard.step(loss)
     assert report.skipped and "drop_loss_scale" in report.actions
-    assert guard.loss_scale == 32768.0
+    assert guard.stats().loss_scale == 32768.0
 
 
 def test_forensics_replay_names_a_hardware_suspect():

@@ -148,6 +148,12 @@ def test_a_bad_trace_is_named_by_file_and_line(tmp_path):
     wrong.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, step=2, loss="high")) + "\n")
     with pytest.raises(plot.TraceError, match=r"wrong\.jsonl:2: 'loss' is \"high\", not a number"):
         plot.plot_trace(str(wrong), str(tmp_path / "x.png"))
+    noaction = tmp_path / "noaction.jsonl"
+    noaction.write_text(json.dumps(dict(good, signals=["nonfinite_grad"],
+                                        actions=["skip_batch"])) + "\n")
+    with pytest.raises(plot.TraceError,
+                       match=r"noaction\.jsonl:1: 'action' is missing, not the name of the step"):
+        plot.read_trace(str(noaction))
     nostep = tmp_path / "nostep.jsonl"
     nostep.write_text('{"loss": 1.0}\n')
     with pytest.raises(plot.TraceError, match=r"nostep\.jsonl:1: 'step' is missing"):

@@ -138,7 +138,7 @@ def test_a_closure_that_raises_or_returns_no_tensor_changes_nothing():
         guard.step(returns_a_float)
     with pytest.raises(TypeError, match="takes the loss tensor, a closure or nothing, got float"):
         guard.step(1.5)
-    assert guard.step_count == 0 and guard.collectives == 0
+    assert guard.stats().step_count == 0 and guard.stats().collective_calls == 0
     assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
 
 

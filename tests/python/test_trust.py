@@ -22,7 +22,7 @@ def _train_and_checkpoint(directory, optimizer, model, steps=2):
         loss = loss_of(model, step)
         loss.backward()
         assert guard.step(loss).applied
-    guard.synchronize()
+    guard.wait_for_background_work()
     guard.commit_pending_checkpoint()
     return guard
 
@@ -90,7 +90,7 @@ def test_resume_into_another_optimizer_type_is_refused_and_changes_nothing(tmp_p
     assert ("written by torch.optim.sgd.SGD; this optimizer is torch.optim.adam.Adam"
             in capfd.readouterr().err)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
-    assert len(adam.state) == 0 and guard.step_count == 0
+    assert len(adam.state) == 0 and guard.stats().step_count == 0
     # Training goes on with the optimizer as it was.
     guard.zero_grad()
     loss = loss_of(other, 0)
@@ -119,7 +119,7 @@ def test_a_replay_closure_that_calls_step_is_refused():
     loss.backward()
     model[0].weight.grad[0, 0] = float("nan")
     report = guard.step(loss)
-    assert report.skipped and report.step == 1 and guard.step_count == 1
+    assert report.skipped and report.step == 1 and guard.stats().step_count == 1
     assert inner and "not re-entrant" in inner[0]
 
 
@@ -164,7 +164,7 @@ def test_load_state_dict_loads_both_parts_or_neither():
     model, guard = _stepped_guard(9, 1)
     with pytest.raises(ValueError):
         guard.load_state_dict(state)
-    assert guard.step_count == 1 and guard.totals["applied"] == 1
+    assert guard.stats().step_count == 1 and guard.stats().totals.applied == 1
 
 
 @pytest.mark.parametrize("key, value, error, text", [
@@ -183,7 +183,7 @@ def test_a_guard_state_out_of_range_or_of_the_wrong_type_names_the_key(key, valu
     _, guard = _stepped_guard(11, 1)
     with pytest.raises(error, match=text):
         guard.load_state_dict(state)
-    assert guard.step_count == 1
+    assert guard.stats().step_count == 1
 
 
 def _traced_guard(model, trace):
@@ -259,10 +259,10 @@ def test_two_runs_started_in_one_checkpoint_directory_never_touch_each_others_fi
     with pytest.raises(stepguard.StepguardError, match="is in use by another live run \\(process "
                                                        "%d holds" % os.getpid()):
         _run_steps(b, model_b, 1)
-    assert b.step_count == 0
+    assert b.stats().step_count == 0
     for step in range(3):
         _run_steps(a, model_a, 1)
-        a.synchronize()  # each checkpoint written before the next is due (none skipped)
+        a.wait_for_background_work()  # each checkpoint written before the next is due (none skipped)
     a.commit_pending_checkpoint()
     del a  # its background work (pruning) finishes with it
     import gc
@@ -343,4 +343,4 @@ def test_decision_state_words_out_of_range_are_refused(word, value, text):
                                        policy_yaml=ONE_RULE)
     with pytest.raises(stepguard.StepguardError, match=text.replace("(", "\\(")):
         guard.load_state_dict(state)
-    assert guard.step_count == 0
+    assert guard.stats().step_count == 0

@@ -189,9 +189,9 @@ def _checkpoint_rank(rank, world, init_file, out_dir, ckpt_dir, phase):
         out["params_resumed"], out["shard_resumed"] = _flat(model), _shard(zero, model)
     for step in range(first, 8):
         guard.zero_grad()
-        loss = _data_parallel_backward(model, guard.data_position, rank, world)
+        loss = _data_parallel_backward(model, guard.stats().data_position, rank, world)
         assert guard.step(loss.detach()).applied
-        guard.synchronize()  # this rank's checkpoint write is done before the next step
+        guard.wait_for_background_work()  # this rank's checkpoint write is done before the next step
         if step == 6:
             out["params_6"], out["shard_6"] = _flat(model), _shard(zero, model)
     out["params_7"] = _flat(model)

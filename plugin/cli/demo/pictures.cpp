@@ -6,6 +6,7 @@
 #include <iostream>
 #include <vector>
 
+#include "plugin/cli/plot_tool.h"
 #include "stepguard/tools.h"
 
 namespace stepguard {
@@ -24,7 +25,7 @@ std::string draw_incident_pictures(const std::string& trace, nlohmann::json& inc
                               std::to_string(first_step) + " -o incident.png";
   // One Python for all of them: starting it and matplotlib costs more than a picture.
   try {
-    if (run_plot_tool(args) != 0) return by_hand;  // the tool said why on stderr
+    if (cli::run_plot_script(args) != 0) return by_hand;  // the tool said why on stderr
   } catch (const std::exception& e) {
     std::cerr << "stepguard demo: incident pictures: " << e.what() << "\n";
     return by_hand;

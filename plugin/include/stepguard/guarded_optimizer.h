@@ -16,6 +16,7 @@
 
 #include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <functional>
@@ -25,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "stepguard/guard_state.h"
+#include "stepguard/guard_stats.h"
 #include "stepguard/input_verdict.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"
@@ -50,34 +51,25 @@ class GuardedOptimizer {
   /// applies the optimizer step or not as the policy decides. `loss` is a floating-point tensor
   /// with one element on the gradients' device; without one (step()) the guard decides on the
   /// gradients alone and the loss detectors see no value this step (report.loss_given is
-  /// false). Throws c10::Error on bad input (nothing changed) and after an abort.
+  /// false). Throws c10::Error on bad input (nothing changed) and after an abort
+  /// (stats().aborted).
   StepReport step(const torch::Tensor& loss = {});
+  /// Gives this step's loss before a framework calls step() without one (a loss given to step()
+  /// itself wins). Used by the next step() only.
+  void record_loss(const torch::Tensor& loss);
 
-  /// The decision state, and its restore (for snapshots and resume). Restoring different states
-  /// on different ranks is detected at the next step and aborts training. state() waits for the
-  /// last step's background snapshot copy (whether it succeeded is part of the state).
-  GuardState state() const;
-  void restore_state(const GuardState& state);
-  /// This rank and the number of ranks agreeing (1 without a process group).
-  int rank() const noexcept;
-  int world_size() const noexcept;
-
-  /// Where /metrics is served ("127.0.0.1:9464"), or empty when metrics are off.
-  std::string metrics_endpoint() const;
-  /// The exposition text a scrape would see now; empty when metrics are off.
+  /// What the guard knows now, as one value: step counter, totals, knobs, data position,
+  /// snapshot and checkpoint counts, collectives, last step's stage times (stepguard/
+  /// guard_stats.h). Waits for the last step's background snapshot copy (a copy that failed is
+  /// reported and counted then).
+  GuardStats stats() const;
+  /// The exposition text a Prometheus scrape would see now; empty when metrics are off.
   std::string metrics_text() const;
 
   /// With loss scaling on: `loss` times the current loss scale, to call backward() on (as
   /// GradScaler's scale()); step() then unscales the gradients in its inspection pass. Without
   /// loss scaling: `loss` itself.
   torch::Tensor scale_loss(const torch::Tensor& loss) const;
-  /// The current loss scale (1 without loss scaling).
-  double loss_scale() const noexcept;
-  /// The factor the guard applies to every param group's learning rate during the optimizer step
-  /// (1 unless the policy lowered it). The optimizer's own lr values are left as the training loop
-  /// and its scheduler set them.
-  double lr_factor() const noexcept;
-
   /// Checks the batch about to be trained on, cheaply enough for every step: NaN/Inf in floating
   /// inputs, and with a mask (true = a real token, shape [batch, sequence]) empty or all-masked
   /// rows. The result is evidence for this step's incident, if there is one (a bad batch is a
@@ -113,15 +105,10 @@ class GuardedOptimizer {
   /// counter, the data position and totals come back. Returns the step resumed from, or 0 when
   /// there is no valid checkpoint (nothing changes). Call it on every rank before the first step.
   std::int64_t resume(const std::string& dir);
-  /// The data position: batches consumed, counted one per step() plus every batches_to_skip the
-  /// guard asked for. Checkpoints save it and resume() restores it: continue reading the data from
-  /// there. A loop that consumes several batches per step can keep its own count instead.
-  std::int64_t data_position() const noexcept;
+  /// Sets the data position stats().data_position reports and checkpoints save (batches
+  /// consumed, counted one per step() plus every batches_to_skip the guard asked for). A loop that
+  /// consumes several batches per step can keep its own count instead.
   void set_data_position(std::int64_t position);
-  /// Data ranges skipped after rollbacks, as (first batch, count), oldest first.
-  const std::vector<std::pair<std::int64_t, std::int64_t>>& skipped_ranges() const noexcept;
-  /// Disk checkpoints made visible so far.
-  std::int64_t checkpoints_written() const noexcept;
   /// Makes the checkpoint written after the last step visible without waiting for a next step
   /// (normally the next clean step confirms it). Call it at the end of a run that ended well, on
   /// every rank, after every rank has finished its last step (e.g. after a barrier).
@@ -131,34 +118,21 @@ class GuardedOptimizer {
   /// for the copy before it changes anything, and so does everything that reads snapshots; call
   /// this before changing parameters or optimizer state in place between steps (loading a state
   /// dict, weight surgery), or to see a write's outcome at once (tests).
-  void synchronize();
+  void wait_for_background_work();
 
-  /// RAM snapshots held now and their host bytes (policy `checkpoint.snapshot_every`); both wait
-  /// for the last step's background snapshot copy.
-  std::size_t snapshots_held() const;
-  std::int64_t snapshot_bytes() const;
+  /// The guard's state and the wrapped optimizer's, as torch's C++ optimizers save theirs (the
+  /// same content as state_dict() in Python): under "optimizer" the optimizer's own save(), under
+  /// "stepguard" the guard's record (step, data position, decision state, totals, skipped data
+  /// ranges), int64 tensors.
+  ///   torch::serialize::OutputArchive archive;  guard.save(archive);  archive.save_to(path);
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores what save() wrote. The guard's record is checked whole first (c10::Error naming the
+  /// key, changing nothing, when it is missing, malformed or does not fit this guard's policy);
+  /// if the optimizer's part then fails, the guard's comes back as it was. Restoring different
+  /// states on different ranks is detected at the next step and aborts training.
+  void load(torch::serialize::InputArchive& archive);
 
-  /// Guarded steps taken so far (the step counter; reports number steps from 1).
-  std::int64_t step_count() const noexcept;
-  /// Totals by outcome.
-  GuardTotals totals() const noexcept;
-  /// True once the policy aborted; step() then refuses to run.
-  bool aborted() const noexcept;
-  /// Collectives issued so far: one per step; with several ranks, two more on an incident step
-  /// (the per-rank rows naming the ranks, and the agreement on causes).
-  std::int64_t collectives() const noexcept;
-  /// Bytes each step's collective carries: a fixed size, the same at any world size.
-  std::int64_t step_buffer_bytes() const noexcept;
-  /// Bytes the guard's collectives carried so far (step buffers, and the per-rank rows of
-  /// incident steps).
-  std::int64_t collective_bytes() const noexcept;
-  /// Where the last step()'s time went, stage by stage (inspect, agree, decide, act, snapshot,
-  /// record; zeros before the first step). Overwritten by the next step().
-  const StageSeconds& last_stage_seconds() const noexcept;
-  /// The guarded parameters, in optimizer order, and their names.
-  const std::vector<torch::Tensor>& parameters() const noexcept;
-  const std::vector<std::string>& parameter_names() const noexcept;
-  const GuardOptions& options() const noexcept;
+  /// The wrapped optimizer.
   torch::optim::Optimizer& optimizer() noexcept;
 
  private:

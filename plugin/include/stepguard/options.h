@@ -65,13 +65,13 @@ struct GuardOptions {
   /// ranks that are missing.
   TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
   /// TCP port of this guard's Prometheus /metrics endpoint: -1 serves none, 0 picks a free port
-  /// (GuardedOptimizer::metrics_endpoint() says which). With several ranks on one host, give each
+  /// (GuardedOptimizer::stats().metrics_endpoint says which). With several ranks on one host, give each
   /// its own (e.g. base + LOCAL_RANK), or -1 on all but rank 0.
   TORCH_ARG(int, metrics_port) = -1;
   /// Address the endpoint binds to: loopback unless told otherwise.
   TORCH_ARG(std::string, metrics_bind_address) = "127.0.0.1";
   /// The `run` label on every metric: names the training job in alerts.
-  TORCH_ARG(std::string, run_name) = "stepguard";
+  TORCH_ARG(std::string, metrics_run_label) = "stepguard";
   /// How the gradients are laid out across ranks. false (data parallel, the default): every rank
   /// holds the same averaged gradient, so the global grad norm is one rank's (the mean over ranks
   /// of the sums of squares). true (a sharded optimizer, ZeRO/FSDP): each rank holds a part, so

@@ -47,13 +47,4 @@ std::string render_incident_report_file(const std::string& path);
 /// Throws std::invalid_argument naming the file when it cannot be read or is not a report.
 void attach_incident_picture(const std::string& report_path, const std::string& picture_path);
 
-/// Runs the Python tool that draws a run, `stepguard.plot` (python3 with matplotlib), with `args`
-/// (`TRACE.jsonl -o OUT.png [--around STEP] [--window N]`, or `--incident REPORT.json...`), its
-/// output going to this process's stdout and stderr; returns its exit status (0 drawn, 2 bad
-/// input, 1 matplotlib missing). The interpreter: $STEPGUARD_PYTHON, else the Python stepguard._C
-/// was built for (.venv), else python3 on PATH. The tool: plot.py of the package built beside this
-/// program (BIN/../python/stepguard), run by its path, else `-m stepguard.plot` (an installed
-/// package). Throws std::runtime_error when no interpreter can be started.
-int run_plot_tool(const std::vector<std::string>& args);
-
 }  // namespace stepguard

@@ -50,7 +50,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             ``TorchOptimPort``.
         Other keywords mirror the C++ ``GuardOptions``: trace_path, trace_every_step,
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
-        run_name, loss_scaling, sharded_gradients, collective_timeout (seconds),
+        metrics_run_label, loss_scaling, sharded_gradients, collective_timeout (seconds),
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
         checkpoints belong to). With trace_path and incident_dir, and matplotlib installed, each
         incident report gets a picture of the steps around it (``<report stem>.png``, linked from
@@ -238,12 +238,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Makes the checkpoint written after the last step visible (end of a good run)."""
         self._guard.commit_pending_checkpoint()
 
-    def synchronize(self) -> None:
+    def wait_for_background_work(self) -> None:
         """Waits for the background work of the last step: the RAM snapshot copy and this rank's
         disk checkpoint write (a failure of either is logged and counted now). step() waits for
         the copy before it changes anything; call this before changing parameters or optimizer
         state in place between steps (model.load_state_dict, weight surgery)."""
-        self._guard.synchronize()
+        self._guard.wait_for_background_work()
+
+    def set_data_position(self, position: int) -> None:
+        """Sets the data position ``stats().data_position`` reports and checkpoints save."""
+        self._guard.set_data_position(position)
 
     # -- state dict: the wrapped optimizer's and the guard's -----------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -264,52 +268,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise
 
     # -- what the guard knows -----------------------------------------------------------------
-    @property
-    def step_count(self) -> int:
-        return self._guard.step_count
-
-    @property
-    def totals(self) -> Dict[str, int]:
-        return self._guard.totals
-
-    @property
-    def aborted(self) -> bool:
-        return self._guard.aborted
-
-    @property
-    def loss_scale(self) -> float:
-        return self._guard.loss_scale
-
-    @property
-    def lr_factor(self) -> float:
-        return self._guard.lr_factor
-
-    @property
-    def metrics_endpoint(self) -> str:
-        return self._guard.metrics_endpoint
-
-    @property
-    def data_position(self) -> int:
-        return self._guard.data_position
-
-    @data_position.setter
-    def data_position(self, value: int) -> None:
-        self._guard.set_data_position(value)
-
-    @property
-    def collectives(self) -> int:
-        """Collectives issued so far: one per step; with several ranks, two more on an incident
-        step (the rows naming the ranks, the agreement on causes)."""
-        return self._guard.collectives
-
-    @property
-    def step_buffer_bytes(self) -> int:
-        """Bytes each step's collective carries: a fixed size at any world size."""
-        return self._guard.step_buffer_bytes
-
-    @property
-    def snapshots_held(self) -> int:
-        return self._guard.snapshots_held
+    def stats(self) -> "_C.GuardStats":
+        """What the guard knows now, as one value with the C++ ``GuardStats`` field names:
+        ``step_count``, ``totals``, ``aborted``, ``loss_scale``, ``lr_factor``, ``rank``,
+        ``world_size``, ``data_position``, ``skipped_ranges``, snapshot and checkpoint counts,
+        ``collective_calls``/``collective_bytes``/``step_buffer_bytes``, ``last_step_seconds``,
+        ``metrics_endpoint``; ``to_dict()`` for JSON. Waits for the last step's snapshot copy."""
+        return self._guard.stats()
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()

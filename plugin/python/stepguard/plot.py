@@ -21,10 +21,8 @@ import sys
 DEFAULT_WINDOW = 50  # steps either side of --around
 _BLOCK = 1 << 20  # bytes read at a time from the end of a trace
 
-# An incident is named by its first signal and its strongest action, as the engine names it
-# (strongest_action in csrc/core/stats.h): this order must stay the same.
-_ACTION_STRENGTH = ("abort", "rollback", "lower_lr", "drop_loss_scale", "skip_batch", "clip",
-                    "alert")
+# An incident is named by its first signal and its strongest action; the engine names the action
+# (each trace line's "action").
 _ACTION_COLOR = {"abort": "black", "rollback": "tab:red", "lower_lr": "tab:blue",
                  "drop_loss_scale": "tab:purple", "skip_batch": "tab:orange", "clip": "tab:olive",
                  "alert": "tab:gray", "apply": "tab:gray"}
@@ -41,13 +39,6 @@ class TraceError(ValueError):
 
 class MatplotlibMissing(RuntimeError):
     """matplotlib does not import: nothing can be drawn."""
-
-
-def strongest_action(actions):
-    for strong in _ACTION_STRENGTH:
-        if strong in actions:
-            return strong
-    return "apply"
 
 
 class _LineError(ValueError):
@@ -88,6 +79,11 @@ def _parse_line(raw):
     row["outcome"] = obj.get("outcome") if isinstance(obj.get("outcome"), str) else ""
     row["actions"] = _names(obj, "actions")
     row["signals"] = _names(obj, "signals")
+    action = obj.get("action", "apply" if not row["signals"] else None)
+    if not isinstance(action, str):
+        raise _LineError("'action' is %s, not the name of the step's strongest action"
+                         % ("missing" if action is None else json.dumps(action)))
+    row["action"] = action
     target = obj.get("rolled_back_to")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int)):
         raise _LineError("'rolled_back_to' is %s, not a step number" % json.dumps(target))
@@ -161,7 +157,7 @@ def read_trace(path, from_step=None):
 
 def incidents_of(rows):
     """The incident marks: every step that raised a signal, named as the engine names it."""
-    return [{"step": r["step"], "signal": r["signals"][0], "action": strongest_action(r["actions"]),
+    return [{"step": r["step"], "signal": r["signals"][0], "action": r["action"],
              "signals": list(r["signals"]), "actions": list(r["actions"]),
              "outcome": r["outcome"]} for r in rows if r["signals"]]
 

@@ -104,7 +104,7 @@ class StepguardCallback(pl.Callback):
             collective_timeout, metrics_port, ...); ``process_group`` defaults to WORLD when
             torch.distributed runs several ranks.
 
-    After ``fit``: ``guards`` (e.g. ``guards[0].totals``) and ``incidents`` (each incident's
+    After ``fit``: ``guards`` (e.g. ``guards[0].stats().totals``) and ``incidents`` (each incident's
     dict, on every rank). An aborted step stops the trainer (``should_stop``). Under manual
     optimization ``opt.step()`` returns the ``StepReport``; step your schedulers when
     ``report.applied``. Precision '32-true' or 'bf16-mixed': '16-mixed' (a GradScaler) and the
@@ -200,12 +200,12 @@ class StepguardCallback(pl.Callback):
 
     @staticmethod
     def _metrics(guard: _LightningGuard, report: Any) -> Dict[str, float]:
-        totals = guard.totals
+        totals = guard.stats().totals.to_dict()
         # A dropped batch has no measured figures: NaN, not the last step's (which Lightning
         # would otherwise log again).
         nan = float("nan")
         out = {"outcome": OUTCOME_CODES["dropped"], "applied": 0, "grad_norm": nan,
-               "nonfinite_count": nan, "loss_scale": guard.loss_scale, "lr_factor": guard.lr_factor}
+               "nonfinite_count": nan, "loss_scale": guard.stats().loss_scale, "lr_factor": guard.stats().lr_factor}
         if report is not None:
             out.update(outcome=OUTCOME_CODES.get(report.outcome, -1), applied=report.applied,
                        grad_norm=report.grad_norm, nonfinite_count=report.nonfinite_count,

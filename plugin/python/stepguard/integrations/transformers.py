@@ -212,10 +212,10 @@ class StepguardCallback(transformers.TrainerCallback):
         if report is None or logs is None or report.step == self._logged_step:
             return
         self._logged_step = report.step
-        totals = self.guard.totals
+        totals = self.guard.stats().totals.to_dict()
         extra = {"stepguard/grad_norm": report.grad_norm,
-                 "stepguard/loss_scale": self.guard.loss_scale,
-                 "stepguard/lr_factor": self.guard.lr_factor}
+                 "stepguard/loss_scale": self.guard.stats().loss_scale,
+                 "stepguard/lr_factor": self.guard.stats().lr_factor}
         for key in ("applied", "skipped", "rolled_back", "incidents"):
             extra["stepguard/" + key] = totals.get(key, 0)
         logs.update(extra)  # numbers only: every reporter takes them
@@ -229,5 +229,5 @@ class StepguardCallback(transformers.TrainerCallback):
         self._incidents = []
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.guard is not None and not self.guard.aborted:
+        if self.guard is not None and not self.guard.stats().aborted:
             self.guard.commit_pending_checkpoint()

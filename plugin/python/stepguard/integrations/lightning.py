@@ -141,7 +141,7 @@ class StepguardCallback(pl.Callback):
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named, **options)
-                if optimizer.loss_scale != 1.0:
+                if optimizer.stats().loss_scale != 1.0:
                     raise ValueError("stepguard: the guard's loss scaling (loss_scaling=True or a "
                                      "policy loss_scale section) is not supported under "
                                      "Lightning: its backward does not scale the loss")

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -35,7 +34,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from peers import cost, faults, tables  # noqa: E402
 from peers.tools import TOOLS  # noqa: E402
@@ -91,23 +89,12 @@ def _rank_main(rank, world, port, out_dir, args):
 
 
 def spawn(world, args, timeout):
-    """Runs every rank, waits up to ``timeout`` s (join() returns each time one rank exits)."""
-    from conftest import free_port
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_rank_main, args=(world, free_port(), d, args), nprocs=world,
-                                 start_method="spawn", join=False)
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in ctx.processes:
-                    process.kill()
-                raise SystemExit("bench_peers: %d rank(s) did not finish within %d s"
-                                 % (world, timeout))
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(d, "rank%d.json" % r)) as f:
-                ranks.append(json.load(f))
-        return ranks
+    """Runs every rank through the framework tests' spawn (a deadline, not join()'s first exit)."""
+    from conftest import spawn_ranks
+    try:
+        return spawn_ranks(_rank_main, world, args, timeout=timeout)
+    except AssertionError as e:
+        raise SystemExit("bench_peers: %d rank(s): %s" % (world, e)) from None
 
 
 def main():

@@ -307,19 +307,21 @@ def train(args, model, raw, guard, named, tokens, vocab, rank, world):
             break
     guard.set_replay(None)
     tail = applied_losses[-10:]
-    totals = guard.stats().totals.to_dict()
+    stats = guard.stats()
+    totals = stats.totals.to_dict()
     finite = all(bool(torch.isfinite(p).all()) for p in raw.parameters())
-    if not guard.stats().aborted:
+    if not stats.aborted:
         if world > 1:
             dist.barrier()
         guard.commit_pending_checkpoint()
+    stats = guard.stats()  # after the commit's collective
     return {
         "steps": totals["steps"], "applied": totals["applied"], "skipped": totals["skipped"],
         "rollbacks": totals["rolled_back"], "aborted": totals["aborted"] > 0,
         "initial_loss": initial_loss, "final_loss": sum(tail) / len(tail) if tail else None,
-        "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": guard.stats().loss_scale,
-        "lr_factor": guard.stats().lr_factor, "ranks": world, "seed": args.seed,
-        "collectives": guard.stats().collective_calls, "step_buffer_bytes": guard.stats().step_buffer_bytes,
+        "params_finite": finite, "param_hash": param_hash(raw), "loss_scale": stats.loss_scale,
+        "lr_factor": stats.lr_factor, "ranks": world, "seed": args.seed,
+        "collectives": stats.collective_calls, "step_buffer_bytes": stats.step_buffer_bytes,
         "batches_consumed": batch_index,
         "incidents": incidents, "policy": args.policy or "default.yaml",
         "optimizer": args.optimizer,

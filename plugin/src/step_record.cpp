@@ -94,8 +94,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
                  f.origin_ranks.end();
   if (f.origin) {
     // Replays cost a few forward/backward passes: once per streak of bad steps, at its start.
-    if (replay_ && agreed.global.nonfinite() &&
-        decided.signals.consecutive_bad_steps <= 1) {
+    if (replay_ && agreed.global.nonfinite() && decided.signals.consecutive_bad_steps <= 1) {
       run_replays(&ev);
     }
     f.diagnosis = forensics::classify(ev);

@@ -310,7 +310,7 @@ bool DemoRun::record_step(const StepReport& report, Clock::time_point started) {
   const double rate =
       static_cast<double>(o_.batch_size * o_.context * world_.size) / std::max(dt, 1e-9);
   tokens_per_s_ = tokens_per_s_ == 0.0 ? rate : 0.9 * tokens_per_s_ + 0.1 * rate;
-  if (lead_) progress_.update(report, tokens_per_s_, guard.stats().totals.skipped);
+  if (lead_) progress_.update(report, tokens_per_s_, guard);
   if (report.aborted()) {
     if (lead_) {
       progress_.note("stepguard aborted training at step " + std::to_string(report.step) + ": " +

@@ -165,7 +165,7 @@ void DemoRun::linger() const {
 
 nlohmann::json DemoRun::summary_json(const GuardTotals& totals, double final_loss,
                                      const RankAgreement& agreement) const {
-  GuardedOptimizer& guard = *guard_;
+  const GuardStats stats = guard_->stats();  // one read for every figure
   return {
       {"steps", totals.steps},
       {"applied", totals.applied},
@@ -177,18 +177,18 @@ nlohmann::json DemoRun::summary_json(const GuardTotals& totals, double final_los
       {"params_finite", agreement.params_finite},
       {"param_hashes", agreement.param_hashes},
       {"outcomes_agree", agreement.outcomes_agree},
-      {"loss_scale", guard.stats().loss_scale},
+      {"loss_scale", stats.loss_scale},
       {"precision", o_.fp16 ? "fp16" : "fp32"},
-      {"lr_factor", guard.stats().lr_factor},
+      {"lr_factor", stats.lr_factor},
       {"policy", o_.policy.empty()
                      ? (o_.max_consecutive_bad_steps >= 0 ? "built-in ladder" : kDefaultPolicyName)
                      : o_.policy},
       {"ranks", world_.size},
       {"seed", o_.seed},
-      {"collectives", guard.stats().collective_calls},
-      {"step_buffer_bytes", guard.stats().step_buffer_bytes},
+      {"collectives", stats.collective_calls},
+      {"step_buffer_bytes", stats.step_buffer_bytes},
       {"batches_consumed", batch_index_},
-      {"checkpoints", guard.stats().checkpoints_written},
+      {"checkpoints", stats.checkpoints_written},
       {"resumed_from", first_step_ - 1},
       {"incidents", incidents_},
   };
@@ -204,7 +204,7 @@ void DemoRun::write_summary(const nlohmann::json& summary) const {
 void DemoRun::print_summary_table(const GuardTotals& totals, double final_loss,
                                   const RankAgreement& agreement,
                                   const std::string& pictures) const {
-  GuardedOptimizer& guard = *guard_;
+  const GuardStats stats = guard_->stats();  // one read for every figure
   std::ostringstream table;
   table << "\nstepguard demo summary\n";
   char line[256];
@@ -219,8 +219,8 @@ void DemoRun::print_summary_table(const GuardTotals& totals, double final_loss,
     row("rollbacks", std::to_string(totals.rolled_back) + " (" + std::to_string(totals.snapshots) +
                          " RAM snapshots taken)");
   }
-  if (guard.stats().lr_factor != 1.0) {
-    std::snprintf(line, sizeof line, "%g", guard.stats().lr_factor);
+  if (stats.lr_factor != 1.0) {
+    std::snprintf(line, sizeof line, "%g", stats.lr_factor);
     row("lr factor", line);
   }
   row("aborted", totals.aborted > 0 ? "yes" : "no");
@@ -229,7 +229,7 @@ void DemoRun::print_summary_table(const GuardTotals& totals, double final_loss,
   row("loss", line);
   row("params finite", agreement.params_finite ? "yes" : "NO");
   if (o_.fp16) {
-    std::snprintf(line, sizeof line, "%g (fp16 emulation)", guard.stats().loss_scale);
+    std::snprintf(line, sizeof line, "%g (fp16 emulation)", stats.loss_scale);
     row("loss scale", line);
   }
   if (world_.size == 1) {
@@ -241,9 +241,9 @@ void DemoRun::print_summary_table(const GuardTotals& totals, double final_loss,
             (agreement.outcomes_agree ? ", same decision every step" : ", DECISIONS DIFFER"));
   }
   row("collectives",
-      std::to_string(guard.stats().collective_calls) +
+      std::to_string(stats.collective_calls) +
           (world_.size > 1 ? " (one per step, two more per incident step)" : " (one per step)") +
-          ", step buffer " + std::to_string(guard.stats().step_buffer_bytes) + " bytes");
+          ", step buffer " + std::to_string(stats.step_buffer_bytes) + " bytes");
   if (!incidents_.empty()) write_incident_rows(table, incidents_, world_.size);
   if (!pictures.empty()) row("pictures", pictures);
   if (!o_.summary_json.empty()) row("summary json", o_.summary_json);

@@ -17,8 +17,9 @@ class Progress {
  public:
   /// `log_every` 0: a plain line every tenth of the run off a terminal.
   Progress(std::int64_t total, std::int64_t log_every);
-  /// Shows step `r` (rate-limited on a terminal).
-  void update(const StepReport& r, double tokens_per_s, std::int64_t skipped);
+  /// Shows step `r` (rate-limited on a terminal). The guard's totals are read (stats(), which
+  /// waits for a snapshot copy in flight) only when a line is drawn, not every step.
+  void update(const StepReport& r, double tokens_per_s, const GuardedOptimizer& guard);
   /// A line of its own, clearing the progress line first on a terminal.
   void note(const std::string& line);
 

@@ -65,8 +65,8 @@ struct GuardOptions {
   /// ranks that are missing.
   TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
   /// TCP port of this guard's Prometheus /metrics endpoint: -1 serves none, 0 picks a free port
-  /// (GuardedOptimizer::stats().metrics_endpoint says which). With several ranks on one host, give each
-  /// its own (e.g. base + LOCAL_RANK), or -1 on all but rank 0.
+  /// (GuardedOptimizer::stats().metrics_endpoint says which). With several ranks on one host, give
+  /// each its own (e.g. base + LOCAL_RANK), or -1 on all but rank 0.
   TORCH_ARG(int, metrics_port) = -1;
   /// Address the endpoint binds to: loopback unless told otherwise.
   TORCH_ARG(std::string, metrics_bind_address) = "127.0.0.1";

@@ -200,12 +200,14 @@ class StepguardCallback(pl.Callback):
 
     @staticmethod
     def _metrics(guard: _LightningGuard, report: Any) -> Dict[str, float]:
-        totals = guard.stats().totals.to_dict()
+        stats = guard.stats()  # one read for every figure
+        totals = stats.totals.to_dict()
         # A dropped batch has no measured figures: NaN, not the last step's (which Lightning
         # would otherwise log again).
         nan = float("nan")
         out = {"outcome": OUTCOME_CODES["dropped"], "applied": 0, "grad_norm": nan,
-               "nonfinite_count": nan, "loss_scale": guard.stats().loss_scale, "lr_factor": guard.stats().lr_factor}
+               "nonfinite_count": nan, "loss_scale": stats.loss_scale,
+               "lr_factor": stats.lr_factor}
         if report is not None:
             out.update(outcome=OUTCOME_CODES.get(report.outcome, -1), applied=report.applied,
                        grad_norm=report.grad_norm, nonfinite_count=report.nonfinite_count,

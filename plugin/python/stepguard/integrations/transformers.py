@@ -212,10 +212,11 @@ class StepguardCallback(transformers.TrainerCallback):
         if report is None or logs is None or report.step == self._logged_step:
             return
         self._logged_step = report.step
-        totals = self.guard.stats().totals.to_dict()
+        stats = self.guard.stats()  # one read for every figure
+        totals = stats.totals.to_dict()
         extra = {"stepguard/grad_norm": report.grad_norm,
-                 "stepguard/loss_scale": self.guard.stats().loss_scale,
-                 "stepguard/lr_factor": self.guard.stats().lr_factor}
+                 "stepguard/loss_scale": stats.loss_scale,
+                 "stepguard/lr_factor": stats.lr_factor}
         for key in ("applied", "skipped", "rolled_back", "incidents"):
             extra["stepguard/" + key] = totals.get(key, 0)
         logs.update(extra)  # numbers only: every reporter takes them

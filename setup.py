@@ -4,9 +4,11 @@ against the torch of the Python running pip, and ships them in the package.
     .venv/bin/python -m pip install .
 
 The build runs CMake with the installing Python's own environment (not pip's isolated build
-environment, which has no torch), so the extension matches the torch it will run with. Needs a C++17 compiler, CMake >= 3.25 and
-the engine's libraries (yaml-cpp, prometheus-cpp, nlohmann-json, xxhash, pybind11 headers; on
-Debian: scripts/install-deps). STEPGUARD_CMAKE_ARGS adds CMake arguments.
+environment, which has no torch), so the extension matches the torch it will run with. Needs a
+C++20 compiler, CMake 3.22 or later and the engine's libraries (yaml-cpp, prometheus-cpp,
+nlohmann-json, xxhash, Gloo's headers; on Debian: scripts/install-deps); a step that fails names
+what to install. The CUDA toolkit is optional (without nvcc the build is CPU-only).
+STEPGUARD_CMAKE_ARGS adds CMake arguments.
 """
 
 import glob
@@ -41,6 +43,25 @@ def _torch_cmake_prefix(env):
                            "install torch first (the pins: requirements.txt)" % sys.executable)
 
 
+# What the C++ side needs from the system, as Debian names it (scripts/install-deps installs these).
+_SYSTEM_PACKAGES = ("cmake g++ libyaml-cpp-dev prometheus-cpp-dev nlohmann-json3-dev libxxhash-dev "
+                    "libgloo-dev python3-dev")
+
+
+def _run(what, args, env):
+    """Runs one CMake step; a missing CMake or a failed step ends the build with what to install."""
+    try:
+        subprocess.check_call(args, env=env)
+    except FileNotFoundError:
+        raise RuntimeError("stepguard: %s needs CMake 3.22 or later, which is not on PATH: "
+                           "install it (on Debian: apt-get install %s)" % (what, _SYSTEM_PACKAGES))
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError("stepguard: CMake's %s step failed (exit %d; its messages above name "
+                           "what is missing). The C++ side needs a C++20 compiler and, on Debian: "
+                           "apt-get install %s (scripts/install-deps)"
+                           % (what, e.returncode, _SYSTEM_PACKAGES))
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         env = _installing_environment()
@@ -55,10 +76,10 @@ class CMakeBuild(build_ext):
             "-DSTEPGUARD_PYTHON=" + sys.executable,
             "-DCMAKE_PREFIX_PATH=" + prefix, "-DTorch_DIR=" + os.path.join(prefix, "Torch"),
         ] + shlex.split(os.environ.get("STEPGUARD_CMAKE_ARGS", ""))
-        subprocess.check_call(args, env=env)
+        _run("configure", args, env)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.check_call(["cmake", "--build", build_dir, "--target", "stepguard_python",
-                               "-j", jobs], env=env)
+        _run("build", ["cmake", "--build", build_dir, "--target", "stepguard_python", "-j", jobs],
+             env)
         package = os.path.join(build_dir, "python", "stepguard")
         if not glob.glob(os.path.join(package, "_C*")):
             raise RuntimeError("stepguard: CMake did not build stepguard._C (see its messages "

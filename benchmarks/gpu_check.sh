@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--fetch-deps" ]]; then
 fi
 
 # --compile-only OUTDIR: the same configuration and build on a machine without a GPU (the build
-# machine, with .venv's torch 2.11 CUDA 13 wheel and nvcc 13), so the first GPU run cannot fail
+# machine, with .venv's torch CUDA 13 wheel and nvcc 13), so the first GPU run cannot fail
 # on compile errors. Uses the system's packages instead of .gpudeps.
 MODE=run
 if [[ "${1:-}" == "--compile-only" ]]; then
@@ -67,7 +67,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 -DSTEPGUARD_WITH_METRICS=OFF \
   -DSTEPGUARD_CUDART=shared -DSTEPGUARD_PYTHON="$(command -v "$PY")" \
   -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB" | tee "$OUT/configure.log"
-grep -q 'stepguard: CUDA' "$OUT/configure.log" ||
+grep -q 'stepguard: kernel path: CPU and CUDA' "$OUT/configure.log" ||
   { echo "gpu_check: the configure step found no CUDA/NCCL: this would be a CPU-only build" >&2; exit 1; }
 # The C++ ABI flag of the build must be torch's (a mismatch links but fails at run time). torch
 # 2.7 and later build with libstdc++'s default (1) and export no flag.

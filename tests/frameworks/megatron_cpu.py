@@ -6,6 +6,8 @@ exactly these, for the tests' processes only (never imported by stepguard itself
 - ``Tensor.type()`` of a CPU tensor -> the CUDA type name (clip_grads asserts
   ``torch.cuda.FloatTensor``);
 - ``torch.cuda.current_device()`` -> the CPU device, ``torch.cuda.synchronize()`` -> nothing;
+- ``torch.cuda.current_stream()`` -> a stream whose waits do nothing (megatron-core 0.19 asks
+  for it on every gradient sync, for CUDA-graph events the tests never record);
 - the model-parallel CUDA RNG tracker's ``fork()`` -> no fork (the CPU generator; the tests run
   without dropout).
 """
@@ -13,6 +15,19 @@ exactly these, for the tests' processes only (never imported by stepguard itself
 import contextlib
 
 import torch
+
+
+class _NoStream:
+    """What ``torch.cuda.current_stream()`` gives on the CPU: waits and syncs that do nothing."""
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
 from torch.overrides import TorchFunctionMode
 
 
@@ -44,6 +59,7 @@ def install():
     from megatron.core.tensor_parallel import random as mp_random
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     _CudaToCpu().__enter__()  # for the rest of the process
     install.done = True

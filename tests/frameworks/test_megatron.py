@@ -203,3 +203,23 @@ def test_bf16_distributed_optimizer_on_one_rank():
     ranks = _launch(1, [("bf16", True)])
     _check(ranks, "bf16-distopt", 1)
     assert ranks[0]["moe_refused"] is True
+
+
+def test_the_megatron_version_is_checked_against_the_tested_range():
+    """The installed megatron-core is one of the tested releases; an older one is refused with the
+    range named, a newer one warned about (its public stages are likely still there)."""
+    import megatron.core
+    from stepguard.integrations import megatron as integration
+
+    oldest, newest = integration.TESTED_VERSIONS
+    assert getattr(megatron.core, "__shortversion__", megatron.core.__version__) in (oldest, newest)
+    integration.check_megatron_version()  # the installed one: no error
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.15\.3 is older than the releases "
+                                           r"tested \(0\.16\.1 to 0\.19\.2\)"):
+        integration.check_megatron_version("0.15.3")
+    with pytest.raises(RuntimeError, match="cannot read the megatron-core version 'garbage'"):
+        integration.check_megatron_version("garbage")
+    with pytest.warns(RuntimeWarning, match=r"megatron-core 0\.20\.0rc1 is newer"):
+        integration.check_megatron_version("0.20.0rc1")
+    for tested in ("0.16.1", "0.17.0", "0.19.2", "0.19.2+78b9952", "0.19.2rc1"):
+        integration.check_megatron_version(tested)

@@ -19,14 +19,12 @@ std::uint64_t splitmix64(std::uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-}  // namespace
 
-Corpus Corpus::load(const std::string& dir) {
-  namespace fs = std::filesystem;
+namespace fs = std::filesystem;
+
+// Every regular file under `dir` (links followed, each file once), in name order.
+std::vector<fs::path> every_file(const std::string& dir) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw std::runtime_error("demo: corpus directory '" + dir + "' does not exist");
-  }
   std::vector<fs::path> files;
   std::set<fs::path> seen;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
@@ -35,6 +33,35 @@ Corpus Corpus::load(const std::string& dir) {
     files.push_back(entry.path());
   }
   std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+const std::vector<std::string>& stable_license_texts() {
+  static const std::vector<std::string> names = {"Apache-2.0", "BSD",    "CC0-1.0", "GFDL-1.3",
+                                                 "GPL-3",      "LGPL-3", "MPL-1.1", "MPL-2.0"};
+  return names;
+}
+
+Corpus Corpus::load(const std::string& dir, const std::vector<std::string>& names) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw std::runtime_error("demo: corpus directory '" + dir + "' does not exist");
+  }
+  std::vector<fs::path> files;
+  if (names.empty()) {
+    files = every_file(dir);
+  } else {
+    for (const auto& name : names) {
+      files.push_back(fs::path(dir) / name);
+      if (!fs::is_regular_file(files.back(), ec)) {
+        throw std::runtime_error("demo: corpus file '" + files.back().string() +
+                                 "' does not exist (the demo's default texts; --corpus DIR reads "
+                                 "every file of a directory of your own)");
+      }
+    }
+  }
   std::string text;
   Corpus corpus;
   for (const auto& path : files) {

@@ -12,12 +12,18 @@
 namespace stepguard {
 namespace demo {
 
+/// The demo's default texts in /usr/share/common-licenses: the ones Debian 12 and Debian 13 ship
+/// byte for byte alike (other files there differ between the releases or exist in one only), so
+/// the demo trains on the same data, and follows the same trajectory, on both.
+const std::vector<std::string>& stable_license_texts();
+
 /// A character-level corpus. Immutable after load; safe to share between threads.
 class Corpus {
  public:
-  /// Reads every regular file under `dir` (links followed, each file once), in name order.
-  /// Throws std::runtime_error naming the directory when nothing can be read.
-  static Corpus load(const std::string& dir);
+  /// Reads the files `names` of `dir`, in that order, or every regular file under `dir` (links
+  /// followed, each file once) in name order when `names` is empty. Throws std::runtime_error
+  /// naming the directory or the file when it cannot be read.
+  static Corpus load(const std::string& dir, const std::vector<std::string>& names = {});
 
   std::int64_t vocab_size() const noexcept { return static_cast<std::int64_t>(alphabet_.size()); }
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(tokens_.size()); }

@@ -63,7 +63,8 @@ int DemoRun::run() {
   set_threads();
   lead_ = world_.rank == 0;
   torch::manual_seed(static_cast<std::uint64_t>(o_.seed));  // identical replicas on every rank
-  corpus_.emplace(Corpus::load(o_.corpus_dir));
+  corpus_.emplace(Corpus::load(
+      o_.corpus_dir, o_.stable_corpus ? stable_license_texts() : std::vector<std::string>{}));
   TORCH_CHECK(corpus_->size() > o_.context + 1, "demo: corpus is shorter than the context");
   build_model();
   build_guard();

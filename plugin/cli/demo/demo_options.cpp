@@ -108,8 +108,10 @@ const char* demo_usage() noexcept {
          "                      [--checkpoint-dir DIR] [--checkpoint-every N] [--resume DIR]\n"
          "                      [--incident-dir DIR] [--probe]\n"
          "\n"
-         "Trains a small character-level transformer on /usr/share/common-licenses under\n"
-         "stepguard, injecting the faults asked for, and prints a summary.\n"
+         "Trains a small character-level transformer under stepguard, injecting the faults\n"
+         "asked for, and prints a summary. The text: the licenses in /usr/share/common-licenses\n"
+         "that Debian 12 and 13 ship alike (the same run on both); --corpus DIR reads every\n"
+         "file of DIR instead.\n"
          "KIND: nan_grad inf_grad nan_loss nan_input overflow lr_spike loss_spike\n"
          "      corrupt_weights drift_weights kill kill_early transient_nan\n"
          "With --ranks R > 1, R processes train data-parallel over Gloo on 127.0.0.1;\n"
@@ -189,6 +191,7 @@ const ValueFlag kValueFlags[] = {
     {"--corpus",
      [](const std::string& v, DemoOptions& o) -> const char* {
        o.corpus_dir = v;
+       o.stable_corpus = false;
        return nullptr;
      }},
     {"--batch-size",

@@ -22,7 +22,9 @@ parameters and the optimizer state (each rank its shard under the distributed op
 copies them into the model's parameters, as Megatron's step does.
 
 Megatron's ``grad_scale_func`` records each micro-batch's loss (Megatron divides it by the number
-of micro-batches: the step's loss is their sum). Tested with megatron-core 0.16.1: fp32
+of micro-batches: the step's loss is their sum). Tested with megatron-core 0.16.1 (Python 3.11)
+and 0.19.2 (Python 3.12 and later; ``TESTED_VERSIONS``): an older release is refused at attach,
+a newer one warned about. fp32
 (``FP32Optimizer``), bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer,
 one model chunk. Refused with a message: fp16 (Megatron's grad scaler owns the loss scale), a
 ``ChainedOptimizer`` of several optimizers (expert and dense parameters, several chunks), and MoE
@@ -30,10 +32,56 @@ or multi-token-prediction models (Megatron calls ``grad_scale_func`` for their a
 scale too). Tensor and pipeline parallelism are not tested yet.
 """
 
+import math
+import re
+import warnings
+
 import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
+
+
+# The oldest and the newest megatron-core release the framework tests ran (README "Supported
+# versions"): the public stages used here (prepare_grads, step_with_ready_grads, ChainedOptimizer,
+# get_forward_backward_func) are in both.
+TESTED_VERSIONS = ("0.16.1", "0.19.2")
+
+
+def _release(version):
+    """The leading release numbers of a version string: "0.19.2rc1" and "0.19.2+78b9952" ->
+    (0, 19, 2); () when it starts with no number."""
+    numbers = []
+    for part in version.split(".")[:3]:
+        match = re.match(r"\d+", part)
+        if not match:
+            break
+        numbers.append(int(match.group()[:6]))
+        if match.end() < len(part):
+            break
+    return tuple(numbers)
+
+
+def check_megatron_version(version=None):
+    """Refuses a megatron-core older than the tested range and warns about a newer one.
+    ``version``: the installed ``megatron.core.__version__`` when left out."""
+    if version is None:
+        import megatron.core
+        # __shortversion__: megatron-core 0.19 appends "+<git hash>" to __version__ when it is
+        # installed inside a git checkout.
+        version = getattr(megatron.core, "__shortversion__",
+                          getattr(megatron.core, "__version__", "unknown"))
+    oldest, newest = TESTED_VERSIONS
+    found = _release(str(version))
+    if not found:
+        raise RuntimeError("stepguard: cannot read the megatron-core version %r (the releases "
+                           "tested are %s to %s)" % (version, oldest, newest))
+    if found < _release(oldest):
+        raise RuntimeError("stepguard: megatron-core %s is older than the releases tested "
+                           "(%s to %s); install one of those" % (version, oldest, newest))
+    if found > _release(newest):
+        warnings.warn("stepguard: megatron-core %s is newer than the releases tested (%s to %s)"
+                      % (version, oldest, newest), RuntimeWarning, stacklevel=3)
 
 
 class GuardedMegatronOptimizer:
@@ -44,6 +92,7 @@ class GuardedMegatronOptimizer:
                  process_group=None, **options):
         """``model``: the model chunk (or list of chunks) the optimizer was built for, which
         names the parameters in reports; the optimizer's own ``model_chunks`` when left out."""
+        check_megatron_version()
         inner = _single_optimizer(megatron_optimizer)
         chunks = getattr(inner, "model_chunks", None) if model is None else model
         if chunks is None:
@@ -51,16 +100,7 @@ class GuardedMegatronOptimizer:
                             "it was built for (GuardedMegatronOptimizer(optimizer, model))"
                             % type(inner).__name__)
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-        for chunk in chunks:
-            config = getattr(chunk, "config", None)
-            if (getattr(config, "num_moe_experts", None) is not None
-                    or getattr(config, "mtp_num_layers", None) is not None):
-                raise ValueError("stepguard: MoE and multi-token-prediction models are not guarded "
-                                 "yet: Megatron also calls grad_scale_func for their auxiliary "
-                                 "losses' scale, which the guard would take for the step's loss")
-        if getattr(inner, "grad_scaler", None) is not None:
-            raise ValueError("stepguard: this Megatron optimizer has a grad scaler (fp16); its "
-                             "dynamic loss scale would fight the guard's. Guard bf16 or fp32")
+        _refuse_unguarded(inner, chunks)
         self._megatron = megatron_optimizer
         self._inner = inner
         sharded = type(inner).__name__ == "DistributedOptimizer"
@@ -127,6 +167,33 @@ class GuardedMegatronOptimizer:
         except BaseException:
             self.guard._guard.load_record(before)
             raise
+
+
+def _refuse_unguarded(inner, chunks):
+    """Refuses what the guarded step cannot guard yet, naming why: a second caller of
+    grad_scale_func (MoE, MTP, an attention variant with a loss), Megatron's own norm-threshold
+    skip (which the guarded step bypasses), and fp16 (Megatron's grad scaler)."""
+    for chunk in chunks:
+        config = getattr(chunk, "config", None)
+        if (getattr(config, "num_moe_experts", None) is not None
+                or getattr(config, "mtp_num_layers", None) is not None):
+            raise ValueError("stepguard: MoE and multi-token-prediction models are not guarded "
+                             "yet: Megatron also calls grad_scale_func for their auxiliary "
+                             "losses' scale, which the guard would take for the step's loss")
+        if (getattr(config, "experimental_attention_variant", None) == "dsa"
+                or getattr(config, "experimental_attention_variant_loss_scale_func",
+                           None) is not None):
+            raise ValueError("stepguard: this model's attention variant has a loss of its own: "
+                             "Megatron also calls grad_scale_func for its scale, which the "
+                             "guard would take for the step's loss")
+    threshold = getattr(getattr(inner, "config", None), "grad_norm_skip_threshold", math.inf)
+    if threshold is not None and math.isfinite(threshold):
+        raise ValueError("stepguard: OptimizerConfig.grad_norm_skip_threshold=%r is Megatron's "
+                         "own skip, which this guarded step would bypass: leave it at its "
+                         "default (inf) and let the policy skip" % threshold)
+    if getattr(inner, "grad_scaler", None) is not None:
+        raise ValueError("stepguard: this Megatron optimizer has a grad scaler (fp16); its "
+                         "dynamic loss scale would fight the guard's. Guard bf16 or fp32")
 
 
 def _single_optimizer(megatron_optimizer):

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from . import _C
+from . import _C, _log
 from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, check_name, is_zero_redundancy
@@ -189,6 +189,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._stepping.release()
         if self._pictures is not None:
             self._pictures.after_step(report)  # the trace line of this step is written
+        if report.incident is not None or report.rolled_back:
+            _log.after_step(report, self._guard.stats().rank)
         return report
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -232,7 +234,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def resume(self, directory: Union[str, "os.PathLike[str]"]) -> int:
         """Restores the newest checkpoint every rank holds intact; returns its step or 0."""
-        return self._guard.resume(str(directory))
+        step = self._guard.resume(str(directory))
+        _log.after_resume(step, str(directory), self._guard.stats().rank)
+        return step
 
     def commit_pending_checkpoint(self) -> None:
         """Makes the checkpoint written after the last step visible (end of a good run)."""

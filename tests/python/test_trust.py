@@ -60,7 +60,8 @@ def test_a_crafted_checkpoint_runs_no_code_on_resume(tmp_path, monkeypatch, capf
     # Each crafted checkpoint is refused (named on stderr) and resume falls back to none.
     assert guard.resume(str(tmp_path / "ckpt")) == 0
     err = capfd.readouterr().err
-    assert "names 'io.open', which an optimizer state never holds" in err
+    # open pickles as io.open on Python 3.11 and as _io.open on 3.13: the name pickle wrote.
+    assert ("names '%s.open', which an optimizer state never holds" % open.__module__) in err
     assert not marker.exists()
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
 

@@ -96,6 +96,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 "shard of every gradient, so the grad norm sums over ranks; pass "
                 "sharded_gradients=True")
         self._guard = _C.Guard(self._port, guard_options)
+        self._rank = self._guard.stats().rank  # for the log; fixed for the guard's life
         self._pictures = IncidentPictures.for_options(options)
         self._recorded_loss: Optional[torch.Tensor] = None
         self._stepping = threading.Lock()  # held for the whole of step(): no re-entry
@@ -189,8 +190,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._stepping.release()
         if self._pictures is not None:
             self._pictures.after_step(report)  # the trace line of this step is written
-        if report.incident is not None or report.rolled_back:
-            _log.after_step(report, self._guard.stats().rank)
+        incident = report.incident
+        if incident is not None or report.rolled_back:
+            _log.after_step(report, incident, self._rank)
         return report
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -235,7 +237,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def resume(self, directory: Union[str, "os.PathLike[str]"]) -> int:
         """Restores the newest checkpoint every rank holds intact; returns its step or 0."""
         step = self._guard.resume(str(directory))
-        _log.after_resume(step, str(directory), self._guard.stats().rank)
+        _log.after_resume(step, str(directory), self._rank)
         return step
 
     def commit_pending_checkpoint(self) -> None:

@@ -21,9 +21,9 @@ def _names(values, limit=4):
     return ",".join(values[:limit]) + (" (+%d more)" % more if more > 0 else "")
 
 
-def after_step(report, rank):
-    """Logs what the step did when it was not a clean apply."""
-    incident = report.incident
+def after_step(report, incident, rank):
+    """Logs what the step did when it was not a clean apply (``incident``: ``report.incident``,
+    read once by the caller)."""
     lead = rank == 0
     if incident is not None:
         where = (" report %s" % incident["report"]) if incident.get("report") else ""

@@ -33,10 +33,10 @@ scale too). Tensor and pipeline parallelism are not tested yet.
 """
 
 import math
-import re
 import warnings
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
@@ -48,38 +48,25 @@ from .._port import TorchOptimPort, check_name
 TESTED_VERSIONS = ("0.16.1", "0.19.2")
 
 
-def _release(version):
-    """The leading release numbers of a version string: "0.19.2rc1" and "0.19.2+78b9952" ->
-    (0, 19, 2); () when it starts with no number."""
-    numbers = []
-    for part in version.split(".")[:3]:
-        match = re.match(r"\d+", part)
-        if not match:
-            break
-        numbers.append(int(match.group()[:6]))
-        if match.end() < len(part):
-            break
-    return tuple(numbers)
-
-
 def check_megatron_version(version=None):
-    """Refuses a megatron-core older than the tested range and warns about a newer one.
-    ``version``: the installed ``megatron.core.__version__`` when left out."""
+    """Refuses a megatron-core older than the tested range and warns about a newer one, by release
+    number ("0.19.2rc1" and "0.19.2+78b9952" are 0.19.2). ``version``: the installed one when left
+    out (``__shortversion__``: megatron-core 0.19 appends "+<git hash>" to ``__version__`` when
+    it is installed inside a git checkout)."""
     if version is None:
         import megatron.core
-        # __shortversion__: megatron-core 0.19 appends "+<git hash>" to __version__ when it is
-        # installed inside a git checkout.
         version = getattr(megatron.core, "__shortversion__",
                           getattr(megatron.core, "__version__", "unknown"))
     oldest, newest = TESTED_VERSIONS
-    found = _release(str(version))
-    if not found:
+    try:
+        found = Version(str(version)).release
+    except InvalidVersion:
         raise RuntimeError("stepguard: cannot read the megatron-core version %r (the releases "
-                           "tested are %s to %s)" % (version, oldest, newest))
-    if found < _release(oldest):
+                           "tested are %s to %s)" % (version, oldest, newest)) from None
+    if found < Version(oldest).release:
         raise RuntimeError("stepguard: megatron-core %s is older than the releases tested "
                            "(%s to %s); install one of those" % (version, oldest, newest))
-    if found > _release(newest):
+    if found > Version(newest).release:
         warnings.warn("stepguard: megatron-core %s is newer than the releases tested (%s to %s)"
                       % (version, oldest, newest), RuntimeWarning, stacklevel=3)
 

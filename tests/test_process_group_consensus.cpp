@@ -177,8 +177,9 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
     EXPECT_EQ(me.signals[11], std::vector<Signal>({Signal::kReplicaDivergence}));
     EXPECT_EQ(me.ranks[11], std::vector<int>({last}));
     EXPECT_EQ(causes_of(me.rank_causes[11]), (Causes{{last, Cause::kHardwareSuspect}}));
-    // One collective per step; two more on each of the five incident steps.
-    EXPECT_EQ(me.collectives, steps + 2 * 5);
+    // One at construction (the ranks' layouts), one per step; two more on each of the five
+    // incident steps.
+    EXPECT_EQ(me.collectives, 1 + steps + 2 * 5);
     // The step's payload does not grow with the job.
     EXPECT_EQ(me.first_step_bytes, consensus::StepBuffer::bytes());
     EXPECT_EQ(me.step_buffer_bytes, consensus::StepBuffer::bytes());
@@ -235,13 +236,14 @@ TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
   std::vector<std::string> errors(world);
   std::vector<double> seconds(world, 0.0);
   run_ranks(world, [&](int r) {
-    if (r == 2) return;  // this rank never arrives at step 1
     auto p = torch::zeros({2}, torch::requires_grad());
     torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+    // Construction is collective (the ranks' layouts): every rank builds its guard.
     GuardedOptimizer guard(sgd, GuardOptions()
                                     .process_group(g.ranks[r])
                                     .store(g.store)
                                     .collective_timeout(std::chrono::milliseconds(1500)));
+    if (r == 2) return;  // this rank never arrives at step 1
     auto loss = (p - 1.0).pow(2).sum();
     loss.backward();
     const auto t0 = std::chrono::steady_clock::now();

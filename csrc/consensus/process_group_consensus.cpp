@@ -90,8 +90,10 @@ void ProcessGroupConsensus::all_reduce_tensors(std::vector<at::Tensor>& tensors,
     std::string note;
     std::vector<int> missing = find_missing_ranks(step, &note);
     std::ostringstream msg;
-    msg << "stepguard: rank " << rank_ << ": the step " << step << " " << what << " over "
-        << backend_ << " (" << world_size_ << " ranks, deadline " << timeout_.count()
+    // Step 0 is the guard's construction (the ranks' layouts are checked there).
+    msg << "stepguard: rank " << rank_ << ": the "
+        << (step == 0 ? std::string("construction") : "step " + std::to_string(step)) << " " << what
+        << " over " << backend_ << " (" << world_size_ << " ranks, deadline " << timeout_.count()
         << " ms) failed";
     if (!missing.empty()) {
       msg << "; missing rank" << (missing.size() > 1 ? "s" : "");

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -14,6 +15,12 @@ namespace {
 constexpr std::uint64_t kChunkMask = 0xFFFF;
 
 std::uint64_t exact(double v) { return static_cast<std::uint64_t>(v); }
+
+// A count summed from weighted parts (1/3 + 1/3 + 1/3 may land a hair off 1): rounded up, with
+// the rounding error of the sum forgiven.
+std::int64_t whole_count(double v) {
+  return v <= 0.0 ? 0 : static_cast<std::int64_t>(std::ceil(v - 1e-6 * std::max(1.0, v)));
+}
 
 // Every rank contributed the same value to a chunk exactly when world * sum(c^2) == sum(c)^2
 // (Cauchy-Schwarz with equality). The sums are integers below 2^53, so the test is exact.
@@ -106,7 +113,7 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   row_.select(0, row_slot::kFingerprint).copy_(at::clamp_min(masked, 1).to(at::kDouble));
 }
 
-GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const {
+GlobalStats StepBuffer::unpack(std::int64_t step) const {
   const at::Tensor host = buffer_.to(at::kCPU);
   const double* s = host.data_ptr<double>();
   const int world = world_size_;
@@ -116,13 +123,14 @@ GlobalStats StepBuffer::unpack(std::int64_t step, bool sharded_gradients) const 
   const double* inspected = s + step_slot::kInspection;
   GlobalStats g;
   g.world_size = world;
-  g.nan_count = static_cast<std::int64_t>(inspected[inspect_slot::kNanCount]);
-  g.inf_count = static_cast<std::int64_t>(inspected[inspect_slot::kInfCount]);
+  // Each rank weighted its gradients by 1 / copies (inspect_counted_once): the sums count every
+  // element once. Counts are fractions where the copies of a gradient disagree: rounded up, so
+  // one bad copy of a NaN counts.
+  g.nan_count = whole_count(inspected[inspect_slot::kNanCount]);
+  g.inf_count = whole_count(inspected[inspect_slot::kInfCount]);
   g.sum_squares_overflow = inspected[inspect_slot::kSumSquaresOverflow] > 0.0;
-  // Replicated gradients (data parallel) count once: the mean over ranks of identical sums.
-  const double sum = inspected[inspect_slot::kSumSquares];
-  const double sum_squares = sharded_gradients ? sum : sum / world;
-  g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity() : sum_squares;
+  g.sum_squares = g.sum_squares_overflow ? std::numeric_limits<double>::infinity()
+                                         : inspected[inspect_slot::kSumSquares];
   g.grad_norm = std::sqrt(g.sum_squares);
   g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[step_slot::kLossNonfinite]);
   g.loss_given_ranks = static_cast<std::int64_t>(s[step_slot::kLossGiven]);

@@ -90,9 +90,9 @@ class StepBuffer {
   at::Tensor& tensor() noexcept { return buffer_; }
   /// After the sum: the one read to the host, into the agreed statistics (counts; the per-rank
   /// lists stay empty until fill_rank_detail()). Throws c10::Error naming `step` when not every
-  /// rank reported. `sharded_gradients`: the ranks hold parts of the gradients, so their sums of
-  /// squares add up; otherwise they hold the same averaged gradient and it counts once.
-  GlobalStats unpack(std::int64_t step, bool sharded_gradients) const;
+  /// rank reported. The inspection block holds each rank's gradients weighted by 1 / copies
+  /// (inspect_counted_once()), so its sums count every gradient element of the job once.
+  GlobalStats unpack(std::int64_t step) const;
   /// This rank's row for gather_rank_rows() (row_slot order), on the buffer's device; valid
   /// after pack().
   const at::Tensor& rank_row() const noexcept { return row_; }

@@ -76,6 +76,32 @@ struct StepReport {
   bool aborted() const noexcept { return outcome == Outcome::kAborted; }
 };
 
+/// The first half of a guarded step (verdict()): what every rank agreed the step is, before
+/// anything changed. A framework that runs its own update reads it, applies the update only when
+/// applies(), with `lr_factor` and the clip below, and then calls settle(verdict, applied).
+struct Verdict {
+  std::int64_t step = 0;  ///< the step this verdict is for (1-based)
+  /// kApplied: apply the update. kSkipped, kRolledBack, kAborted: do not (settle() drops the
+  /// gradients, restores the snapshot or ends training).
+  Outcome outcome = Outcome::kApplied;
+  std::vector<Action> actions;
+  Action action = Action::kApply;  ///< the strongest of `actions`
+  /// The agreed global L2 norm of the finite gradient elements, every element of the job counted
+  /// once (the parallel layout), before any clip: the total norm a framework's clip takes.
+  double grad_norm = 0.0;
+  /// With Action::kClip: the global norm the policy clips the gradients to (0: no clip of the
+  /// policy's); a framework's own clip value adds to it (the smaller one wins).
+  double clip_norm = 0.0;
+  double loss_scale = 1.0;  ///< the scale this step's backward used
+  double lr_factor = 1.0;   ///< every learning rate times this, for this step's update only
+  std::int64_t nonfinite_count = 0;  ///< NaN/Inf gradient elements over all ranks
+  bool loss_given = true;
+  double loss = 0.0;                 ///< the agreed loss (NaN when no rank gave one)
+  std::int64_t batches_to_skip = 0;  ///< with a rollback: batches to drop after it
+
+  bool applies() const noexcept { return outcome == Outcome::kApplied; }
+};
+
 /// Wall time (steady clock) of one guarded step, stage by stage as DESIGN.md draws the step; the
 /// stages add up to the whole step. `act` includes the wrapped optimizer's own step, which an
 /// unguarded loop pays too: the guard's cost is everything else, plus `act` minus that step.

@@ -55,6 +55,10 @@ struct DeferredBlame {
 void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& options,
                   const at::Tensor& head, LocalStats* stats, DeferredBlame* blame);
 
+/// The checks inspect_into() makes before it touches anything (devices, dtypes, layouts, the
+/// shape of `head`): throws c10::Error naming the gradient by its index in `grads`.
+void check_gradients(const std::vector<at::Tensor>& grads, const at::Tensor& head);
+
 /// inspect_into() with the results read back into one LocalStats (tests, tools).
 LocalStats inspect_gradients(const std::vector<at::Tensor>& grads,
                              const InspectOptions& options = {});

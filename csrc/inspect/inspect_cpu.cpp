@@ -413,6 +413,11 @@ void inspect_into(const std::vector<at::Tensor>& grads, const InspectOptions& op
   inspect_on_cpu(views, options, head, out);
 }
 
+void check_gradients(const std::vector<at::Tensor>& grads, const at::Tensor& head) {
+  GradViews views(grads);
+  (void)validate(grads, head, &views);
+}
+
 void DeferredBlame::fetch(LocalStats* stats) const {
   if (!pending()) return;
   const at::Tensor sums = tensor_sum_squares.cpu();

@@ -11,8 +11,9 @@ namespace stepguard {
 
 struct GuardedOptimizer::Impl {
   Impl(torch::optim::Optimizer& optimizer,
-       const torch::OrderedDict<std::string, torch::Tensor>& named, GuardOptions options)
-      : port(optimizer, named), engine(port, std::move(options)) {}
+       const torch::OrderedDict<std::string, torch::Tensor>& named, std::vector<Placement> layout,
+       GuardOptions options)
+      : port(optimizer, named, std::move(layout)), engine(port, std::move(options)) {}
   LibTorchPort port;
   StepEngine engine;
   torch::Tensor recorded_loss;  ///< record_loss(), for the next step() without a loss
@@ -20,12 +21,20 @@ struct GuardedOptimizer::Impl {
 
 GuardedOptimizer::GuardedOptimizer(torch::optim::Optimizer& optimizer, GuardOptions options)
     : impl_(std::make_unique<Impl>(optimizer, torch::OrderedDict<std::string, torch::Tensor>(),
-                                   std::move(options))) {}
+                                   std::vector<Placement>(), std::move(options))) {}
 
 GuardedOptimizer::GuardedOptimizer(
     torch::optim::Optimizer& optimizer,
     const torch::OrderedDict<std::string, torch::Tensor>& named_parameters, GuardOptions options)
-    : impl_(std::make_unique<Impl>(optimizer, named_parameters, std::move(options))) {}
+    : impl_(std::make_unique<Impl>(optimizer, named_parameters, std::vector<Placement>(),
+                                   std::move(options))) {}
+
+GuardedOptimizer::GuardedOptimizer(
+    torch::optim::Optimizer& optimizer,
+    const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
+    std::vector<Placement> layout, GuardOptions options)
+    : impl_(std::make_unique<Impl>(optimizer, named_parameters, std::move(layout),
+                                   std::move(options))) {}
 
 GuardedOptimizer::~GuardedOptimizer() = default;
 
@@ -33,6 +42,17 @@ StepReport GuardedOptimizer::step(const torch::Tensor& loss) {
   const torch::Tensor recorded = std::move(impl_->recorded_loss);
   impl_->recorded_loss = torch::Tensor();
   return impl_->engine.step(loss.defined() ? loss : recorded);
+}
+Verdict GuardedOptimizer::verdict(const torch::Tensor& loss) {
+  Verdict v = impl_->engine.verdict(loss.defined() ? loss : impl_->recorded_loss);
+  impl_->recorded_loss = torch::Tensor();  // used by this step only, once it has a verdict
+  return v;
+}
+StepReport GuardedOptimizer::settle(const Verdict& verdict, bool applied) {
+  return impl_->engine.settle(verdict, applied);
+}
+void GuardedOptimizer::clip_gradients(const Verdict& verdict) {
+  impl_->engine.clip_gradients(verdict);
 }
 void GuardedOptimizer::record_loss(const torch::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.is_floating_point(),

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "csrc/consensus/process_group_consensus.h"
+#include "plugin/python/bind_values.h"
 #include "plugin/python/python_port.h"
 #include "plugin/src/step_engine.h"
 #include "stepguard/tools.h"
@@ -25,9 +26,12 @@ namespace {
 
 // A guard: the Python port and the engine that drives it.
 struct PyGuard {
-  PyGuard(py::object port_object, GuardOptions options)
-      : port(std::move(port_object)),
-        engine(std::make_unique<StepEngine>(port, std::move(options))) {}
+  PyGuard(py::object port_object, GuardOptions options) : port(std::move(port_object)) {
+    // Construction is collective (the ranks' layouts): a collective's completion may need the
+    // GIL on another thread of the backend, so it is released meanwhile (the port takes it).
+    py::gil_scoped_release release;
+    engine = std::make_unique<StepEngine>(port, std::move(options));
+  }
   // The engine may hold the last reference to a process group, whose destructor waits for its
   // worker threads, which may need the GIL to free a Python tensor: release it meanwhile.
   ~PyGuard() {
@@ -38,34 +42,6 @@ struct PyGuard {
   std::unique_ptr<StepEngine> engine;
 };
 
-py::object incident_dict(const std::optional<Incident>& incident) {
-  if (!incident) return py::none();
-  py::dict d;
-  d["step"] = incident->step;
-  d["signal"] = to_string(incident->signal);
-  d["action"] = to_string(incident->action);
-  d["cause"] = to_string(incident->cause);
-  d["tensors"] = incident->tensors;
-  d["ranks"] = incident->ranks;
-  py::dict causes;
-  for (const RankCause& c : incident->rank_causes) causes[py::int_(c.rank)] = to_string(c.cause);
-  d["rank_causes"] = causes;
-  d["reason"] = incident->reason;
-  d["evidence"] = incident->evidence;
-  d["fixes"] = incident->fixes;
-  d["report"] = incident->report;
-  return std::move(d);
-}
-
-std::vector<std::string> action_names(const std::vector<Action>& actions) {
-  std::vector<std::string> out;
-  for (Action a : actions) out.push_back(to_string(a));
-  return out;
-}
-
-// GuardOptions as one Python type: every field a property of the C++ struct's name and type,
-// checked strictly (a bool is not a port, a float not a count), so the options are spelled once.
-// `what` names the value in errors ("option metrics_port", "the guard state's 'step'").
 template <typename T>
 T option_value(const std::string& what, const py::handle& value) {
   const auto type_error = [&](const char* expected) {
@@ -280,39 +256,6 @@ forensics::Recompute recompute_of(py::function fn) {
   };
 }
 
-void bind_report(py::module_& m) {
-  py::class_<StepReport>(m, "StepReport", "What guard.step(loss) did.")
-      .def_property_readonly("outcome", [](const StepReport& r) { return to_string(r.outcome); })
-      .def_property_readonly("applied", &StepReport::applied)
-      .def_property_readonly("skipped",
-                             [](const StepReport& r) { return r.outcome == Outcome::kSkipped; })
-      .def_property_readonly("rolled_back",
-                             [](const StepReport& r) { return r.outcome == Outcome::kRolledBack; })
-      .def_property_readonly("aborted", &StepReport::aborted)
-      .def_readonly("step", &StepReport::step)
-      .def_property_readonly(
-          "loss",
-          [](const StepReport& r) -> py::object {
-            return r.loss_given ? py::cast(r.loss) : py::none();
-          },
-          "The agreed loss; None when step() had no loss (the loss detectors saw none).")
-      .def_readonly("loss_given", &StepReport::loss_given)
-      .def_readonly("grad_norm", &StepReport::grad_norm)
-      .def_readonly("nonfinite_count", &StepReport::nonfinite_count)
-      .def_property_readonly("actions", [](const StepReport& r) { return action_names(r.actions); })
-      .def_property_readonly("action", [](const StepReport& r) { return to_string(r.action); })
-      .def_readonly("batches_to_skip", &StepReport::batches_to_skip)
-      .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
-      .def_readonly("loss_scale", &StepReport::loss_scale)
-      .def_readonly("lr_factor", &StepReport::lr_factor)
-      .def_property_readonly("incident",
-                             [](const StepReport& r) { return incident_dict(r.incident); })
-      .def("__repr__", [](const StepReport& r) {
-        return "StepReport(step=" + std::to_string(r.step) + ", outcome='" + to_string(r.outcome) +
-               "')";
-      });
-}
-
 // GuardStats and its parts as read-only values with the C++ field names; to_dict() for JSON.
 void bind_stats(py::module_& m) {
   py::class_<GuardTotals>(m, "GuardTotals", "Running totals by outcome.")
@@ -392,6 +335,20 @@ void bind_guard(py::module_& m) {
             return g.engine->step(loss.value_or(at::Tensor()));
           },
           py::arg("loss") = py::none(), Release())
+      .def(
+          "verdict",
+          [](PyGuard& g, const std::optional<at::Tensor>& loss) {
+            return g.engine->verdict(loss.value_or(at::Tensor()));
+          },
+          py::arg("loss") = py::none(), Release())
+      .def(
+          "settle",
+          [](PyGuard& g, const Verdict& v, bool applied) { return g.engine->settle(v, applied); },
+          py::arg("verdict"), py::arg("applied"), Release())
+      .def(
+          "clip_gradients", [](PyGuard& g, const Verdict& v) { g.engine->clip_gradients(v); },
+          py::arg("verdict"), Release())
+      .def("verdict_pending", [](const PyGuard& g) { return g.engine->verdict_pending(); })
       .def("scale_loss",
            [](PyGuard& g, const at::Tensor& loss) { return g.engine->scale_loss(loss); })
       .def(
@@ -456,6 +413,8 @@ PYBIND11_MODULE(_C, m) {
   });
   stepguard::bind_options(m);
   stepguard::bind_report(m);
+  stepguard::bind_layout(m);
+  stepguard::bind_verdict(m);
   stepguard::bind_stats(m);
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));

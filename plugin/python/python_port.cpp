@@ -44,6 +44,7 @@ PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   // `gradients = None`: no call into Python per step.
   has_gradients_ = py::hasattr(port_, "gradients") && !port_.attr("gradients").is_none();
   has_sharded_state_ = py::hasattr(port_, "sharded_state");
+  has_layout_ = py::hasattr(port_, "layout");
   refresh();
 }
 
@@ -61,8 +62,16 @@ void PythonPort::refresh() {
     for (const auto& n : result[1]) names.push_back(n.cast<std::string>());
     TORCH_CHECK(names.size() == params.size(), "stepguard: the optimizer port named ", names.size(),
                 " of ", params.size(), " parameters");
+    std::vector<Placement> layout;
+    if (has_layout_) {
+      const py::object placements = port_.attr("layout")();
+      if (!placements.is_none()) {
+        for (const auto& p : placements) layout.push_back(p.cast<Placement>());
+      }
+    }
     params_ = std::move(params);
     names_ = std::move(names);
+    layout_ = std::move(layout);
   });
 }
 

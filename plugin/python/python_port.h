@@ -6,8 +6,9 @@
  * The port object provides: parameters() -> (list of tensors, list of names); apply(lr_factor);
  * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
  * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved) with saved a list of
- * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None and
- * sharded_state() -> bool.
+ * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
+ * sharded_state() -> bool and layout() -> list of stepguard.Placement (one per parameter, read
+ * with parameters() at every refresh) or None.
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -40,6 +41,7 @@ class PythonPort final : public OptimizerPort {
   void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) override;
   void after_restore() override;
   bool sharded_state() const override;
+  std::vector<Placement> layout() const override { return layout_; }
 
   const pybind11::object& object() const noexcept { return port_; }
 
@@ -47,6 +49,8 @@ class PythonPort final : public OptimizerPort {
   pybind11::object port_;
   bool has_gradients_ = false;
   bool has_sharded_state_ = false;
+  bool has_layout_ = false;
+  std::vector<Placement> layout_;  ///< the port's layout() at the last refresh(), or empty
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
 };

@@ -37,8 +37,9 @@ at::Tensor reuse_or_allocate(const at::Tensor& live, const at::Tensor& saved,
 }  // namespace
 
 LibTorchPort::LibTorchPort(torch::optim::Optimizer& optimizer,
-                           const torch::OrderedDict<std::string, torch::Tensor>& named_parameters)
-    : optimizer_(optimizer), named_(named_parameters) {
+                           const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
+                           std::vector<Placement> layout)
+    : optimizer_(optimizer), named_(named_parameters), layout_(std::move(layout)) {
   collect(named_);
 }
 

@@ -21,11 +21,13 @@ class LibTorchPort final : public OptimizerPort {
   /// `optimizer` must outlive the port. Names are matched to its parameters by identity;
   /// unmatched ones get "param_<i>".
   LibTorchPort(torch::optim::Optimizer& optimizer,
-               const torch::OrderedDict<std::string, torch::Tensor>& named_parameters);
+               const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
+               std::vector<Placement> layout = {});
 
   void refresh() override;
   const std::vector<at::Tensor>& parameters() const override { return params_; }
   const std::vector<std::string>& parameter_names() const override { return names_; }
+  std::vector<Placement> layout() const override { return layout_; }
   void apply(double lr_factor) override;
   std::vector<NamedTensor> state_tensors() const override;
   std::string state_bytes() const override;
@@ -56,6 +58,7 @@ class LibTorchPort final : public OptimizerPort {
   torch::OrderedDict<std::string, torch::Tensor> named_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  std::vector<Placement> layout_;  ///< as given: one per parameter, or empty
 };
 
 }  // namespace stepguard

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "csrc/checkpoint/named_tensors.h"
+#include "stepguard/layout.h"
 
 namespace stepguard {
 
@@ -33,6 +34,10 @@ class OptimizerPort {
   virtual const std::vector<std::string>& parameter_names() const = 0;
   /// The gradients to inspect, one per parameter (undefined where a parameter has none).
   virtual std::vector<at::Tensor> gradients() const;
+  /// How the ranks hold each parameter's gradient (stepguard/layout.h), one per parameter, read
+  /// after every refresh(). Empty: every parameter by GuardOptions::sharded_gradients (all
+  /// Placement::shard() when set, all Placement::replica() otherwise).
+  virtual std::vector<Placement> layout() const { return {}; }
 
   /// Steps the wrapped optimizer with every learning rate multiplied by `lr_factor` for this step
   /// only: the loop's own lr values and schedulers are left as they were.

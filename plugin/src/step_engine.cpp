@@ -1,5 +1,5 @@
-// StepEngine: the pipeline of one guarded step and the state it keeps between steps. The record
-// stage and forensics live in step_record.cpp.
+// StepEngine: the pipeline of one guarded step, in its two phases (verdict, settle). The record
+// stage and forensics live in step_record.cpp, the guard's saved state in step_state.cpp.
 #include "plugin/src/step_engine.h"
 
 #include <ATen/core/grad_mode.h>
@@ -47,9 +47,6 @@ RecoveryConfig recovery_config(const GuardOptions& o, const EngineConfig& c) {
   return r;
 }
 
-// The words GuardRecord::totals holds, in this order.
-constexpr std::size_t kTotalsWords = 8;
-
 }  // namespace
 
 StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
@@ -63,11 +60,52 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                           config_.disk_every);
   event_log_ = open_trace(options_);
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
+  refresh_layout();
+  // One collective at construction, on every rank: lists that cannot fit together are refused
+  // here, with every rank's counts, instead of being met later as a mismatched collective.
+  const auto& params = port_.parameters();
+  job_replicated_ = reconcile_layouts(
+      *consensus_, layout_, params.empty() ? at::Device(at::kCPU) : params.front().device());
+}
+
+void StepEngine::refresh_layout() {
+  const bool was = layout_.all_replicas;
+  layout_ = resolve_layout(port_.layout(), port_.parameters(), port_.parameter_names(),
+                           options_.sharded_gradients(), consensus_->world_size());
+  // What the ranks agreed at construction holds for the guard's life (fingerprints, blame).
+  TORCH_CHECK(step_ == 0 || layout_.all_replicas == was,
+              "stepguard: the port's layout changed from ",
+              was ? "replicas only" : "a parallel one", " to ",
+              layout_.all_replicas ? "replicas only" : "a parallel one",
+              " after the guard was built; build a new guard for a new layout");
 }
 
 StepEngine::~StepEngine() { wait_for_background_work(); }
 
 StepReport StepEngine::step(const at::Tensor& loss) {
+  const Verdict v = verdict(loss);
+  bool applied = false;
+  const auto t = Clock::now();
+  if (v.applies()) {
+    try {
+      clip_gradients(v);
+      port_.apply(v.lr_factor);
+      applied = true;
+    } catch (...) {
+      // The update failed part way or not at all: the step is settled as not applied (counted,
+      // recorded), and the error goes to the caller.
+      (void)settle(v, false);
+      throw;
+    }
+  }
+  const double update_seconds = seconds_since(t);
+  StepReport report = settle(v, applied);
+  stage_seconds_.act += update_seconds;
+  return report;
+}
+
+Verdict StepEngine::verdict(const at::Tensor& loss) {
+  check_not_pending("verdict()");
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
   // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
   stage_seconds_ = StageSeconds{};
@@ -75,33 +113,99 @@ StepReport StepEngine::step(const at::Tensor& loss) {
   // The snapshot copied while the loop ran forward and backward lands before anything below can
   // change what it reads (a rollback, the optimizer step, a restore).
   settle_snapshot();
-  const double settled = seconds_since(t);
+  stage_seconds_.snapshot = seconds_since(t);  // the wait for the last step's copy
   t = Clock::now();
   check_can_step(loss);
   const std::int64_t step = step_ + 1;
-  const Agreed agreed = inspect_and_agree(loss, step);
-  stage_seconds_.agree = agreed.agree_seconds;
-  stage_seconds_.inspect = seconds_since(t) - agreed.agree_seconds;
+  Pending p;
+  p.agreed = inspect_and_agree(loss, step);
+  stage_seconds_.agree = p.agreed.agree_seconds;
+  stage_seconds_.inspect = seconds_since(t) - p.agreed.agree_seconds;
   t = Clock::now();
-  const StepDecision decided = decide(step, agreed.global);
+  p.decided = decide(step, p.agreed.global);
   stage_seconds_.decide = seconds_since(t);
   t = Clock::now();
-  const Findings findings = investigate(agreed, decided);
+  p.findings = investigate(p.agreed, p.decided);
   stage_seconds_.record = seconds_since(t);
-  t = Clock::now();
-  act(step, agreed.global, decided);
+  Verdict v;
+  v.step = step;
+  v.outcome = p.decided.decision.outcome;
+  v.actions = p.decided.decision.actions;
+  v.action = strongest_action(v.actions);
+  v.grad_norm = p.agreed.global.grad_norm;
+  v.clip_norm = p.decided.decision.has(Action::kClip) ? p.decided.decision.clip_norm : 0.0;
+  v.loss_scale = step_loss_scale_;
+  v.lr_factor = p.decided.lr_factor;
+  v.nonfinite_count = p.agreed.global.nonfinite_count();
+  v.loss_given = p.agreed.global.loss_given_ranks > 0;
+  v.loss = p.agreed.global.loss;
+  v.batches_to_skip = p.decided.decision.batches_to_skip;
+  pending_ = std::move(p);
+  return v;
+}
+
+void StepEngine::clip_gradients(const Verdict& v) {
+  if (!v.applies() || v.clip_norm <= 0.0 || !(v.grad_norm > v.clip_norm)) return;
+  // ZClip-style: one factor for every gradient, so the global norm becomes the target.
+  at::NoGradGuard no_grad;
+  for (auto& g : port_.gradients()) {
+    if (g.defined()) g.mul_(v.clip_norm / v.grad_norm);
+  }
+}
+
+StepReport StepEngine::settle(const Verdict& v, bool applied) {
+  TORCH_CHECK(pending_.has_value(), "stepguard: settle() without a verdict: step ", step_,
+              " is settled already; call verdict(loss) first");
+  TORCH_CHECK(v.step == step_, "stepguard: settle() was given the verdict of step ", v.step,
+              "; the verdict waiting for its settle() is step ", step_);
+  Pending p = std::move(*pending_);
+  pending_.reset();
+  overrule(&p.decided, applied, step_);
+  const double settled = stage_seconds_.snapshot;  // verdict()'s wait for the last copy
+  stage_seconds_.snapshot = 0.0;
+  auto t = Clock::now();
+  act(step_, p.agreed.global, p.decided);
   stage_seconds_.act = seconds_since(t) - stage_seconds_.snapshot;
-  stage_seconds_.snapshot += settled;  // the wait for the last step's copy
+  stage_seconds_.snapshot += settled;
   t = Clock::now();
-  StepReport report = record(step, agreed, decided, findings);
+  StepReport report = record(step_, p.agreed, p.decided, p.findings);
   stage_seconds_.record += seconds_since(t);
   return report;
+}
+
+// What the framework did against the verdict: an allowed update that did not run is a skipped
+// step; an update run against a skip is an applied one (said on stderr: it cannot be undone).
+// A rollback restores and an abort ends training whatever the update did.
+void StepEngine::overrule(StepDecision* decided, bool applied, std::int64_t step) {
+  Decision& d = decided->decision;
+  if (d.outcome == Outcome::kApplied && !applied) {
+    d.outcome = Outcome::kSkipped;
+    if (!d.has(Action::kSkipBatch)) d.actions.push_back(Action::kSkipBatch);
+    d.reason += std::string(d.reason.empty() ? "" : "; ") +
+                "the framework did not apply the update the verdict allowed";
+  } else if (d.outcome == Outcome::kSkipped && applied) {
+    std::fprintf(stderr,
+                 "stepguard: step %" PRId64
+                 ": the framework applied an update the guard's verdict skipped (%s); counted as "
+                 "applied\n",
+                 step, d.reason.c_str());
+    d.outcome = Outcome::kApplied;
+    d.reason += std::string(d.reason.empty() ? "" : "; ") +
+                "the framework applied the update the verdict skipped";
+  }
+}
+
+void StepEngine::check_not_pending(const char* what) const {
+  TORCH_CHECK(!pending_.has_value(), "stepguard: ", what, " while the verdict of step ", step_,
+              " waits for its settle(); call settle(verdict, applied) first (settle(verdict, "
+              "false) after an exception in the update)");
 }
 
 void StepEngine::check_can_step(const at::Tensor& loss) {
   TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
               "); step() refuses to run after an abort");
   port_.refresh();
+  refresh_layout();
   recovery_.claim_checkpoint_dir(step_ + 1);
   step_device_ = gradient_device();
   if (!loss.defined()) return;  // step() from the gradients alone
@@ -145,8 +249,8 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
   const auto t_inspect = Clock::now();
   // Validation inside inspection throws before anything changes.
-  inspect::inspect_into(port_.gradients(), inspect_options, buffer.inspection_block(), &a.local,
-                        &a.blame);
+  inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
+                                buffer.inspection_block(), &a.local, &a.blame);
   a.inspect_seconds = seconds_since(t_inspect);
   consensus::LocalEvidence local_evidence;
   if (input_check_) {
@@ -163,7 +267,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   const auto t_agree = Clock::now();
   try {
     consensus_->all_reduce_sum(buffer.tensor(), step);
-    a.global = buffer.unpack(step, options_.sharded_gradients());
+    a.global = buffer.unpack(step);
     // The rare step where a count says a rank saw something or differs: one more collective
     // names the ranks (the steady-state buffer is the same size at any world size).
     if (consensus::needs_rank_detail(a.global)) {
@@ -198,21 +302,12 @@ StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
   }
 }
 
-// 5 act: restore, apply or drop the step, then the snapshot and checkpoint cadence.
+// 5 act: restore or drop the step (the update itself ran between the phases), then the snapshot
+// and checkpoint cadence.
 void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided) {
   const Decision& decision = decided.decision;
   switch (decision.outcome) {
     case Outcome::kApplied:
-      if (decision.has(Action::kClip)) {
-        // ZClip-style: one factor for every gradient, so the global norm becomes the target.
-        if (global.grad_norm > decision.clip_norm && decision.clip_norm > 0) {
-          at::NoGradGuard no_grad;
-          for (auto& g : port_.gradients()) {
-            if (g.defined()) g.mul_(decision.clip_norm / global.grad_norm);
-          }
-        }
-      }
-      port_.apply(decided.lr_factor);
       ++totals_.applied;
       break;
     case Outcome::kSkipped:
@@ -310,11 +405,11 @@ void StepEngine::wait_for_background_work() {
 }
 
 // Every replica_every steps, on the step after each snapshot (so a rollback knows which
-// snapshots hold agreeing replicas) and on the step after each incident. Not with sharded
-// parameters (their fingerprints differ by design) and not alone.
+// snapshots hold agreeing replicas) and on the step after each incident. Only when every rank
+// holds replicas only (shards and stages differ by design) and not alone.
 bool StepEngine::replica_check_due(std::int64_t step) const {
   const std::int64_t every = controller_.config().detectors.replica_every;
-  if (every <= 0 || consensus_->world_size() < 2 || options_.sharded_gradients()) return false;
+  if (every <= 0 || consensus_->world_size() < 2 || !job_replicated_) return false;
   return step % every == 0 || step == last_snapshot_step_ + 1 || step == last_incident_step_ + 1;
 }
 
@@ -354,96 +449,6 @@ GuardStats StepEngine::stats() {
 at::Tensor StepEngine::scale_loss(const at::Tensor& loss) const {
   if (!controller_.loss_scaling()) return loss;
   return loss * replay_scale_.value_or(controller_.loss_scale());
-}
-
-checkpoint::GuardRecord StepEngine::guard_record(std::int64_t at_step) const {
-  checkpoint::GuardRecord r;
-  r.step = at_step;
-  r.data_position = data_position_;
-  r.guard = controller_.encode();
-  r.totals = {
-      totals_.steps,   totals_.applied,   totals_.skipped,   totals_.rolled_back,
-      totals_.aborted, totals_.incidents, totals_.snapshots, recovery_.checkpoint_counts().written};
-  for (const auto& [first, count] : skipped_ranges_) {
-    r.skipped_ranges.push_back(first);
-    r.skipped_ranges.push_back(count);
-  }
-  return r;
-}
-
-void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
-  controller_.decode(record.guard);
-  step_ = record.step;
-  data_position_ = record.data_position;
-  const auto& t = record.totals;
-  totals_ = GuardTotals{t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
-  recovery_.set_checkpoints_written(t[7]);
-  skipped_ranges_.clear();
-  for (std::size_t i = 0; i + 1 < record.skipped_ranges.size(); i += 2) {
-    skipped_ranges_.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
-  }
-  recovery_.clear_snapshots();
-}
-
-void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
-  controller_.check(r.guard, r.step);
-  // Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
-  constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
-  const auto field = [](const char* name, std::int64_t value) {
-    if (value < 0 || value > kMaxCount) {
-      throw checkpoint::CheckpointError(std::string("its guard record's '") + name + "' is " +
-                                        std::to_string(value) + ", not in [0, 2^52]");
-    }
-  };
-  field("step", r.step);
-  field("data_position", r.data_position);
-  if (r.totals.size() != kTotalsWords) {
-    throw checkpoint::CheckpointError("its guard record's 'totals' has " +
-                                      std::to_string(r.totals.size()) + " words, not " +
-                                      std::to_string(kTotalsWords));
-  }
-  for (std::int64_t t : r.totals) field("totals", t);
-  if (r.skipped_ranges.size() % 2 != 0) {
-    throw checkpoint::CheckpointError("its guard record's 'skipped_ranges' has an odd length");
-  }
-  for (std::int64_t v : r.skipped_ranges) field("skipped_ranges", v);
-}
-
-void StepEngine::load_record(const checkpoint::GuardRecord& record) {
-  try {
-    check_record(record);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "stepguard: the guard state does not fit this guard: ", e.what());
-  }
-  settle_snapshot();
-  restore_record(record);
-}
-
-std::int64_t StepEngine::resume(const std::string& dir) {
-  TORCH_CHECK(!aborted_, "stepguard: resume() after an abort");
-  settle_snapshot();
-  // A record is accepted only when all of it can be restored.
-  auto check = [this](const checkpoint::GuardRecord& r) { check_record(r); };
-  const std::optional<checkpoint::GuardRecord> record = recovery_.resume(dir, check);
-  if (!record) return 0;
-  restore_record(*record);
-  if (consensus_->rank() == 0) {
-    std::fprintf(stderr,
-                 "stepguard: resumed from %s (step %" PRId64 ", data position %" PRId64 ")\n",
-                 checkpoint::step_dir(dir, step_).c_str(), step_, data_position_);
-  }
-  return step_;
-}
-
-void StepEngine::set_data_position(std::int64_t position) {
-  TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
-  data_position_ = position;
-}
-
-void StepEngine::commit_pending_checkpoint() {
-  if (aborted_) return;
-  settle_snapshot();
-  (void)recovery_.commit_pending();
 }
 
 }  // namespace stepguard

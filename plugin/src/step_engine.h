@@ -40,10 +40,11 @@
 #include "csrc/forensics/input_check.h"
 #include "csrc/forensics/probes.h"
 #include "csrc/forensics/replays.h"
-#include "csrc/inspect/inspect.h"
+#include "csrc/inspect/counted_once.h"
 #include "csrc/telemetry/event_log.h"
 #include "csrc/telemetry/metrics.h"
 #include "plugin/src/engine_config.h"
+#include "plugin/src/layout.h"
 #include "plugin/src/optimizer_port.h"
 #include "plugin/src/recovery.h"
 #include "plugin/src/step_controller.h"
@@ -65,9 +66,32 @@ class StepEngine {
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
 
-  /// One guarded step. An undefined `loss` guards on the gradients alone: the loss detectors see
-  /// no value this step (StepReport::loss_given is false).
+  /// One guarded step: verdict(loss), then the port's update when the verdict applies (the
+  /// policy's clip, the LR factor), then settle(). An undefined `loss` guards on the gradients
+  /// alone: the loss detectors see no value this step (StepReport::loss_given is false).
   StepReport step(const at::Tensor& loss);
+
+  /// The step's two phases, for a framework that runs its own update between them:
+  ///   verdict(loss)   inspect, agree (the step's one collective), decide, investigate. Changes
+  ///                   no parameter and no optimizer state (an in-place unscale of the gradients
+  ///                   under the guard's loss scaling aside); the step counter moves on.
+  ///   the update      the framework's own, only when verdict.applies(), with every learning
+  ///                   rate times verdict.lr_factor and its clip given verdict.grad_norm as the
+  ///                   total norm (and verdict.clip_norm, the policy's clip, if set). Nothing of
+  ///                   the guard's may be called in between but the read-only stats().
+  ///   settle(v, applied)  restore (rollback), drop the gradients (skip), abort, snapshot,
+  ///                   checkpoint, record, report. `applied`: whether the update ran; an update the
+  ///                   verdict allowed that did not run (the framework's own overflow check, an
+  ///                   exception in it: settle(v, false)) is recorded as a skipped step.
+  /// verdict() while a verdict waits for its settle(), settle() without one, or with another
+  /// step's verdict: c10::Error saying so, changing nothing.
+  Verdict verdict(const at::Tensor& loss);
+  StepReport settle(const Verdict& verdict, bool applied);
+  /// The policy's clip of this verdict (Action::kClip), on the port's gradients: one factor for
+  /// every gradient, so the global norm becomes verdict.clip_norm. Nothing otherwise.
+  void clip_gradients(const Verdict& verdict);
+  /// Whether a verdict waits for its settle().
+  bool verdict_pending() const noexcept { return pending_.has_value(); }
 
   /// Waits for the background work of the last step: the snapshot copy (a failure is reported
   /// as one to take it) and this rank's checkpoint write (a failure is logged and counted).
@@ -114,14 +138,24 @@ class StepEngine {
     Cause agreed_cause = Cause::kUnknown;
   };
 
+  /// What verdict() hands settle(): the step as inspected, agreed and decided.
+  struct Pending {
+    Agreed agreed;
+    StepDecision decided;
+    Findings findings;
+  };
+
   void check_can_step(const at::Tensor& loss);
+  void check_not_pending(const char* what) const;
+  void refresh_layout();
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
-  std::vector<std::int64_t> blame_across_shards(const std::vector<std::int64_t>& mine,
-                                                std::int64_t step);
+  std::vector<std::string> blame_across_ranks(const std::vector<std::string>& mine,
+                                              std::int64_t step);
   void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
+  static void overrule(StepDecision* decided, bool applied, std::int64_t step);
   void checkpoint_after(std::int64_t step, const StepDecision& decided, const GlobalStats& global);
   /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)
   /// as a snapshot that could not be taken. Never throws.
@@ -151,6 +185,12 @@ class StepEngine {
   Recovery recovery_;
   std::unique_ptr<telemetry::EventLog> event_log_;
   std::unique_ptr<telemetry::Metrics> metrics_;
+
+  /// This rank's gradients' copy counts (the port's layout), and whether every rank holds
+  /// replicas only (agreed at construction).
+  ResolvedLayout layout_;
+  bool job_replicated_ = true;
+  std::optional<Pending> pending_;
 
   std::int64_t step_ = 0;
   GuardTotals totals_;

@@ -21,21 +21,49 @@ namespace stepguard {
 // With sharded gradients only the ranks holding a bad shard know its parameter; every rank joins
 // one more collective on such a step (the agreed count says so on all of them) so that every
 // rank names it. Parameters are in the same order on every rank.
-std::vector<std::int64_t> StepEngine::blame_across_shards(const std::vector<std::int64_t>& mine,
-                                                          std::int64_t step) {
-  const auto count = static_cast<std::int64_t>(port_.parameters().size());
-  at::Tensor flags = at::zeros({count}, at::TensorOptions().dtype(at::kDouble));
-  double* f = flags.data_ptr<double>();
-  for (std::int64_t i : mine) f[i] = 1.0;
-  at::Tensor on_device = flags.to(*step_device_);
-  consensus_->all_reduce_sum(on_device, step);
-  const at::Tensor host = on_device.to(at::kCPU);
-  const double* summed = host.data_ptr<double>();
-  std::vector<std::int64_t> all;
-  for (std::int64_t i = 0; i < count; ++i) {
-    if (summed[i] > 0.0) all.push_back(i);
+// Every rank's blamed gradients, by name, to every rank (names, not indices: the ranks' lists
+// differ under pipeline parallelism and sharding). Two collectives, on a non-finite step only:
+// the lengths, then the names, one byte per slot, -1 between names.
+std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::string>& mine,
+                                                        std::int64_t step) {
+  constexpr std::size_t kMaxBytes = 16384;  // per rank: max_blamed_tensors names of any length
+  std::vector<double> packed;
+  for (const std::string& name : mine) {
+    if (packed.size() + name.size() + 1 > kMaxBytes) break;
+    for (unsigned char c : name) packed.push_back(static_cast<double>(c));
+    packed.push_back(-1.0);
   }
-  return all;
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor length = at::full({1}, static_cast<double>(packed.size()), opts);
+  const std::vector<double> lengths =
+      consensus::gather_rank_rows(*consensus_, length.to(*step_device_), step);
+  const auto width = static_cast<std::int64_t>(*std::max_element(lengths.begin(), lengths.end()));
+  std::vector<std::string> out;
+  if (width == 0) return out;
+  at::Tensor row = at::zeros({width}, opts);
+  if (!packed.empty()) {
+    row.narrow(0, 0, static_cast<std::int64_t>(packed.size())).copy_(at::tensor(packed, opts));
+  }
+  const std::vector<double> rows =
+      consensus::gather_rank_rows(*consensus_, row.to(*step_device_), step);
+  const int world = consensus_->world_size();
+  for (int r = 0; r < world; ++r) {
+    std::string name;
+    const auto n = static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]);
+    for (std::size_t j = 0; j < n; ++j) {
+      const double c = rows[static_cast<std::size_t>(r) * static_cast<std::size_t>(width) + j];
+      if (c >= 0.0) {
+        name.push_back(static_cast<char>(static_cast<unsigned char>(c)));
+        continue;
+      }
+      if (std::find(out.begin(), out.end(), name) == out.end() &&
+          static_cast<std::int64_t>(out.size()) < options_.max_blamed_tensors()) {
+        out.push_back(name);
+      }
+      name.clear();
+    }
+  }
+  return out;
 }
 
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
@@ -49,14 +77,16 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
       std::find(faulty.begin(), faulty.end(), consensus_->rank()) != faulty.end()) {
     agreed.blame.fetch(&local);
   }
-  if (options_.sharded_gradients() && consensus_->world_size() > 1 && g.nonfinite_count() > 0) {
-    local.nonfinite_tensors = blame_across_shards(local.nonfinite_tensors, step_);
-  }
   // Blame in backward order: the last layers' gradients are computed first.
   const auto& names = port_.parameter_names();
   for (auto it = local.nonfinite_tensors.rbegin(); it != local.nonfinite_tensors.rend(); ++it) {
     if (static_cast<std::int64_t>(f.blamed.size()) >= options_.max_blamed_tensors()) break;
     f.blamed.push_back(names[static_cast<std::size_t>(*it)]);
+  }
+  // Under sharding, tensor or pipeline parallelism a rank sees only its own gradients: every
+  // rank learns what the others blame (the same on every rank: the layout is agreed).
+  if (!job_replicated_ && consensus_->world_size() > 1 && g.nonfinite_count() > 0) {
+    f.blamed = blame_across_ranks(f.blamed, step_);
   }
   forensics::Evidence& ev = f.evidence;
   ev.loss_nonfinite = g.loss_nonfinite_ranks > 0;

@@ -90,7 +90,9 @@ def _cpp_public_methods():
 
 def test_the_cpp_guard_is_as_narrow_as_torchs_optimizer_and_python_matches_it_name_for_name():
     cpp = _cpp_public_methods()
-    assert 12 <= len(cpp) <= 16, sorted(cpp)
+    # torch's optimizer surface, the guard's own tools, and the step's two phases (verdict,
+    # settle, clip_gradients) for frameworks that run their own update.
+    assert 12 <= len(cpp) <= 19, sorted(cpp)
     # What the class itself defines, less torch.optim's pass-throughs; the wrapped optimizer is an
     # attribute.
     python = {n for n in vars(stepguard.GuardedOptimizer) if not n.startswith("_")}

@@ -64,8 +64,9 @@ def test_every_rank_skips_a_fault_of_one_rank_and_replicas_stay_equal():
     expected = ["applied"] * 3 + ["skipped"] + ["applied"] * 2
     for r in results:
         assert r["outcomes"] == expected
-        # One per step; the incident step adds the per-rank rows and the cause agreement.
-        assert r["collectives"] == 6 + 2
+        # One at construction (the ranks' layouts), one per step; the incident step adds the
+        # per-rank rows and the cause agreement.
+        assert r["collectives"] == 1 + 6 + 2
         assert r["step_buffer_bytes"] == 232
     assert torch.equal(results[0]["params"], results[1]["params"])
 
@@ -196,3 +197,74 @@ def test_a_guard_without_a_group_under_several_ranks_is_refused():
     for m in messages:
         assert "torch.distributed runs 2 ranks but the guard was given no process_group" in m
         assert "process_group=dist.group.WORLD" in m
+
+
+def _stages_main(rank, world, init_file, out_dir):
+    """Two ranks holding different parameters, as pipeline stages do: rank 0 two tensors, rank 1
+    four. With sharded_gradients every rank's gradients are its own: the norm adds them."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)
+    stage = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rank + 1)])
+    names = ["stage%d.%s" % (rank, n) for n, _ in stage.named_parameters()]
+    out = {}
+    try:
+        stepguard.GuardedOptimizer(torch.optim.SGD(stage.parameters(), lr=0.1),
+                                   zip(names, stage.parameters()),
+                                   process_group=dist.group.WORLD, collective_timeout=30)
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(stage.parameters(), lr=0.1),
+                                       zip(names, stage.parameters()),
+                                       process_group=dist.group.WORLD, sharded_gradients=True,
+                                       collective_timeout=30)
+    steps = []
+    for step in range(1, 6):
+        guard.zero_grad()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        stage(x).pow(2).mean().backward()
+        if (step, rank) in ((2, 0), (4, 1)):
+            list(stage.parameters())[-1].grad[0] = float("nan")
+        local = sum(float(p.grad.double().pow(2).sum()) for p in stage.parameters())
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        before = [p.detach().clone() for p in stage.parameters()]
+        report = guard.step()
+        steps.append({"outcome": report.outcome, "grad_norm": report.grad_norm,
+                      "expected_norm": float(total.sqrt()), "incident": report.incident,
+                      "unchanged": all(torch.equal(a, b)
+                                       for a, b in zip(before, stage.parameters()))})
+    out["steps"] = steps
+    out["collectives"] = guard.stats().collective_calls
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_holding_different_tensors_skip_a_nan_on_either_and_name_it():
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_stages_main, args=(world, os.path.join(d, "init"), d), nprocs=world,
+                           start_method="spawn", join=True)
+        results = []
+        for r in range(world):
+            with open(os.path.join(d, "rank%d.json" % r)) as f:
+                results.append(json.load(f))
+    for r in results:
+        # Replicas (the default) must be alike on every rank: refused at construction, on every
+        # rank, with each rank's counts.
+        assert "rank 0 holds 2 (20 elements), rank 1 holds 4 (40 elements)" in r["refused"], r
+        steps = r["steps"]
+        assert [s["outcome"] for s in steps] == ["applied", "skipped", "applied", "skipped",
+                                                 "applied"], steps
+        for s in steps:
+            if s["outcome"] == "applied":
+                assert abs(s["grad_norm"] - s["expected_norm"]) <= 1e-9 * s["expected_norm"], s
+            else:
+                assert s["unchanged"], s
+        # Every rank names the tensor and the rank, whichever rank the NaN was on.
+        assert steps[1]["incident"]["tensors"] == ["stage0.0.bias"], steps[1]
+        assert steps[1]["incident"]["ranks"] == [0]
+        assert steps[3]["incident"]["tensors"] == ["stage1.1.bias"], steps[3]
+        assert steps[3]["incident"]["ranks"] == [1]

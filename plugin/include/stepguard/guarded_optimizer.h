@@ -28,6 +28,7 @@
 
 #include "stepguard/guard_stats.h"
 #include "stepguard/input_verdict.h"
+#include "stepguard/layout.h"
 #include "stepguard/options.h"
 #include "stepguard/types.h"
 
@@ -43,6 +44,13 @@ class GuardedOptimizer {
   GuardedOptimizer(torch::optim::Optimizer& optimizer,
                    const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
                    GuardOptions options = {});
+  /// As above, with how the ranks hold each parameter's gradient (stepguard/layout.h): one
+  /// Placement per parameter of the optimizer's param groups, in order. The ranks' lists are
+  /// checked against each other here, in one collective (c10::Error on every rank, naming each
+  /// rank's counts, when they do not fit together).
+  GuardedOptimizer(torch::optim::Optimizer& optimizer,
+                   const torch::OrderedDict<std::string, torch::Tensor>& named_parameters,
+                   std::vector<Placement> layout, GuardOptions options = {});
   ~GuardedOptimizer();
   GuardedOptimizer(const GuardedOptimizer&) = delete;
   GuardedOptimizer& operator=(const GuardedOptimizer&) = delete;
@@ -54,6 +62,18 @@ class GuardedOptimizer {
   /// false). Throws c10::Error on bad input (nothing changed) and after an abort
   /// (stats().aborted).
   StepReport step(const torch::Tensor& loss = {});
+  /// The step in two phases, for a loop that runs the update itself: verdict() inspects, agrees
+  /// and decides, changing no parameter and no optimizer state; when verdict.applies() the loop
+  /// runs its update (every learning rate times verdict.lr_factor, clip_gradients() for the
+  /// policy's clip, its own clip given verdict.grad_norm as the total norm); settle(verdict,
+  /// applied) then restores, drops the gradients, snapshots, checkpoints and reports. Nothing
+  /// of the guard's but stats() in between. A second verdict() before settle(), or settle()
+  /// without a verdict or with another step's: c10::Error, nothing changed. step() is exactly
+  /// verdict(), optimizer().step() with the factor, settle().
+  Verdict verdict(const torch::Tensor& loss = {});
+  StepReport settle(const Verdict& verdict, bool applied);
+  /// The policy's clip of `verdict` (Action::kClip) on the gradients; nothing otherwise.
+  void clip_gradients(const Verdict& verdict);
   /// Gives this step's loss before a framework calls step() without one (a loss given to step()
   /// itself wins). Used by the next step() only.
   void record_loss(const torch::Tensor& loss);

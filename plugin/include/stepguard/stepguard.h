@@ -3,6 +3,7 @@
 
 #include "stepguard/distributed.h"
 #include "stepguard/guarded_optimizer.h"
+#include "stepguard/layout.h"
 #include "stepguard/options.h"
 #include "stepguard/replay.h"
 #include "stepguard/tools.h"

@@ -12,13 +12,14 @@ incident reports.
 
 import torch  # noqa: F401  (loads LibTorch before the extension)
 
-from ._C import (ConsensusError, GuardOptions, StepguardError, StepReport, check_policy_file,
-                 explain_policy_file, version)
+from ._C import (ConsensusError, GuardOptions, Placement, StepguardError, StepReport, Verdict,
+                 check_policy_file, explain_policy_file, version)
 from ._guard import GuardedOptimizer
 from ._port import TorchOptimPort
 
 __all__ = [
-    "ConsensusError", "GuardOptions", "GuardedOptimizer", "StepReport", "StepguardError", "TorchOptimPort",
-    "check_policy_file", "explain_policy_file", "version",
+    "ConsensusError", "GuardOptions", "GuardedOptimizer", "Placement", "StepReport",
+    "StepguardError", "TorchOptimPort", "Verdict", "check_policy_file", "explain_policy_file",
+    "version",
 ]
 __version__ = version()

@@ -52,7 +52,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
         metrics_run_label, loss_scaling, sharded_gradients, collective_timeout (seconds),
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
-        checkpoints belong to). With trace_path and incident_dir, and matplotlib installed, each
+        checkpoints belong to).
+        layout: how the ranks hold each parameter's gradient, one ``stepguard.Placement`` per
+            parameter of the optimizer's param groups in order (``replica()``, the default for
+            all; ``replicated(n)``, ``shard(n)``, ``absent()``), so that every element of the job
+            counts once in the norm, the non-finite count and blame. Ranks may hold different
+            lists; lists that do not fit together are refused here, on every rank. With trace_path and incident_dir, and matplotlib installed, each
         incident report gets a picture of the steps around it (``<report stem>.png``, linked from
         the report; the first 20 incidents of a guard).
 
@@ -82,14 +87,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  policy: Union[str, "os.PathLike[str]", None] = None,
                  policy_yaml: Optional[str] = None,
                  process_group: Optional[Any] = None, store: Optional[Any] = None,
-                 port: Optional[TorchOptimPort] = None, **options: Any) -> None:
+                 port: Optional[TorchOptimPort] = None,
+                 layout: Optional[Sequence["_C.Placement"]] = None, **options: Any) -> None:
         # The wrapped optimizer holds the state; Optimizer.__init__ is not called on purpose.
         guard_options = _options(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
             _check_zero_group(optimizer, process_group)
         _check_default_group(process_group)
+        if layout is not None and port is not None:
+            raise ValueError("stepguard: give the layout to the port (its layout()) or to the "
+                             "guard, not both")
         self.optimizer = optimizer
-        self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters)
+        self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters,
+                                                                  layout=layout)
         if getattr(self._port, "dtensors", False) and not guard_options.sharded_gradients:
             raise ValueError(
                 "stepguard: the parameters are DTensors (FSDP2's fully_shard): each rank holds a "
@@ -164,30 +174,66 @@ class GuardedOptimizer(torch.optim.Optimizer):
           ``record_loss(loss)``. Without a loss the loss detectors see no value this step
           (``report.loss`` is None, ``report.loss_given`` False).
         """
+        with self._one_call("step()"):
+            report = self._guard.step(self._loss_of(closure))
+            self._recorded_loss = None
+        return self._after_step(report)
+
+    def verdict(self, loss: Optional[torch.Tensor] = None) -> "_C.Verdict":
+        """The first phase of a step, for a framework that runs its own update: inspects, agrees
+        (the step's one collective) and decides, changing no parameter and no optimizer state.
+        Then, only when ``verdict.applies``: the framework's update with every learning rate
+        times ``verdict.lr_factor``, its clip given ``verdict.grad_norm`` as the total norm (and
+        ``clip_gradients(verdict)`` for the policy's clip). Then ``settle(verdict, applied)``.
+        Nothing of the guard's but ``stats()`` in between. ``loss`` as for ``step(loss)``
+        (None: the one given to ``record_loss``, or none)."""
+        with self._one_call("verdict()"):
+            v = self._guard.verdict(self._loss_of(loss))
+            self._recorded_loss = None
+        return v
+
+    def settle(self, verdict: "_C.Verdict", applied: bool) -> StepReport:
+        """The second phase: restores (rollback), drops the gradients (skip), snapshots,
+        checkpoints and records; returns the step's ``StepReport``. ``applied``: whether the
+        update ran (False after an exception in it: the step is then recorded as skipped)."""
+        if not isinstance(applied, bool):
+            raise TypeError("stepguard: settle(verdict, applied): applied must be a bool, got %s"
+                            % type(applied).__name__)
+        with self._one_call("settle()"):
+            report = self._guard.settle(verdict, applied)
+        return self._after_step(report)
+
+    def clip_gradients(self, verdict: "_C.Verdict") -> None:
+        """The policy's clip of ``verdict`` (its ``clip`` action) on the guarded gradients: one
+        factor for all, so that the global norm becomes ``verdict.clip_norm``; nothing when the
+        policy did not clip. ``step()`` does this itself."""
+        self._guard.clip_gradients(verdict)
+
+    def _one_call(self, what):
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError(
-                "stepguard: step() was called while another step() of this guard is running (from "
-                "a replay closure, a hook or another thread); a guard is not re-entrant and not "
-                "thread-safe: one training thread drives it")
-        try:
-            if closure is None:
-                loss = self._recorded_loss
-            elif torch.is_tensor(closure):
-                loss = closure
-            elif callable(closure):
-                with torch.enable_grad():
-                    loss = closure()
-                if not torch.is_tensor(loss):
-                    raise TypeError("stepguard: step(closure): the closure must return this "
-                                    "step's loss tensor (it runs forward and backward), got %s"
-                                    % type(loss).__name__)
-            else:
-                raise TypeError("stepguard: step() takes the loss tensor, a closure or nothing, "
-                                "got %s" % type(closure).__name__)
-            report = self._guard.step(loss)
-            self._recorded_loss = None
-        finally:
-            self._stepping.release()
+                "stepguard: %s was called while another call of this guard's step is running "
+                "(from a replay closure, a hook or another thread); a guard is not re-entrant "
+                "and not thread-safe: one training thread drives it" % what)
+        return _Held(self._stepping)
+
+    def _loss_of(self, closure):
+        if closure is None:
+            return self._recorded_loss
+        if torch.is_tensor(closure):
+            return closure
+        if callable(closure):
+            with torch.enable_grad():
+                loss = closure()
+            if not torch.is_tensor(loss):
+                raise TypeError("stepguard: step(closure): the closure must return this "
+                                "step's loss tensor (it runs forward and backward), got %s"
+                                % type(loss).__name__)
+            return loss
+        raise TypeError("stepguard: step() takes the loss tensor, a closure or nothing, "
+                        "got %s" % type(closure).__name__)
+
+    def _after_step(self, report):
         if self._pictures is not None:
             self._pictures.after_step(report)  # the trace line of this step is written
         incident = report.incident
@@ -284,6 +330,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
+
+
+class _Held:
+    """Releases a lock acquired by ``_one_call`` when the call's block ends."""
+
+    def __init__(self, lock):
+        self._lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+        return False
 
 
 def _check_default_group(process_group):

@@ -92,7 +92,7 @@ class TorchOptimPort:
     communication hook, where the guard cannot skip them.
     """
 
-    def __init__(self, optimizer, named_parameters=None):
+    def __init__(self, optimizer, named_parameters=None, layout=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "stepguard: expected a torch.optim.Optimizer, got " + type(optimizer).__name__)
@@ -117,6 +117,7 @@ class TorchOptimPort:
         self._local = []   # what the engine reads and writes: this rank's shards
         self._names = []
         self._count = -1
+        self._layout = _checked_layout(layout)
         self.dtensors = any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
         if not self.dtensors and type(self).gradients is TorchOptimPort.gradients:
             self.gradients = None  # the engine reads each parameter's .grad itself, in C++
@@ -150,6 +151,11 @@ class TorchOptimPort:
     def sharded_state(self):
         """True when each rank holds only its own shard of the optimizer state (ZeRO)."""
         return self.zero
+
+    def layout(self):
+        """How the ranks hold each parameter's gradient (``stepguard.Placement``, one per
+        parameter), or None: every one a replica (or a shard, with sharded_gradients)."""
+        return self._layout
 
     def _state_owner(self):
         """The optimizer whose ``state`` holds this rank's optimizer state."""
@@ -312,6 +318,19 @@ class TorchOptimPort:
 
     def after_restore(self):
         pass
+
+
+def _checked_layout(layout):
+    """A list of ``stepguard.Placement`` (or None), checked item by item."""
+    if layout is None:
+        return None
+    from . import _C
+    out = list(layout)
+    for i, p in enumerate(out):
+        if not isinstance(p, _C.Placement):
+            raise TypeError("stepguard: layout[%d] is %s, not a stepguard.Placement (replica(), "
+                            "replicated(n), shard(n), absent())" % (i, type(p).__name__))
+    return out
 
 
 def _sharded_like(old, like, param):

@@ -307,7 +307,7 @@ class _DeepSpeedPort(TorchOptimPort):
 
     def __init__(self, basic_optimizer, layout, ds_step):
         super().__init__(basic_optimizer)
-        self.layout = layout
+        self.partition = layout
         self.ds_step = ds_step
         if isinstance(layout, _PlainLayout):
             self.gradients = None  # the model's parameters: the engine reads .grad itself
@@ -316,16 +316,16 @@ class _DeepSpeedPort(TorchOptimPort):
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._names = ["group%d.tensor%d" % (i, j) for i, g in enumerate(self.optimizer.param_groups)
                        for j in range(len(g["params"]))]
-        return self.layout.parameters()
+        return self.partition.parameters()
 
     def gradients(self):
-        return self.layout.gradients()
+        return self.partition.gradients()
 
     def sharded_state(self):
-        return self.layout.sharded
+        return self.partition.sharded
 
     def update(self):
-        self.layout.update(self.ds_step)
+        self.partition.update(self.ds_step)
 
     def after_restore(self):
-        self.layout.refresh_model()
+        self.partition.refresh_model()

@@ -1,5 +1,5 @@
 """stepguard inside Megatron-core: a guarded optimizer that stands where Megatron's optimizer
-stands.
+stands, in every parallel layout (data, tensor and pipeline parallel, the distributed optimizer).
 
 Wrap what ``get_megatron_optimizer`` returns; Megatron's training loop is unchanged::
 
@@ -10,26 +10,41 @@ Wrap what ``get_megatron_optimizer`` returns; Megatron's training loop is unchan
     ...
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
 
-``step()`` runs Megatron's own stages with the guard between them: ``prepare_grads()`` (model
-gradients into the fp32 main gradients; each rank's shard under the distributed optimizer), the
-guard's verdict on those main gradients (one collective), then on an applied step Megatron's grad
-norm, clipping, zero count and ``step_with_ready_grads()`` (the main parameters copied into the
-model's, all-gathered under the distributed optimizer). It returns Megatron's
-``(update_successful, grad_norm, num_zeros_in_grad)``: the values Megatron's optimizer returns on
-a clean step, ``(False, None, None)`` on a step the guard did not apply (the training loop then
-counts a skipped iteration and does not step its LR scheduler). A rollback restores the fp32 main
-parameters and the optimizer state (each rank its shard under the distributed optimizer) and
-copies them into the model's parameters, as Megatron's step does.
+``step()`` runs Megatron's own stages with the guard's two phases between them:
+``prepare_grads()`` (model gradients into the fp32 main gradients; each rank's shard under the
+distributed optimizer), the guard's ``verdict()`` on those main gradients (its one collective,
+over every rank of the job), then on an applied step Megatron's clip given the agreed norm
+(``clip_grad_by_total_norm_fp32(total_norm=...)``: the norm is computed once per step, and not
+at all beyond the guard's when ``clip_grad == 0``), Megatron's zero count and
+``step_with_ready_grads()``, and the guard's ``settle()``. It returns Megatron's
+``(update_successful, grad_norm, num_zeros_in_grad)`` with the agreed norm on an applied step,
+``(False, None, None)`` on a step the guard did not apply (the training loop then counts a skipped
+iteration and does not step its LR scheduler). A rollback restores the fp32 main parameters and
+the optimizer state (each rank its shard under the distributed optimizer) and copies them into the
+model's parameters, as Megatron's step does.
+
+The parallel layout comes from Megatron's own marks: a parameter with ``tensor_model_parallel``
+is a shard over the tensor-parallel group, any other is a copy on every tensor-parallel rank
+(layernorms, row-parallel biases, position embeddings); the word embedding and the last stage's
+output weight are one tied gradient under pipeline parallelism (``shared_embedding``); the
+data-parallel replicas hold the same gradient unless the distributed optimizer shards it. Every
+element of the job is counted once, as Megatron's ``get_grad_norm`` counts it, and each pipeline
+stage inspects its own parameters.
+
+Checkpoints: ``state_dict()``/``load_state_dict()`` (the per-rank ``torch.save`` format) and
+``sharded_state_dict()`` (``dist_checkpointing``, Megatron-LM's default) carry the guard's state
+under the key ``"stepguard"`` beside Megatron's; a checkpoint without it loads with a warning
+that the guard starts fresh.
 
 Megatron's ``grad_scale_func`` records each micro-batch's loss (Megatron divides it by the number
-of micro-batches: the step's loss is their sum). Tested with megatron-core 0.16.1 (Python 3.11)
-and 0.19.2 (Python 3.12 and later; ``TESTED_VERSIONS``): an older release is refused at attach,
-a newer one warned about. fp32
+of micro-batches: the step's loss is their sum; under pipeline parallelism the last stage's).
+Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
+``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
 (``FP32Optimizer``), bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer,
-one model chunk. Refused with a message: fp16 (Megatron's grad scaler owns the loss scale), a
-``ChainedOptimizer`` of several optimizers (expert and dense parameters, several chunks), and MoE
-or multi-token-prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses'
-scale too). Tensor and pipeline parallelism are not tested yet.
+one optimizer (a ``ChainedOptimizer`` of one). Refused with a message: fp16 (Megatron's grad
+scaler owns the loss scale), a ``ChainedOptimizer`` of several optimizers (expert and dense
+parameters, several model chunks under the interleaved schedule), and MoE or multi-token-
+prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses' scale too).
 """
 
 import math
@@ -38,6 +53,7 @@ import warnings
 import torch
 from packaging.version import InvalidVersion, Version
 
+from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
 
@@ -90,17 +106,15 @@ class GuardedMegatronOptimizer:
         _refuse_unguarded(inner, chunks)
         self._megatron = megatron_optimizer
         self._inner = inner
-        sharded = type(inner).__name__ == "DistributedOptimizer"
         if process_group is None and torch.distributed.is_initialized():
             # Every rank of the job takes each step's decision together: Megatron's grad-stats
             # group is the model-parallel one, which leaves out the data-parallel replicas.
             process_group = torch.distributed.group.WORLD
-        options.setdefault("sharded_gradients", sharded)
-        if options["sharded_gradients"] != sharded:
-            raise ValueError("stepguard: sharded_gradients=%r does not match this optimizer "
-                             "(%s): leave it out" % (options["sharded_gradients"],
-                                                     type(inner).__name__))
-        self._port = _MegatronPort(megatron_optimizer, inner, chunks)
+        if "sharded_gradients" in options:
+            raise ValueError("stepguard: sharded_gradients is not an option here: the Megatron "
+                             "integration reads how every parameter is held (tensor, pipeline "
+                             "and data parallel, the distributed optimizer) from Megatron")
+        self._port = _MegatronPort(megatron_optimizer, inner, chunks, process_group)
         self.guard = GuardedOptimizer(inner.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)
@@ -129,7 +143,19 @@ class GuardedMegatronOptimizer:
         loss = torch.stack(self._losses).sum() if self._losses else None
         self._losses = []
         self._port.result = None
-        report = self.guard.step(loss)
+        verdict = self.guard.verdict(loss)
+        applied = False
+        try:
+            if verdict.applies:
+                self._port.verdict = verdict
+                self._port.apply(verdict.lr_factor)  # Megatron's clip, zero count and update
+                applied = bool(self._port.result[0])
+        except BaseException:
+            self.guard.settle(verdict, False)  # the guard stays consistent; the error goes on
+            raise
+        finally:
+            self._port.verdict = None
+        report = self.guard.settle(verdict, applied)
         self.last_report = report
         if not report.applied:
             return False, None, None
@@ -139,21 +165,59 @@ class GuardedMegatronOptimizer:
         self._megatron.zero_grad(set_to_none)
 
     def state_dict(self):
+        """The per-rank format: Megatron's state dict under "optimizer", the guard's under
+        "stepguard"."""
         return {"optimizer": self._megatron.state_dict(), "stepguard": self.guard._guard.record()}
 
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        """Megatron's ``sharded_state_dict`` for ``dist_checkpointing``, with the guard's state
+        under "stepguard": the same on every rank (the guard decides the same everywhere), so it
+        travels in the checkpoint's common part."""
+        sharded = self._megatron.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        sharded[_SHARDED_KEY] = {"format": _SHARDED_FORMAT,
+                                 "record": self.guard._guard.record()}
+        return sharded
+
     def load_state_dict(self, state_dict):
-        if "stepguard" not in state_dict or "optimizer" not in state_dict:
-            raise ValueError("stepguard: not a GuardedMegatronOptimizer state dict (it needs the "
-                             "keys 'optimizer' and 'stepguard')")
-        # As GuardedOptimizer.load_state_dict: the guard's part is checked whole first, and goes
-        # back if Megatron's part then fails.
+        """Loads either format (``state_dict()``'s, or what ``dist_checkpointing.load`` gave back
+        for ``sharded_state_dict()``). Without the guard's entry (a checkpoint saved unguarded):
+        Megatron's part loads and the guard starts fresh, with a warning."""
+        if not isinstance(state_dict, dict):
+            raise TypeError("stepguard: load_state_dict takes a dict, got %s"
+                            % type(state_dict).__name__)
+        entry = state_dict.get(_SHARDED_KEY)
+        if entry is None:
+            warnings.warn("stepguard: this optimizer state dict has no 'stepguard' entry (saved "
+                          "without the guard): Megatron's state loads, the guard starts fresh "
+                          "(step count, totals, detectors, LR factor and data position from 0)",
+                          RuntimeWarning, stacklevel=2)
+            self._megatron.load_state_dict(state_dict)
+            return
+        if isinstance(entry, dict) and entry.get("format") == _SHARDED_FORMAT:
+            if set(entry) != {"format", "record"}:
+                raise ValueError("stepguard: the state dict's 'stepguard' entry has the keys %s, "
+                                 "not 'format' and 'record'" % sorted(entry))
+            record = entry["record"]
+            megatron_part = {k: v for k, v in state_dict.items() if k != _SHARDED_KEY}
+        elif set(state_dict) == {"optimizer", _SHARDED_KEY}:
+            record, megatron_part = entry, state_dict["optimizer"]
+        else:
+            raise ValueError("stepguard: not a GuardedMegatronOptimizer state dict: it has a "
+                             "'stepguard' entry but neither state_dict()'s keys ('optimizer', "
+                             "'stepguard') nor sharded_state_dict()'s form")
+        # The guard's part is checked whole first, and goes back if Megatron's part then fails.
         before = self.guard._guard.record()
-        self.guard._guard.load_record(state_dict["stepguard"])
+        self.guard._guard.load_record(record)
         try:
-            self._megatron.load_state_dict(state_dict["optimizer"])
+            self._megatron.load_state_dict(megatron_part)
         except BaseException:
             self.guard._guard.load_record(before)
             raise
+
+
+# The guard's entry in Megatron's state dicts, and the form sharded_state_dict() gives it.
+_SHARDED_KEY = "stepguard"
+_SHARDED_FORMAT = "stepguard-megatron-1"
 
 
 def _refuse_unguarded(inner, chunks):
@@ -195,8 +259,8 @@ def _single_optimizer(megatron_optimizer):
 
 
 def _aligned_main_params(inner, chunks):
-    """(name, main parameter or None) for every trainable parameter of the model chunks, in the
-    model's order on every rank: the engine's contract for sharded gradients. A main parameter
+    """(name, main parameter or None, model parameter) for every trainable parameter of the model
+    chunks, in the model's order. A main parameter
     is the fp32 copy (bf16), the model's own (fp32), or this rank's shard of it (the
     distributed optimizer); None where the parameter has no shard on this rank."""
     main_of = {}
@@ -215,8 +279,8 @@ def _aligned_main_params(inner, chunks):
             if not p.requires_grad:
                 continue
             main = main_of.get(id(p), p if id(p) in stepped else None)
-            out.append((check_name(name, "parameter name"), main))
-    if len([m for _, m in out if m is not None]) != len(stepped):
+            out.append((check_name(name, "parameter name"), main, p))
+    if len([m for _, m, _ in out if m is not None]) != len(stepped):
         raise ValueError("stepguard: the optimizer steps parameters that are not in the model "
                          "chunks given (pass the chunks it was built for)")
     return out
@@ -224,19 +288,23 @@ def _aligned_main_params(inner, chunks):
 
 class _MegatronPort(TorchOptimPort):
     """The torch optimizer inside Megatron's: its main parameters, gradients and state. The
-    parameters and gradients the engine inspects are one entry per model parameter, on every
-    rank (an empty tensor where this rank holds no shard of it); the optimizer state is this
-    rank's. The update is Megatron's grad norm, clipping, zero count and
-    ``step_with_ready_grads()``."""
+    parameters and gradients the engine inspects are one entry per model parameter of this rank's
+    pipeline stage (an empty tensor where this rank holds no shard of it), each placed as
+    Megatron holds it (``layout()``); the optimizer state is this rank's. The update is
+    Megatron's clip with the agreed norm, its zero count and ``step_with_ready_grads()``."""
 
-    def __init__(self, megatron_optimizer, inner, chunks):
+    def __init__(self, megatron_optimizer, inner, chunks, process_group):
         aligned = _aligned_main_params(inner, chunks)
-        super().__init__(inner.optimizer, [(n, m) for n, m in aligned if m is not None])
+        super().__init__(inner.optimizer, [(n, m) for n, m, _ in aligned if m is not None])
         self.megatron = megatron_optimizer
         self.inner = inner
         self.result = None
-        self._aligned_names = [n for n, _ in aligned]
-        self._aligned = [m if m is not None else torch.empty(0) for _, m in aligned]
+        self.verdict = None
+        self._aligned_names = [n for n, _, _ in aligned]
+        self._aligned = [m if m is not None else torch.empty(0) for _, m, _ in aligned]
+        world = torch.distributed.get_world_size(process_group) if process_group is not None \
+            else 1
+        self._layout = _placements([p for _, _, p in aligned], self.sharded_state(), world)
 
     def parameters(self):
         super().parameters()  # the optimizer's own, for its state
@@ -249,9 +317,20 @@ class _MegatronPort(TorchOptimPort):
         return type(self.inner).__name__ == "DistributedOptimizer"
 
     def update(self):
-        clip = self.inner.config.clip_grad
-        grad_norm = self.inner.clip_grad_norm(clip) if clip > 0.0 else self.inner.get_grad_norm()
-        zeros = self.inner.count_zeros() if self.inner.config.log_num_zeros_in_grad else None
+        v = self.verdict
+        config = self.inner.config
+        decoupled = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+        # Megatron's clip and the policy's, one factor: the smaller target wins. The total norm
+        # is the agreed one: Megatron computes none of its own.
+        targets = [t for t in (config.clip_grad, v.clip_norm if v is not None else None)
+                   if t is not None and t > 0.0]
+        grad_norm = v.grad_norm if v is not None else self.inner.get_grad_norm()
+        if targets:
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+            params = self.inner.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, min(targets), grad_norm, decoupled)
+        zeros = self.inner.count_zeros() if config.log_num_zeros_in_grad else None
         success = self.megatron.step_with_ready_grads()
         self.result = (success, grad_norm, zeros)
 
@@ -262,3 +341,28 @@ class _MegatronPort(TorchOptimPort):
         if self.sharded_state() and not self.inner.ddp_config.overlap_param_gather:
             for chunk in self.inner.model_chunks:
                 chunk.start_param_sync()  # every rank restores its shard; all-gather the rest
+
+
+def _placements(model_params, distributed_optimizer, world):
+    """How the job holds each main gradient, from Megatron's parallel state and marks: the copies
+    of one gradient are its tensor-parallel duplicates (no ``tensor_model_parallel`` mark), the
+    tied embedding's two stages (``shared_embedding``) and, unless the distributed optimizer
+    shards it, the data-parallel replicas."""
+    from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = 1 if distributed_optimizer else ps.get_data_parallel_world_size(
+        with_context_parallel=True)
+    out = []
+    for p in model_params:
+        tensor_parallel = bool(getattr(p, "tensor_model_parallel", False))
+        tied = 2 if pp > 1 and getattr(p, "shared_embedding", False) else 1
+        duplicates = (1 if tensor_parallel else tp) * tied
+        copies = duplicates * dp
+        if copies == world:
+            out.append(_C.Placement.replica())
+        elif duplicates > 1:
+            out.append(_C.Placement.replicated(copies))
+        else:
+            out.append(_C.Placement.shard(copies))
+    return out

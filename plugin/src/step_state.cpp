@@ -1,0 +1,112 @@
+// StepEngine: the guard's side of a checkpoint (its record), and restoring it: from a front end's
+// state dict, or with a resume from a checkpoint directory.
+#include <c10/util/Exception.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+
+#include "plugin/src/step_engine.h"
+
+namespace stepguard {
+
+namespace {
+
+// The words GuardRecord::totals holds, in this order.
+constexpr std::size_t kTotalsWords = 8;
+
+}  // namespace
+
+checkpoint::GuardRecord StepEngine::guard_record(std::int64_t at_step) const {
+  checkpoint::GuardRecord r;
+  r.step = at_step;
+  r.data_position = data_position_;
+  r.guard = controller_.encode();
+  r.totals = {
+      totals_.steps,   totals_.applied,   totals_.skipped,   totals_.rolled_back,
+      totals_.aborted, totals_.incidents, totals_.snapshots, recovery_.checkpoint_counts().written};
+  for (const auto& [first, count] : skipped_ranges_) {
+    r.skipped_ranges.push_back(first);
+    r.skipped_ranges.push_back(count);
+  }
+  return r;
+}
+
+void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
+  controller_.decode(record.guard);
+  step_ = record.step;
+  data_position_ = record.data_position;
+  const auto& t = record.totals;
+  totals_ = GuardTotals{t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
+  recovery_.set_checkpoints_written(t[7]);
+  skipped_ranges_.clear();
+  for (std::size_t i = 0; i + 1 < record.skipped_ranges.size(); i += 2) {
+    skipped_ranges_.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
+  }
+  recovery_.clear_snapshots();
+}
+
+void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
+  controller_.check(r.guard, r.step);
+  // Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
+  constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+  const auto field = [](const char* name, std::int64_t value) {
+    if (value < 0 || value > kMaxCount) {
+      throw checkpoint::CheckpointError(std::string("its guard record's '") + name + "' is " +
+                                        std::to_string(value) + ", not in [0, 2^52]");
+    }
+  };
+  field("step", r.step);
+  field("data_position", r.data_position);
+  if (r.totals.size() != kTotalsWords) {
+    throw checkpoint::CheckpointError("its guard record's 'totals' has " +
+                                      std::to_string(r.totals.size()) + " words, not " +
+                                      std::to_string(kTotalsWords));
+  }
+  for (std::int64_t t : r.totals) field("totals", t);
+  if (r.skipped_ranges.size() % 2 != 0) {
+    throw checkpoint::CheckpointError("its guard record's 'skipped_ranges' has an odd length");
+  }
+  for (std::int64_t v : r.skipped_ranges) field("skipped_ranges", v);
+}
+
+void StepEngine::load_record(const checkpoint::GuardRecord& record) {
+  check_not_pending("loading the guard's state");
+  try {
+    check_record(record);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "stepguard: the guard state does not fit this guard: ", e.what());
+  }
+  settle_snapshot();
+  restore_record(record);
+}
+
+std::int64_t StepEngine::resume(const std::string& dir) {
+  TORCH_CHECK(!aborted_, "stepguard: resume() after an abort");
+  check_not_pending("resume()");
+  settle_snapshot();
+  // A record is accepted only when all of it can be restored.
+  auto check = [this](const checkpoint::GuardRecord& r) { check_record(r); };
+  const std::optional<checkpoint::GuardRecord> record = recovery_.resume(dir, check);
+  if (!record) return 0;
+  restore_record(*record);
+  if (consensus_->rank() == 0) {
+    std::fprintf(stderr,
+                 "stepguard: resumed from %s (step %" PRId64 ", data position %" PRId64 ")\n",
+                 checkpoint::step_dir(dir, step_).c_str(), step_, data_position_);
+  }
+  return step_;
+}
+
+void StepEngine::set_data_position(std::int64_t position) {
+  TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
+  data_position_ = position;
+}
+
+void StepEngine::commit_pending_checkpoint() {
+  if (aborted_) return;
+  settle_snapshot();
+  (void)recovery_.commit_pending();
+}
+
+}  // namespace stepguard

@@ -1,0 +1,116 @@
+// The step's two phases (verdict, the loop's own update, settle) and the parallel layout as a
+// LibTorch loop gives them: the phases are a step bitwise, out of order they are refused and
+// change nothing, a layout that cannot hold is refused at construction.
+#include <gtest/gtest.h>
+#include <stepguard/stepguard.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tests/support/model_fixture.h"
+
+namespace stepguard {
+namespace {
+
+// The two phases: verdict(), the loop's own update, settle() is step() bitwise.
+TEST(StepPhases, VerdictThenTheLoopsUpdateThenSettleIsAStep) {
+  auto phased_model = make_model(4);
+  auto stepped_model = make_model(4);
+  torch::optim::AdamW phased_opt(phased_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW stepped_opt(stepped_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer phased(phased_opt);
+  GuardedOptimizer stepped(stepped_opt);
+  for (int step = 0; step < 4; ++step) {
+    phased_opt.zero_grad();
+    auto loss = loss_of(phased_model, step);
+    loss.backward();
+    const Verdict v = phased.verdict(loss);
+    EXPECT_EQ(v.step, step + 1);
+    ASSERT_TRUE(v.applies());
+    EXPECT_EQ(v.lr_factor, 1.0);
+    phased_opt.step();
+    const StepReport a = phased.settle(v, true);
+
+    stepped_opt.zero_grad();
+    auto stepped_loss = loss_of(stepped_model, step);
+    stepped_loss.backward();
+    const StepReport b = stepped.step(stepped_loss);
+    EXPECT_EQ(a.outcome, b.outcome);
+    EXPECT_EQ(a.grad_norm, b.grad_norm);
+    EXPECT_EQ(v.grad_norm, b.grad_norm);
+  }
+  const auto x = phased_model->parameters();
+  const auto y = stepped_model->parameters();
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(bitwise_equal(x[i], y[i])) << i;
+}
+
+// Out of order: each misuse is refused with a message and changes nothing; an update that did
+// not run is recorded as a skipped step.
+TEST(StepPhases, ThePhasesOutOfOrderAreRefusedAndTheGuardStaysConsistent) {
+  auto model = make_model(5);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(sgd);
+  auto expect_error = [](const std::function<void()>& f, const std::string& text) {
+    try {
+      f();
+      ADD_FAILURE() << "expected: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(e.msg().find(text), std::string::npos) << e.msg();
+    }
+  };
+  Verdict none;
+  none.step = 1;
+  expect_error([&] { guard.settle(none, true); }, "settle() without a verdict");
+  sgd.zero_grad();
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  const auto before = clone_all(model->parameters());
+  const Verdict v = guard.verdict(loss);
+  expect_error([&] { guard.verdict(loss); },
+               "verdict() while the verdict of step 1 waits for its settle()");
+  expect_error([&] { guard.step(loss); }, "waits for its settle()");
+  Verdict other = v;
+  other.step = 7;
+  expect_error([&] { guard.settle(other, true); }, "the verdict of step 7");
+  // The update did not run (say it threw): a skipped step, nothing changed.
+  const StepReport r = guard.settle(v, false);
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  const auto after = model->parameters();
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(after[i], before[i]));
+  EXPECT_EQ(guard.stats().totals.skipped, 1);
+  expect_error([&] { guard.settle(v, true); }, "settle() without a verdict");
+  // And the guard goes on.
+  sgd.zero_grad();
+  loss = loss_of(model, 1);
+  loss.backward();
+  EXPECT_EQ(guard.step(loss).outcome, Outcome::kApplied);
+  EXPECT_EQ(guard.stats().step_count, 2);
+}
+
+// A layout that cannot hold in a group of one rank is refused at construction, naming it.
+TEST(StepPhases, APlacementBeyondTheGroupIsRefused) {
+  auto model = make_model(6);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<Placement> layout(model->parameters().size(), Placement::replica());
+  layout[1] = Placement::replicated(2);
+  try {
+    GuardedOptimizer guard(sgd, model->named_parameters(), layout);
+    ADD_FAILURE() << "a placement of 2 copies in a group of 1 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find("parameter 1 ('0.bias') is placed replicated(2): copies must be in "
+                           "[1, 1]"),
+              std::string::npos)
+        << e.msg();
+  }
+  layout[1] = Placement::shard();
+  GuardedOptimizer guard(sgd, model->named_parameters(), layout);
+  sgd.zero_grad();
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  EXPECT_TRUE(guard.step(loss).applied());
+}
+
+}  // namespace
+}  // namespace stepguard

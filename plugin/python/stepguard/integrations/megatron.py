@@ -191,7 +191,8 @@ class GuardedMegatronOptimizer:
                           "without the guard): Megatron's state loads, the guard starts fresh "
                           "(step count, totals, detectors, LR factor and data position from 0)",
                           RuntimeWarning, stacklevel=2)
-            self._megatron.load_state_dict(state_dict)
+            with torch.no_grad():  # Megatron writes into leaf main parameters in place
+                self._megatron.load_state_dict(state_dict)
             return
         if isinstance(entry, dict) and entry.get("format") == _SHARDED_FORMAT:
             if set(entry) != {"format", "record"}:
@@ -209,7 +210,8 @@ class GuardedMegatronOptimizer:
         before = self.guard._guard.record()
         self.guard._guard.load_record(record)
         try:
-            self._megatron.load_state_dict(megatron_part)
+            with torch.no_grad():
+                self._megatron.load_state_dict(megatron_part)
         except BaseException:
             self.guard._guard.load_record(before)
             raise

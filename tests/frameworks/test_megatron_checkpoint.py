@@ -4,7 +4,7 @@ distributed optimizer. A job saved at step 8 (after a skipped NaN step and a rol
 that lowered the LR factor) resumes in new processes and runs steps 9-12 bitwise as the
 uninterrupted job, guard included (step count, totals, LR factor, data position); a checkpoint
 saved without the guard loads into a guarded optimizer with a warning that the guard starts
-fresh."""
+fresh; the per-rank torch.save format of state_dict() resumes bitwise too."""
 
 import hashlib
 import json
@@ -186,6 +186,10 @@ def _save_main(rank, world, port, out_dir, ckpt_dir):
         dist.barrier()
         dist_checkpointing.save(_sharded(model, optimizer), os.path.join(ckpt_dir, key))
         results[key]["saved"] = optimizer.guard.stats().to_dict()
+        if not distributed_optimizer:
+            # The per-rank format (torch.save of state_dict()), beside it.
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       os.path.join(ckpt_dir, "legacy-rank%d.pt" % rank))
         # The same job's checkpoint as Megatron writes it unguarded.
         model_sd = model.module.sharded_state_dict()
         dist_checkpointing.save(
@@ -217,6 +221,13 @@ def _load_main(rank, world, port, out_dir, ckpt_dir):
                                               if "stepguard" in str(w.message)]
         results[key]["unguarded_step_count"] = optimizer.guard.stats().step_count
         results[key]["unguarded_steps"] = _train(model, optimizer, 2)
+        if not distributed_optimizer:
+            model, optimizer = _guarded(distributed_optimizer)
+            legacy = torch.load(os.path.join(ckpt_dir, "legacy-rank%d.pt" % rank),
+                                weights_only=False)
+            model.load_state_dict(legacy["model"])
+            optimizer.load_state_dict(legacy["optimizer"])
+            results[key]["legacy"] = _train(model, optimizer, STEPS)
     _finish(out_dir, rank, results)
 
 
@@ -258,5 +269,8 @@ def test_dist_checkpointing_carries_the_guard_and_resumes_bitwise():
             assert loaded[rank][key]["unguarded_step_count"] == 0
             assert len(loaded[rank][key]["unguarded_warnings"]) == 1, loaded[rank][key]
             assert "the guard starts fresh" in loaded[rank][key]["unguarded_warnings"][0]
+            if key == "ddp":
+                legacy = {int(k): v for k, v in loaded[rank][key]["legacy"].items()}
+                assert legacy == {s: whole[s] for s in resumed}, (rank, legacy)
             steps = loaded[rank][key]["unguarded_steps"]
             assert [v[0] for v in steps.values()] == ["applied", "applied"], steps

@@ -1,10 +1,12 @@
 """stepguard inside the real Megatron-core under model parallelism, on CPU with Gloo (the CUDA calls
 Megatron makes mapped to the CPU by megatron_cpu.py): a GPTModel split by tensor parallelism
-(TP=2), pipeline parallelism (PP=2, one layer per stage, the embedding tied across the stages) and
-both with data parallelism, on 2 and 4 ranks, bf16 with and without the distributed optimizer,
-steps driven by get_forward_backward_func with 2 micro-batches (the 1F1B schedule under PP).
+(TP=2), pipeline parallelism (PP=2, one layer per stage; the word embedding tied to the output
+layer across the stages, Megatron-LM's default) and both with data parallelism, on 2 and 4 ranks,
+bf16 with and without the distributed optimizer, steps driven by get_forward_backward_func with 2
+micro-batches (the 1F1B schedule under PP, the interleaved one with 2 model chunks a rank).
 
-Layouts: TP=2 and PP=2 on 2 ranks; TP=2 x DP=2 and TP=2 x PP=2 on 4 ranks. Faults: a NaN
+Layouts: TP=2, PP=2 and PP=2 interleaved (4 layers, 2 virtual stages) on 2 ranks; TP=2 x DP=2 and
+TP=2 x PP=2 on 4 ranks. Faults: a NaN
 gradient of a tensor-parallel shard on one TP rank (step 3), a NaN gradient of a layernorm every
 TP rank holds, on one rank of the last stage (step 4), a NaN loss on one rank of the last stage
 (step 5), a loss spike on every rank (step 8). Checked on every rank: the guard's grad norm is
@@ -34,7 +36,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gathe
                "batch_isend_irecv")
 
 
-def _build(tp, pp, distributed_optimizer):
+def _build(tp, pp, vpp, distributed_optimizer):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -44,23 +46,30 @@ def _build(tp, pp, distributed_optimizer):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+    config = TransformerConfig(num_layers=2 * vpp, hidden_size=16, num_attention_heads=2,
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
                                pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=64, max_sequence_length=16,
-                     pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage()).to(torch.bfloat16)
+                               pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    chunks = []
+    for i in range(vpp):
+        vp = i if vpp > 1 else None
+        module = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                          vocab_size=64, max_sequence_length=16, vp_stage=vp,
+                          share_embeddings_and_output_weights=True,  # Megatron-LM's default
+                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+                          ).to(torch.bfloat16)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                              disable_bucketing=i > 0))
     config.finalize_model_grads_func = finalize_model_grads
     optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
                                        log_num_zeros_in_grad=True,
                                        use_distributed_optimizer=distributed_optimizer)
-    return model, config, get_megatron_optimizer(optimizer_config, [model])
+    return chunks, config, get_megatron_optimizer(optimizer_config, chunks)
 
 
 def _flat(tensors):
@@ -115,14 +124,14 @@ def _count_collectives(megatron_optimizer, inner):
     return counts, restore
 
 
-def _run(rank, tp, pp, distributed_optimizer):
+def _run(rank, tp, pp, vpp, distributed_optimizer):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from stepguard.integrations.megatron import GuardedMegatronOptimizer
 
-    model, config, megatron_optimizer = _build(tp, pp, distributed_optimizer)
-    optimizer = GuardedMegatronOptimizer(megatron_optimizer, model, policy=POLICY,
+    chunks, config, megatron_optimizer = _build(tp, pp, vpp, distributed_optimizer)
+    optimizer = GuardedMegatronOptimizer(megatron_optimizer, chunks, policy=POLICY,
                                          collective_timeout=60)
     config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's training.py does
     inner = optimizer._inner
@@ -138,7 +147,8 @@ def _run(rank, tp, pp, distributed_optimizer):
     optimizer._megatron.prepare_grads = prepare_and_measure
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    named = dict(model.module.named_parameters())
+    shard_param = dict(chunks[0].module.named_parameters())[SHARD]
+    copy_param = dict(chunks[-1].module.named_parameters()).get(COPY)  # the last stage's
     main_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
     steps, after = [], {}
     position = 0
@@ -167,13 +177,16 @@ def _run(rank, tp, pp, distributed_optimizer):
 
         hooks = []
         if step == NAN_SHARD and first and tp_rank == tp - 1 and dp_rank == 0:
-            hooks.append(named[SHARD].register_hook(lambda grad: grad * float("nan")))
+            hooks.append(shard_param.register_hook(lambda grad: grad * float("nan")))
         if step == NAN_COPY and last and tp_rank == tp - 1 and dp_rank == 0:
-            hooks.append(named[COPY].register_hook(lambda grad: grad * float("nan")))
-        model.zero_grad_buffer()
+            hooks.append(copy_param.register_hook(lambda grad: grad * float("nan")))
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
-                                    model=[model], num_microbatches=MICRO, seq_length=8,
+        # The interleaved schedule takes one iterator per model chunk.
+        data = [iter(batches) for _ in chunks] if vpp > 1 else iter(batches)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data,
+                                    model=chunks, num_microbatches=MICRO, seq_length=8,
                                     micro_batch_size=2, forward_only=False)
         for h in hooks:
             h.remove()
@@ -193,7 +206,7 @@ def _run(rank, tp, pp, distributed_optimizer):
         success, grad_norm, zeros = optimizer.step()
         report = optimizer.last_report
         position += report.batches_to_skip
-        model_flat = _flat(list(model.module.parameters()))
+        model_flat = _flat([p for c in chunks for p in c.module.parameters()])
         main_flat = _flat(main_params)
         state = _optimizer_state(inner)
         after[report.step] = (model_flat, main_flat, state)
@@ -225,19 +238,24 @@ def _rank_main(rank, world, port, out_dir, layouts):
     megatron_cpu.install()
     from megatron.core import parallel_state
     results = {}
-    for tp, pp in layouts:
-        parallel_state.initialize_model_parallel(tp, pp)
+    for tp, pp, vpp in layouts:
+        parallel_state.initialize_model_parallel(
+            tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
         for precision, distributed_optimizer in CONFIGS:
-            key = "tp%d-pp%d-%s-%s" % (tp, pp, precision,
-                                       "distopt" if distributed_optimizer else "ddp")
-            results[key] = _run(rank, tp, pp, distributed_optimizer)
+            results[_key(tp, pp, vpp, precision, distributed_optimizer)] = _run(
+                rank, tp, pp, vpp, distributed_optimizer)
         parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()
 
 
-def _check(ranks, key, tp, pp):
+def _key(tp, pp, vpp, precision, distributed_optimizer):
+    return "tp%d-pp%d-vpp%d-%s-%s" % (tp, pp, vpp, precision,
+                                      "distopt" if distributed_optimizer else "ddp")
+
+
+def _check(ranks, key, tp, pp, vpp):
     world = len(ranks)
     for rank, result in enumerate(ranks):
         run = result[key]
@@ -253,7 +271,9 @@ def _check(ranks, key, tp, pp):
                     (key, rank, s)
             else:
                 assert s["returned"] == [False, None, None], (key, rank, s)
-        for step, tensor in ((NAN_SHARD, SHARD), (NAN_COPY, COPY)):
+        # Several chunks: named by chunk, as Megatron-LM's checkpoints name them.
+        names = (("model0." + SHARD, "model%d." % (vpp - 1) + COPY) if vpp > 1 else (SHARD, COPY))
+        for step, tensor in ((NAN_SHARD, names[0]), (NAN_COPY, names[1])):
             incident = steps[step]["incident"]
             assert steps[step]["outcome"] == "skipped", (key, rank, steps[step])
             assert tensor in incident["tensors"], (key, rank, incident)
@@ -282,16 +302,15 @@ def _check(ranks, key, tp, pp):
 
 def _launch_and_check(world, layouts):
     ranks = spawn_ranks(_rank_main, world, layouts, timeout=400)
-    for tp, pp in layouts:
+    for tp, pp, vpp in layouts:
         for precision, distributed_optimizer in CONFIGS:
-            key = "tp%d-pp%d-%s-%s" % (tp, pp, precision,
-                                       "distopt" if distributed_optimizer else "ddp")
-            _check(ranks, key, tp, pp)
+            _check(ranks, _key(tp, pp, vpp, precision, distributed_optimizer), tp, pp, vpp)
 
 
 def test_tensor_and_pipeline_parallel_on_two_ranks():
-    _launch_and_check(2, [(2, 1), (1, 2)])
+    # (TP, PP, virtual stages): the last, PP=2 under the interleaved schedule (2 chunks a rank).
+    _launch_and_check(2, [(2, 1, 1), (1, 2, 1), (1, 2, 2)])
 
 
 def test_tensor_parallel_with_data_or_pipeline_parallel_on_four_ranks():
-    _launch_and_check(4, [(2, 1), (2, 2)])
+    _launch_and_check(4, [(2, 1, 1), (2, 2, 1)])

@@ -41,10 +41,10 @@ of micro-batches: the step's loss is their sum; under pipeline parallelism the l
 Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
 ``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
 (``FP32Optimizer``), bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer,
-one optimizer (a ``ChainedOptimizer`` of one). Refused with a message: fp16 (Megatron's grad
-scaler owns the loss scale), a ``ChainedOptimizer`` of several optimizers (expert and dense
-parameters, several model chunks under the interleaved schedule), and MoE or multi-token-
-prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses' scale too).
+one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks share one:
+their parameters are named ``model0.``, ``model1.``, ... in reports). Refused with a message: fp16
+(Megatron's grad scaler owns the loss scale), a ``ChainedOptimizer`` of several optimizers (MoE's
+expert and dense parameters), and MoE or multi-token-prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses' scale too).
 """
 
 import math
@@ -255,8 +255,9 @@ def _single_optimizer(megatron_optimizer):
         return megatron_optimizer
     if len(chained) != 1:
         raise ValueError("stepguard: this ChainedOptimizer chains %d optimizers (expert and dense "
-                         "parameters, or several model chunks); the Megatron integration guards "
-                         "one" % len(chained))
+                         "parameters, or parameter groups Megatron steps apart); the Megatron "
+                         "integration guards one optimizer (the interleaved schedule's model "
+                         "chunks share one)" % len(chained))
     return chained[0]
 
 
@@ -275,9 +276,13 @@ def _aligned_main_params(inner, chunks):
                 main_of[id(model_param)] = main_param
     stepped = {id(p) for g in inner.optimizer.param_groups for p in g["params"]}
     out = []
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         module = getattr(chunk, "module", chunk)
+        # Several model chunks (the interleaved schedule) name their layers alike: the chunk's
+        # index tells them apart, as Megatron-LM's checkpoints do (model0, model1, ...).
+        prefix = "model%d." % index if len(chunks) > 1 else ""
         for name, p in module.named_parameters():
+            name = prefix + name
             if not p.requires_grad:
                 continue
             main = main_of.get(id(p), p if id(p) in stepped else None)

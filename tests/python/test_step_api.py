@@ -205,3 +205,55 @@ def test_the_version_names_the_package_and_the_libtorch_it_was_built_against():
     out = subprocess.run([cli, "--version"], capture_output=True, text=True, check=True).stdout
     assert re.match(r"stepguard 0\.1\.0 libtorch 2\.\d+\.\d+", out), out
     assert out.split()[3] == torch.__version__.split("+")[0]  # the torch this Python runs
+
+
+def test_verdict_the_loops_update_and_settle_are_a_step_and_misuse_is_refused():
+    a, plain, b, guard = _pair(seed=4)
+    for step in range(3):
+        plain.zero_grad()
+        loss_of(a, step).backward()
+        plain.step()
+        guard.zero_grad()
+        loss = loss_of(b, step)
+        loss.backward()
+        verdict = guard.verdict(loss)
+        assert isinstance(verdict, stepguard.Verdict)
+        assert verdict.step == step + 1 and verdict.applies and verdict.lr_factor == 1.0
+        assert verdict.clip_norm is None and verdict.loss == pytest.approx(loss.item())
+        guard.optimizer.step()  # the loop's own update
+        report = guard.settle(verdict, True)
+        assert report.applied and report.grad_norm == verdict.grad_norm
+    assert _equal(a, b)
+    guard.zero_grad()
+    loss = loss_of(b, 9)
+    loss.backward()
+    verdict = guard.verdict(loss)
+    with pytest.raises(RuntimeError, match="waits for its settle"):
+        guard.verdict(loss)
+    with pytest.raises(RuntimeError, match="waits for its settle"):
+        guard.step(loss)
+    with pytest.raises(TypeError, match="applied must be a bool"):
+        guard.settle(verdict, 1)
+    before = [p.detach().clone() for p in b.parameters()]
+    report = guard.settle(verdict, False)  # the update raised: a skipped step, nothing changed
+    assert report.skipped and all(torch.equal(x, y) for x, y in zip(before, b.parameters()))
+    with pytest.raises(RuntimeError, match="settle\\(\\) without a verdict"):
+        guard.settle(verdict, True)
+    assert guard.stats().totals.skipped == 1 and guard.stats().step_count == 4
+
+
+def test_a_layout_is_checked_where_it_is_given():
+    model = make_model(5)
+    params = list(model.parameters())
+    with pytest.raises(TypeError, match="layout\\[1\\] is str, not a stepguard.Placement"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(params, lr=0.1), layout=[
+            stepguard.Placement.replica(), "shard"])
+    with pytest.raises(RuntimeError, match="2 placements for %d parameters" % len(params)):
+        stepguard.GuardedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   layout=[stepguard.Placement.replica()] * 2)
+    with pytest.raises(RuntimeError, match="set it in one place"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(params, lr=0.1), sharded_gradients=True,
+                                   layout=[stepguard.Placement.shard()] * len(params))
+    p = stepguard.Placement.replicated(4)
+    assert (p.kind, p.copies, repr(p)) == ("replicated", 4, "Placement.replicated(4)")
+    assert stepguard.Placement.shard() == stepguard.Placement.shard(1)

@@ -24,10 +24,12 @@ using namespace checkpoint;
 // parameters after every step. Each step's background write is waited for before the next step,
 // so every checkpoint is committed at the step after it, however fast the disk is.
 std::vector<std::vector<torch::Tensor>> train_with_checkpoints(const std::string& dir,
-                                                               std::int64_t steps) {
+                                                               std::int64_t steps,
+                                                               const std::string& run_id = "") {
   auto model = make_model(21);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-  GuardedOptimizer guard(opt, GuardOptions().checkpoint_dir(dir).checkpoint_every(3));
+  GuardedOptimizer guard(opt,
+                         GuardOptions().checkpoint_dir(dir).checkpoint_every(3).run_id(run_id));
   std::vector<std::vector<torch::Tensor>> after;
   for (std::int64_t step = 1; step <= steps; ++step) {
     opt.zero_grad();
@@ -118,6 +120,45 @@ TEST(GuardResume, ADirectoryOfAnotherRunIsRefusedUnlessResumedFrom) {
   }
   EXPECT_EQ(steps, (std::vector<std::int64_t>{9, 12, 15}));
   EXPECT_THROW(GuardedOptimizer(opt, GuardOptions().run_id("no spaces")), c10::Error);
+}
+
+// The same run id restarted without resuming (resume() refused the checkpoints: another policy,
+// another model; or was never called): its first step is refused and the run's checkpoints stay.
+// Starting would have pruned all of them at the first commit.
+TEST(GuardResume, ARunThatDidNotResumeItsOwnCheckpointsDeletesNone) {
+  const std::string dir = fresh_dir("refused_own");
+  train_with_checkpoints(dir, 11, "exp1");  // 3, 6, 9 visible
+  ASSERT_EQ(list_checkpoints(dir).size(), 3u);
+  for (const bool resume_refused : {true, false}) {
+    auto model = make_model(99);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    // One more rule than the checkpoints' policy: resume() refuses all three.
+    GuardOptions options = GuardOptions().checkpoint_dir(dir).checkpoint_every(3).run_id("exp1");
+    if (resume_refused) {
+      options.policy_yaml(
+          "version: 1\nrules:\n  - {name: skip, on: nonfinite, action: skip_batch}\n"
+          "  - {name: spike, on: loss_spike, action: skip_batch}\n");
+    }
+    GuardedOptimizer guard(opt, options);
+    if (resume_refused) {
+      ASSERT_EQ(guard.resume(dir), 0);
+    }
+    opt.zero_grad();
+    auto loss = loss_of(model, 1);
+    loss.backward();
+    try {
+      guard.step(loss);
+      ADD_FAILURE() << "a run that did not resume its own checkpoints was started";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(e.msg().find("holds checkpoints of this run ('exp1') that it did not resume from"),
+                std::string::npos)
+          << e.msg();
+      EXPECT_EQ(e.msg().find("run_id"), std::string::npos) << "no way on into the deletion";
+    }
+    std::vector<std::int64_t> steps;
+    for (const auto& c : list_checkpoints(dir)) steps.push_back(c.step);
+    EXPECT_EQ(steps, (std::vector<std::int64_t>{3, 6, 9}));
+  }
 }
 
 TEST(GuardResume, ACorruptNewestCheckpointFallsBackToThePreviousOne) {

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <thread>
@@ -367,6 +368,30 @@ TEST(DiskCheckpoint, UnwritableRootIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("/proc/stepguard-no/step-000000001"), std::string::npos)
         << e.what();
   }
+}
+
+// A link planted at a file's name, or at its temporary's (PATH.tmp.<pid>: a predictable name),
+// is never written through: the file outside stays as it was, the write lands in the directory.
+TEST(AtomicWrite, APlantedSymlinkIsNeverWrittenThrough) {
+  const std::string dir = fresh_dir("planted_links");
+  const std::string outside = dir + "-outside";
+  fs::remove(outside);
+  { std::ofstream(outside) << "precious"; }
+  const std::string path = dir + "/incident-step-000000003.json";
+  fs::create_symlink(outside, path + ".tmp." + std::to_string(::getpid()));
+  write_file_atomically(path, "report one\n");
+  fs::create_symlink(outside, dir + "/rank-00000.ckpt.tmp." + std::to_string(::getpid()));
+  fs::remove(path);
+  fs::create_symlink(outside, path);  // at the name itself: replaced, not followed
+  write_file_atomically(path, "report two\n");
+  std::ifstream in(outside);
+  std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "precious");
+  EXPECT_FALSE(fs::is_symlink(path));
+  std::ifstream written(path);
+  std::string text((std::istreambuf_iterator<char>(written)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "report two\n");
+  fs::remove(outside);
 }
 
 }  // namespace

@@ -137,8 +137,14 @@ void write_file_atomically(const std::string& path, const Pieces& pieces) {
   const fs::path target(path);
   const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // A fresh file, never through a link planted at its name: O_EXCL | O_NOFOLLOW. One left by an
+  // earlier process of this pid (a crash) is unlinked first (unlink removes a link, not its
+  // target). The rename below replaces whatever sits at `path` (a link too) without following it.
+  constexpr int kFresh = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
   errno = 0;
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp.c_str(), kFresh, 0644);
+  if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0)
+    fd = ::open(tmp.c_str(), kFresh, 0644);
   if (fd < 0) fail(tmp, "cannot create");
   for (const auto& [data, size] : pieces.parts) {
     const char* bytes = static_cast<const char*>(data);

@@ -34,8 +34,10 @@ TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
                                                 .ranks(4)
                                                 .skipped(2)
                                                 .applied(118)
-                                                .collectives(120 + 2 * 2)  // two more per incident
-                                                .step_buffer_bytes(232)    // the same at any size
+                                                // one at construction (the ranks' layouts),
+                                                // one a step, two more per incident
+                                                .collectives(1 + 120 + 2 * 2)
+                                                .step_buffer_bytes(232)  // the same at any size
                                                 .params_finite(true)
                                                 .outcomes_agree(true)
                                                 .param_hashes(4)

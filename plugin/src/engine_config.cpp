@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <system_error>
+#include <utility>
 
 #include "csrc/consensus/nccl_probe.h"
 #include "csrc/inspect/cuda/inspect_cuda.h"
@@ -35,6 +36,19 @@ void check_plain_options(const GuardOptions& o) {
               "stepguard: a store was given without a process group");
   TORCH_CHECK(o.policy().empty() || o.policy_yaml().empty(), "stepguard: both policy ('",
               o.policy(), "') and policy_yaml are set; set one");
+  // A NUL would cut the path short at the system call: another file, or every write failing.
+  const std::pair<const char*, const std::string*> paths[] = {
+      {"policy", &o.policy()},
+      {"trace_path", &o.trace_path()},
+      {"checkpoint_dir", &o.checkpoint_dir()},
+      {"incident_dir", &o.incident_dir()},
+      {"run_id", &o.run_id()},
+      {"metrics_bind_address", &o.metrics_bind_address()}};
+  for (const auto& [name, value] : paths) {
+    TORCH_CHECK(value->find('\0') == std::string::npos, "stepguard: ", name,
+                " holds a NUL character (at offset ", value->find('\0'),
+                "); a path or name cannot");
+  }
 }
 
 // A preset's text when `policy` names one and no file of that name exists.

@@ -74,12 +74,17 @@ void Recovery::claim_checkpoint_dir(std::int64_t step) {
   }
   if (refusal.empty() &&
       (resumed_from_.empty() || !same_dir(config_.checkpoint_dir, resumed_from_))) {
+    // Checkpoints this process did not restore from are never pruned by it, its own run id's
+    // included (a resume that refused them, or none called): starting would delete them.
     for (const std::string& other : checkpoint::runs_under(config_.checkpoint_dir)) {
-      if (chosen && other == run_) continue;
-      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir +
-                " holds checkpoints of another run ('" + (other.empty() ? "unnamed" : other) +
-                "'; see `stepguard ckpt ls`): resume from it (resume() / --resume), give this "
-                "run that run's id (run_id), or use another directory. Nothing was written.";
+      const bool same_run = chosen && other == run_;
+      refusal = "stepguard: checkpoint_dir " + config_.checkpoint_dir + " holds checkpoints of " +
+                (same_run ? "this run ('" + run_ + "') that it did not resume from"
+                          : "another run ('" + (other.empty() ? "unnamed" : other) + "'") +
+                (same_run ? " (resume() refused them or was not called; see `stepguard ckpt ls`)"
+                          : "; see `stepguard ckpt ls`)") +
+                ": resume from them (resume() / --resume), or start this run in another "
+                "directory. Nothing was written, nothing was deleted.";
       break;
     }
   }

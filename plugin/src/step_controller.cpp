@@ -136,6 +136,12 @@ void StepController::decode(const std::vector<std::int64_t>& words) {
     throw std::invalid_argument("stepguard: guard state holds an invalid LR factor (" +
                                 std::to_string(lr.factor) + ")");
   }
+  // The factor recovers linearly from recovery_start to 1: a start outside (0, 1] would walk the
+  // factor below 0 (gradient ascent) or above 1.
+  if (!(lr.recovery_start > 0 && lr.recovery_start <= 1)) {
+    throw std::invalid_argument("stepguard: guard state holds an invalid LR recovery start (" +
+                                std::to_string(lr.recovery_start) + ", not in (0, 1])");
+  }
   engine_.restore(engine);
   if (scaler_) scaler_->restore(sc);
   lr_.restore(lr);

@@ -203,6 +203,7 @@ class StepEngine {
   std::optional<at::Device> step_device_;
   std::int64_t last_snapshot_step_ = -1;  ///< the replica-check schedule follows it
   std::int64_t last_incident_step_ = -1;
+  std::int64_t trace_failures_ = 0;  ///< trace lines that could not be written
 
   // Forensics.
   forensics::Recompute replay_;

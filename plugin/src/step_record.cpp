@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
+#include <sstream>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/common/json_text.h"
@@ -259,7 +260,18 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
     last_incident_step_ = step;
   }
   if (event_log_) {
-    event_log_->record(report, agreed.global, decided.signals, decided.decision, findings.blamed);
+    try {
+      event_log_->record(report, agreed.global, decided.signals, decided.decision, findings.blamed);
+    } catch (const std::exception& e) {
+      // The step is done (applied or not): a trace line that cannot be written is counted and
+      // said, and training goes on, as for a disk checkpoint that cannot be written.
+      if (trace_failures_++ % 1000 == 0) {
+        std::fprintf(stderr,
+                     "stepguard: step %" PRId64 ": %s; the step stands (%" PRId64
+                     " trace line(s) lost so far)\n",
+                     step, e.what(), trace_failures_);
+      }
+    }
   }
   if (metrics_) {
     // A cause is exported by the rank it came from: a page names that rank and its host.
@@ -318,13 +330,29 @@ std::string StepEngine::write_incident_files(std::int64_t step, nlohmann::json& 
   std::snprintf(name, sizeof name, "incident-step-%09" PRId64, step);
   const std::string rank_prefix =
       consensus_->world_size() > 1 ? "rank-" + std::to_string(consensus_->rank()) + "-" : "";
-  const std::string prefix = dir + "/" + rank_prefix + name;
+  std::string prefix = dir + "/" + rank_prefix + name;
   try {
     fs::create_directories(dir);
+    // Reports already there (another run's in a shared incident_dir, or this run's before a
+    // resume) are kept: this one takes the first free name, <name>.1, <name>.2, ...
+    const auto taken = [](const std::string& p) {
+      std::error_code ec;
+      return fs::symlink_status(p + ".json", ec).type() != fs::file_type::not_found ||
+             fs::symlink_status(p + ".md", ec).type() != fs::file_type::not_found ||
+             fs::symlink_status(p + ".batch.pt", ec).type() != fs::file_type::not_found;
+    };
+    const std::string base = prefix;
+    for (int n = 1; taken(prefix); ++n) {
+      TORCH_CHECK(n <= 1000, "1000 reports of this step are there already");
+      prefix = base + "." + std::to_string(n);
+    }
     if (input_check_ && !input_check_->inputs.empty()) {
       std::vector<torch::Tensor> host;
       for (const auto& t : input_check_->inputs) host.push_back(t.to(at::kCPU));
-      torch::save(host, prefix + ".batch.pt");
+      // Through the atomic writer (a fresh file, no link followed), as the reports.
+      std::ostringstream bytes;
+      torch::save(host, bytes);
+      checkpoint::write_file_atomically(prefix + ".batch.pt", bytes.str());
       json["batch"] = prefix + ".batch.pt";
     }
     checkpoint::write_file_atomically(prefix + ".json", dump_json(json, 2) + "\n");

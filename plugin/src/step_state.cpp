@@ -14,6 +14,8 @@ namespace {
 
 // The words GuardRecord::totals holds, in this order.
 constexpr std::size_t kTotalsWords = 8;
+// Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
+constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
 
 }  // namespace
 
@@ -48,8 +50,6 @@ void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
 
 void StepEngine::check_record(const checkpoint::GuardRecord& r) const {
   controller_.check(r.guard, r.step);
-  // Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
-  constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
   const auto field = [](const char* name, std::int64_t value) {
     if (value < 0 || value > kMaxCount) {
       throw checkpoint::CheckpointError(std::string("its guard record's '") + name + "' is " +
@@ -99,7 +99,9 @@ std::int64_t StepEngine::resume(const std::string& dir) {
 }
 
 void StepEngine::set_data_position(std::int64_t position) {
-  TORCH_CHECK(position >= 0, "stepguard: data position must be >= 0, got ", position);
+  // The bound a checkpoint's guard record is checked against when it is read back.
+  TORCH_CHECK(position >= 0 && position <= kMaxCount, "stepguard: data position must be in [0, ",
+              "2^52], got ", position);
   data_position_ = position;
 }
 

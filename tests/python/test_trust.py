@@ -94,10 +94,19 @@ def test_resume_into_another_optimizer_type_is_refused_and_changes_nothing(tmp_p
             in capfd.readouterr().err)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
     assert len(adam.state) == 0 and guard.stats().step_count == 0
-    # Training goes on with the optimizer as it was.
+    # Starting this run there would prune the checkpoints it refused: its first step stops, with
+    # nothing written and nothing deleted.
+    kept = sorted(os.listdir(tmp_path / "ckpt"))
     guard.zero_grad()
     loss = loss_of(other, 0)
     loss.backward()
+    with pytest.raises(RuntimeError, match="holds checkpoints of this run \\('trust'\\) that it "
+                                           "did not resume from"):
+        guard.step(loss)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == kept
+    # In another directory training goes on with the optimizer as it was.
+    guard = stepguard.GuardedOptimizer(adam, other.named_parameters(), run_id="trust",
+                                       checkpoint_dir=str(tmp_path / "new"), checkpoint_every=1)
     assert guard.step(loss).applied and "exp_avg" in adam.state[next(other.parameters())]
 
 

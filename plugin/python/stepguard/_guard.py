@@ -22,12 +22,29 @@ def _options(policy, policy_yaml, process_group, store, options):
                         % (", ".join(unknown), ", ".join(_C.GuardOptions.fields)))
     out = _C.GuardOptions()
     named = dict(policy=policy, policy_yaml=policy_yaml, process_group=process_group, store=store)
-    for name, value in named.items():
-        if value is not None:  # None: not given
+    given = {name: value for name, value in named.items() if value is not None}  # None: not given
+    given.update(options)  # a keyword given is a value, None included
+    for name, value in given.items():
+        try:
             setattr(out, name, value)
-    for name, value in options.items():  # a keyword given is a value, None included
-        setattr(out, name, value)
+        except (TypeError, RuntimeError) as e:
+            if "Unable to cast" not in str(e) and "incompatible" not in str(e):
+                raise
+            # pybind's own text names a C++ type, not the option: say which option and what it got.
+            raise TypeError("stepguard: option %s: cannot take a %s (%s)"
+                            % (name, type(value).__name__, _expected(name))) from None
     return out
+
+
+def _expected(name):
+    """What option ``name`` takes, in words."""
+    kinds = {"process_group": "a torch.distributed ProcessGroup, e.g. dist.group.WORLD",
+             "store": "a torch.distributed Store, e.g. dist.TCPStore or dist.FileStore",
+             "collective_timeout": "seconds as a number, or a datetime.timedelta"}
+    if name in kinds:
+        return kinds[name]
+    default = getattr(_C.GuardOptions(), name, None)
+    return "a %s" % type(default).__name__ if default is not None else "see GuardOptions"
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -57,7 +74,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             parameter of the optimizer's param groups in order (``replica()``, the default for
             all; ``replicated(n)``, ``shard(n)``, ``absent()``), so that every element of the job
             counts once in the norm, the non-finite count and blame. Ranks may hold different
-            lists; lists that do not fit together are refused here, on every rank. With trace_path and incident_dir, and matplotlib installed, each
+            lists; lists that do not fit together are refused here, on every rank.
+        With trace_path and incident_dir, and matplotlib installed, each
         incident report gets a picture of the steps around it (``<report stem>.png``, linked from
         the report; the first 20 incidents of a guard).
 

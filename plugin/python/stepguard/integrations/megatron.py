@@ -44,7 +44,8 @@ Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later
 one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks share one:
 their parameters are named ``model0.``, ``model1.``, ... in reports). Refused with a message: fp16
 (Megatron's grad scaler owns the loss scale), a ``ChainedOptimizer`` of several optimizers (MoE's
-expert and dense parameters), and MoE or multi-token-prediction models (Megatron calls ``grad_scale_func`` for their auxiliary losses' scale too).
+expert and dense parameters), and MoE or multi-token-prediction models (Megatron calls
+``grad_scale_func`` for their auxiliary losses' scale too).
 """
 
 import math

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <functional>
 #include <limits>
+#include <string>
 #include <thread>
 
 #include "csrc/consensus/process_group_consensus.h"
@@ -266,6 +267,52 @@ TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
               std::string::npos)
         << errors[r];
     EXPECT_LT(seconds[r], 1.5 + 1.5 + 2.0) << "deadline plus check-in grace, with slack";
+  }
+}
+
+// Settings that must agree across ranks are compared at construction, in its one collective: a
+// checkpoint_dir on rank 0 only (the "save on rank 0" habit) and two policies that decide
+// differently are refused on every rank, naming what differs, never met as a mismatched
+// collective (an abort) or two ranks deciding apart (a deadline).
+TEST(ProcessGroupConsensus, SettingsThatMustAgreeAreComparedAtConstruction) {
+  const int world = 2;
+  Group g = make_group(world, std::chrono::seconds(20));
+  const std::string dir = ::testing::TempDir() + "/sg_rank0_only_ckpt";
+  const std::string z3 =
+      "version: 1\ncheckpoint: {snapshot_every: 2}\ndetectors:\n  loss_spike: {z: 3, warmup: "
+      "4}\nrules:\n"
+      "  - {name: spike, on: loss_spike, action: rollback}\n";
+  const std::string z300 =
+      "version: 1\ncheckpoint: {snapshot_every: 2}\ndetectors:\n  loss_spike: {z: 300, warmup: "
+      "4}\nrules:\n"
+      "  - {name: spike, on: loss_spike, action: rollback}\n";
+  std::vector<std::string> errors(world);
+  for (int round = 0; round < 2; ++round) {
+    run_ranks(world, [&](int r) {
+      auto p = torch::zeros({2}, torch::requires_grad());
+      torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1));
+      GuardOptions o = GuardOptions()
+                           .process_group(g.ranks[r])
+                           .store(g.store)
+                           .collective_timeout(std::chrono::seconds(20));
+      if (round == 0 && r == 0) o.checkpoint_dir(dir).checkpoint_every(2);
+      if (round == 1) o.policy_yaml(r == 0 ? z3 : z300);
+      try {
+        GuardedOptimizer guard(sgd, o);
+        ADD_FAILURE() << "rank " << r << ": settings that differ were accepted";
+      } catch (const c10::Error& e) {
+        errors[r] = e.msg();
+      }
+    });
+    const std::string expected = round == 0
+                                     ? "checkpoint_dir given (1) or not (0) (rank 0: 1, rank 1: 0)"
+                                     : "the policy (rank 0: as rank 0's, rank 1: another)";
+    for (int r = 0; r < world; ++r) {
+      EXPECT_NE(
+          errors[r].find("the ranks were given settings that must agree and do not: " + expected),
+          std::string::npos)
+          << errors[r];
+    }
   }
 }
 

@@ -7,7 +7,9 @@
 #include <torch/torch.h>
 
 #include <new>
+#include <string>
 
+#include "csrc/checkpoint/rng_state.h"
 #include "csrc/checkpoint/snapshot.h"
 #include "tests/support/gate.h"
 #include "tests/support/model_fixture.h"
@@ -178,6 +180,25 @@ TEST(Snapshot, ASnapshotADiskWriteHoldsIsNeverRefilled) {
   ring.finish_take();
   EXPECT_EQ(ring.at(3), nullptr);
   EXPECT_EQ(flying.get()->step, 3);  // the write still has its copy
+}
+
+// A CPU generator state of the right size that torch refuses (mt19937 with `left` 0: what a
+// crafted checkpoint with a recomputed checksum can hold) is found before anything is loaded,
+// on a scratch generator: training's stream is untouched.
+TEST(RngState, AStateTorchWouldRefuseIsFoundOnAScratchGenerator) {
+  checkpoint::RngState state = checkpoint::capture_rng();
+  checkpoint::check_rng(state);  // a real one passes
+  state.cpu = state.cpu.clone();
+  state.cpu.narrow(0, 8, 4).zero_();  // the_initial_seed (8 bytes), then left (int)
+  const at::Tensor before = checkpoint::capture_rng().cpu;
+  try {
+    checkpoint::check_rng(state);
+    ADD_FAILURE() << "an invalid mt19937 state passed";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find("its CPU random-generator state is refused by torch"), std::string::npos)
+        << e.msg();
+  }
+  EXPECT_TRUE(at::equal(checkpoint::capture_rng().cpu, before));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "csrc/checkpoint/rng_state.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
@@ -39,6 +40,16 @@ void restore_rng(const RngState& state) {
     auto gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<int>(d)));
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state.cuda[d]);
+  }
+}
+
+void check_rng(const RngState& state) {
+  if (!state.cpu.defined()) return;
+  at::Generator scratch = at::make_generator<at::CPUGeneratorImpl>();
+  try {
+    scratch.set_state(state.cpu);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "its CPU random-generator state is refused by torch (", e.msg(), ")");
   }
 }
 

@@ -24,6 +24,10 @@ RngState capture_rng();
 /// Sets the generators back; devices beyond those visible now are ignored. An empty state does
 /// nothing.
 void restore_rng(const RngState& state);
+/// Throws c10::Error naming the generator when torch would refuse `state` (a CPU state of the
+/// right size that is not a valid mt19937 state): tried on a scratch generator, so nothing of
+/// training's changes. CUDA states are checked by size only (by the caller).
+void check_rng(const RngState& state);
 /// The number of CUDA devices whose generators are captured (0 without CUDA).
 int rng_cuda_devices();
 

@@ -62,18 +62,63 @@ ResolvedLayout resolve_layout(const std::vector<Placement>& layout,
   return r;
 }
 
+std::uint64_t text_digest(const std::string& text) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
 namespace {
 
 constexpr int kRowReplicaTensors = 0;
 constexpr int kRowReplicaElements = 1;
 constexpr int kRowDistinct = 2;
 constexpr int kRowAllReplicas = 3;
-constexpr int kRowSize = 4;
+constexpr int kRowPolicy = 4;  ///< the policy digest in four 16-bit chunks (exact in fp64)
+constexpr int kRowCheckpointDir = 8;
+constexpr int kRowDiskEvery = 9;
+constexpr int kRowLossScaling = 10;
+constexpr int kRowSharded = 11;
+constexpr int kRowSize = 12;
+
+// The settings that differ across ranks, each with every rank's value: empty when all agree.
+std::string settings_differ(const std::vector<double>& rows, int world) {
+  auto at = [&](int r, int col) { return rows[static_cast<std::size_t>(r) * kRowSize + col]; };
+  std::ostringstream m;
+  const auto compare = [&](const char* what, int first, int width, bool show_values) {
+    bool same = true;
+    for (int r = 1; r < world; ++r) {
+      for (int c = first; c < first + width; ++c) same = same && at(r, c) == at(0, c);
+    }
+    if (same) return;
+    m << (m.tellp() > 0 ? "; " : "") << what << " (";
+    for (int r = 0; r < world; ++r) {
+      m << (r ? ", " : "") << "rank " << r << ": ";
+      if (show_values) {
+        m << static_cast<std::int64_t>(at(r, first));
+      } else {
+        bool as_rank0 = true;
+        for (int c = first; c < first + width; ++c) as_rank0 = as_rank0 && at(r, c) == at(0, c);
+        m << (as_rank0 ? "as rank 0's" : "another");
+      }
+    }
+    m << ")";
+  };
+  compare("the policy", kRowPolicy, 4, false);
+  compare("checkpoint_dir given (1) or not (0)", kRowCheckpointDir, 1, true);
+  compare("the disk checkpoint cadence", kRowDiskEvery, 1, true);
+  compare("loss scaling", kRowLossScaling, 1, true);
+  compare("sharded_gradients", kRowSharded, 1, true);
+  return m.str();
+}
 
 }  // namespace
 
-bool reconcile_layouts(consensus::Consensus& consensus, const ResolvedLayout& mine,
-                       const at::Device& device) {
+bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine,
+                     const RankSettings& settings, const at::Device& device) {
   const int world = consensus.world_size();
   if (world == 1) return mine.all_replicas;
   at::Tensor row = at::zeros({kRowSize}, at::TensorOptions().dtype(at::kDouble));
@@ -81,9 +126,24 @@ bool reconcile_layouts(consensus::Consensus& consensus, const ResolvedLayout& mi
   row[kRowReplicaElements] = static_cast<double>(mine.replica_elements);
   row[kRowDistinct] = mine.distinct_elements;
   row[kRowAllReplicas] = mine.all_replicas ? 1.0 : 0.0;
+  for (int c = 0; c < 4; ++c) {
+    row[kRowPolicy + c] = static_cast<double>((settings.policy_digest >> (16 * c)) & 0xFFFF);
+  }
+  row[kRowCheckpointDir] = settings.checkpoint_dir ? 1.0 : 0.0;
+  row[kRowDiskEvery] = static_cast<double>(settings.disk_every);
+  row[kRowLossScaling] = settings.loss_scaling ? 1.0 : 0.0;
+  row[kRowSharded] = settings.sharded_gradients ? 1.0 : 0.0;
   const std::vector<double> rows =
       consensus::gather_rank_rows(consensus, row.to(device), /*step=*/0);
   auto at = [&](int r, int col) { return rows[static_cast<std::size_t>(r) * kRowSize + col]; };
+  const std::string differ = settings_differ(rows, world);
+  TORCH_CHECK(differ.empty(),
+              "stepguard: the ranks were given settings that must agree and do "
+              "not: ",
+              differ,
+              ". Every rank decides each step alike and meets the others in the "
+              "same collectives only with the same settings: give every rank the same (a "
+              "checkpoint_dir on every rank, not on rank 0 alone: each rank writes its own file)");
   bool alike = true;
   bool all_replicas = true;
   double distinct = 0.0;

@@ -1,7 +1,8 @@
 /*
  * The engine's side of the parallel layout (stepguard/layout.h): a port's placements resolved
- * into the copy count of every gradient, and the one check at construction that the ranks' lists
- * fit together. Internal to the engine (not installed). Not thread-safe: the training thread.
+ * into the copy count of every gradient, and the one check at construction that the ranks fit
+ * together: their lists, and the settings that must agree across ranks. Internal to the engine (not
+ * installed). Not thread-safe: the training thread.
  */
 #pragma once
 
@@ -34,13 +35,28 @@ ResolvedLayout resolve_layout(const std::vector<Placement>& layout,
                               const std::vector<std::string>& names, bool sharded_gradients,
                               int world_size);
 
-/// Checks on every rank, in one collective, that the ranks' lists fit together: the replicas
-/// alike on every rank (count and elements), the other gradients' copies adding up to whole
-/// elements. Throws c10::Error on every rank, naming each rank's counts, when they do not.
-/// Returns whether every rank holds replicas only (then replicas can be fingerprinted, and
-/// blame needs no exchange). The collective's buffer is on `device` (the parameters'). One
-/// process: no collective, `mine.all_replicas`.
-bool reconcile_layouts(consensus::Consensus& consensus, const ResolvedLayout& mine,
-                       const at::Device& device);
+/// What must be the same on every rank for the ranks to decide alike and to meet in the same
+/// collectives: the policy (as explained in words: every rule, detector and limit), whether a
+/// checkpoint directory is given and the cadence, loss scaling, sharded_gradients.
+struct RankSettings {
+  std::uint64_t policy_digest = 0;
+  bool checkpoint_dir = false;
+  std::int64_t disk_every = 0;
+  bool loss_scaling = false;
+  bool sharded_gradients = false;
+};
+
+/// A 64-bit FNV-1a digest of `text`.
+std::uint64_t text_digest(const std::string& text) noexcept;
+
+/// Checks on every rank, in one collective, that the ranks fit together: their settings alike
+/// (`settings`), their lists too: the replicas alike on every rank (count and elements), the
+/// other gradients' copies adding up to whole elements. Throws c10::Error on every rank, naming
+/// what differs and each rank's value or counts, when they do not. Returns whether every rank
+/// holds replicas only (then replicas can be fingerprinted, and blame needs no exchange). The
+/// collective's buffer is on `device` (the parameters'). One process: no collective,
+/// `mine.all_replicas`.
+bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine,
+                     const RankSettings& settings, const at::Device& device);
 
 }  // namespace stepguard

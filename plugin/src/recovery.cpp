@@ -201,6 +201,12 @@ void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std
     TORCH_CHECK(rng.cuda[d].sizes() == now.cuda[d].sizes(), "stepguard: ", source,
                 ": its CUDA random-generator state of device ", d, " is malformed");
   }
+  // Of the right size is not enough: tried on a scratch generator before anything is loaded.
+  try {
+    checkpoint::check_rng(rng);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "stepguard: ", source, ": ", e.msg());
+  }
 }
 
 void Recovery::restore(const std::vector<NamedTensor>& saved, const std::string& opaque,

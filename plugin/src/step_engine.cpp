@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "csrc/consensus/process_group_consensus.h"
+#include "csrc/policy/policy_file.h"
 
 namespace stepguard {
 
@@ -60,12 +61,39 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                           config_.disk_every);
   event_log_ = open_trace(options_);
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
+  known_parameters_ = port_.parameters().size();
   refresh_layout();
-  // One collective at construction, on every rank: lists that cannot fit together are refused
-  // here, with every rank's counts, instead of being met later as a mismatched collective.
+  // One collective at construction, on every rank: settings that differ and lists that cannot
+  // fit together are refused here, naming every rank's, instead of being met later as a
+  // mismatched collective or two ranks deciding differently.
+  RankSettings settings;
+  settings.policy_digest = text_digest(policy::explain_policy(controller_.config()));
+  settings.checkpoint_dir = !options_.checkpoint_dir().empty();
+  settings.disk_every = config_.disk_every;
+  settings.loss_scaling = controller_.loss_scaling();
+  settings.sharded_gradients = options_.sharded_gradients();
   const auto& params = port_.parameters();
-  job_replicated_ = reconcile_layouts(
-      *consensus_, layout_, params.empty() ? at::Device(at::kCPU) : params.front().device());
+  job_replicated_ =
+      reconcile_ranks(*consensus_, layout_, settings,
+                      params.empty() ? at::Device(at::kCPU) : params.front().device());
+}
+
+// A param group added between steps (progressive unfreezing): the snapshots hold the old list
+// and cannot be restored into the new one. They are dropped (the same step on every rank: the
+// loop adds the group on every rank), so a rollback before the next snapshot is a skip.
+void StepEngine::forget_snapshots_of_another_model() {
+  const std::size_t now = port_.parameters().size();
+  if (now == known_parameters_) return;
+  if (recovery_.snapshots_held() > 0) {
+    std::fprintf(stderr,
+                 "stepguard: step %" PRId64
+                 ": the optimizer now holds %zu parameters (it held %zu): the %zu RAM "
+                 "snapshot(s) of the old list are dropped; a rollback before the next snapshot "
+                 "skips instead\n",
+                 step_ + 1, now, known_parameters_, recovery_.snapshots_held());
+    recovery_.clear_snapshots();
+  }
+  known_parameters_ = now;
 }
 
 void StepEngine::refresh_layout() {
@@ -205,6 +233,7 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
   TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
               "); step() refuses to run after an abort");
   port_.refresh();
+  forget_snapshots_of_another_model();
   refresh_layout();
   recovery_.claim_checkpoint_dir(step_ + 1);
   step_device_ = gradient_device();

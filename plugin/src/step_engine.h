@@ -148,6 +148,7 @@ class StepEngine {
   void check_can_step(const at::Tensor& loss);
   void check_not_pending(const char* what) const;
   void refresh_layout();
+  void forget_snapshots_of_another_model();
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
@@ -203,7 +204,8 @@ class StepEngine {
   std::optional<at::Device> step_device_;
   std::int64_t last_snapshot_step_ = -1;  ///< the replica-check schedule follows it
   std::int64_t last_incident_step_ = -1;
-  std::int64_t trace_failures_ = 0;  ///< trace lines that could not be written
+  std::int64_t trace_failures_ = 0;   ///< trace lines that could not be written
+  std::size_t known_parameters_ = 0;  ///< the port's parameter count the snapshots were taken of
 
   // Forensics.
   forensics::Recompute replay_;

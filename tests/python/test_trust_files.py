@@ -124,3 +124,55 @@ def test_an_option_of_the_wrong_type_is_a_type_error_naming_it():
                        match="stepguard: option checkpoint_every must be an int, got str"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    checkpoint_every="often")
+
+
+def test_a_rollback_after_add_param_group_skips_instead_of_aborting(capfd):
+    """Progressive unfreezing: a group added after the snapshots were taken. A loss spike then
+    cannot restore the old list into the new one: the step is skipped, training goes on."""
+    model = make_model(2)
+    first, *rest = list(model.parameters())
+    policy = ("version: 1\ncheckpoint: {snapshot_every: 1, snapshot_keep: 2}\n"
+              "detectors:\n  loss_spike: {z: 6, warmup: 3, early_factor: 10}\n"
+              "rules:\n  - {name: spike, on: loss_spike, action: rollback}\n")
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD([first], lr=0.01),
+                                       model.named_parameters(), policy_yaml=policy)
+    outcomes = []
+    for step in range(8):
+        if step == 5:
+            guard.add_param_group({"params": rest})
+        guard.zero_grad()
+        loss = loss_of(model, step) * (1000.0 if step == 6 else 1.0)
+        loss.backward()
+        report = guard.step(loss)
+        outcomes.append(report.outcome)
+    assert outcomes == ["applied"] * 6 + ["skipped", "applied"], outcomes
+    assert not guard.stats().aborted
+    assert "the optimizer now holds" in capfd.readouterr().err
+
+
+def test_resume_into_the_same_optimizer_with_another_state_layout_is_refused(tmp_path, capfd):
+    """Adam(amsgrad=False) saved, Adam(amsgrad=True) resuming: the state lacks max_exp_avg_sq, so
+    the first step would raise KeyError. Refused before anything changes; training goes on."""
+    model = make_model(3)
+    guard = stepguard.GuardedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                       model.named_parameters(), run_id="layout",
+                                       checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
+    for step in range(3):
+        guard.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        assert guard.step(loss).applied
+        guard.wait_for_background_work()
+    guard.commit_pending_checkpoint()
+    other = make_model(4)
+    adam = torch.optim.Adam(other.parameters(), lr=1e-3, amsgrad=True)
+    resumed = stepguard.GuardedOptimizer(adam, other.named_parameters())
+    before = [p.detach().clone() for p in other.parameters()]
+    assert resumed.resume(str(tmp_path / "ckpt")) == 0
+    assert "written with amsgrad=False in param group 0; this optimizer has amsgrad=True" in \
+        capfd.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+    resumed.zero_grad()
+    loss = loss_of(other, 0)
+    loss.backward()
+    assert resumed.step(loss).applied and "max_exp_avg_sq" in adam.state[next(other.parameters())]

@@ -24,6 +24,9 @@ try:
 except ImportError:
     _DTensor = _Shard = None
 
+# Param-group settings that change which tensors an optimizer's state holds.
+_STATE_SWITCHES = ("amsgrad", "centered")
+
 # Opaque state bytes: a marker, then a pickle of plain values only (_safe_pickle reads it without
 # running code): P2 {"optimizer": its type, "state": the structure}; P1 the structure alone.
 _FORMAT = b"P2"
@@ -221,7 +224,14 @@ class TorchOptimPort:
         if not structure:
             return b""
         return _FORMAT + _safe_pickle.dumps({"optimizer": self._optimizer_type(),
-                                             "state": structure})
+                                             "state": structure, "switches": self._switches()})
+
+    def _switches(self):
+        """Each param group's settings that decide which tensors the state holds (Adam's amsgrad
+        adds max_exp_avg_sq, RMSprop's centered adds grad_avg): a state saved under others does
+        not fit, and the optimizer's next step would fail on it."""
+        return [sorted((k, v) for k, v in g.items() if k in _STATE_SWITCHES)
+                for g in self._state_owner().param_groups]
 
     def _optimizer_type(self):
         owner = self._state_owner()
@@ -237,11 +247,15 @@ class TorchOptimPort:
             structure = _safe_pickle.loads(data[len(_FORMAT_P1):])  # no optimizer type recorded
         elif data.startswith(_FORMAT):
             record = _safe_pickle.loads(data[len(_FORMAT):])
-            if not isinstance(record, dict) or set(record) != {"optimizer", "state"}:
+            # "switches" since the fourth trust round; records without them are read as before.
+            if not isinstance(record, dict) or not (
+                    {"optimizer", "state"} <= set(record) <= {"optimizer", "state", "switches"}):
                 raise ValueError("the saved optimizer state's structure is malformed")
             if record["optimizer"] != self._optimizer_type():
                 raise ValueError("the saved optimizer state was written by %s; this optimizer is "
                                  "%s" % (record["optimizer"], self._optimizer_type()))
+            if "switches" in record:
+                self._check_switches(record["switches"])
             structure = record["state"]
         else:
             raise ValueError("the saved optimizer state is not a torch.optim port's")
@@ -271,6 +285,19 @@ class TorchOptimPort:
             raise ValueError("the saved optimizer state holds tensor '%s', which its structure "
                              "does not name" % unnamed[0])
         return structure
+
+    def _check_switches(self, saved):
+        mine = self._switches()
+        if not isinstance(saved, list) or len(saved) != len(mine):
+            raise ValueError("the saved optimizer state has %s param groups; this optimizer has "
+                             "%d" % (len(saved) if isinstance(saved, list) else "no", len(mine)))
+        for g, (theirs, ours) in enumerate(zip(saved, mine)):
+            theirs = dict(theirs) if isinstance(theirs, list) else {}
+            for key, value in ours:
+                if key in theirs and theirs[key] != value:
+                    raise ValueError("the saved optimizer state was written with %s=%s in param "
+                                     "group %d; this optimizer has %s=%s (the state's tensors "
+                                     "differ)" % (key, theirs[key], g, key, value))
 
     def _check_own_shard(self, i, param, name):
         owner = self.optimizer._param_to_rank.get(param)

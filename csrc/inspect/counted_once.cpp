@@ -47,8 +47,7 @@ void inspect_counted_once(const std::vector<at::Tensor>& grads, const std::vecto
                           DeferredBlame* blame) {
   TORCH_CHECK(copies.size() == grads.size(), "stepguard: a layout of ", copies.size(),
               " placements for ", grads.size(), " gradients");
-  // Gradients by copy count, in list order; everything is checked before any pass changes a
-  // gradient (an in-place unscale).
+  // Gradients by copy count, in list order.
   std::map<int, std::vector<std::int64_t>> classes;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     TORCH_CHECK(copies[i] >= 0, "stepguard: gradient ", i, " is held by ", copies[i], " ranks");
@@ -57,14 +56,16 @@ void inspect_counted_once(const std::vector<at::Tensor>& grads, const std::vecto
                 " elements but its placement says it is not on this rank (absent)");
     if (copies[i] > 0) classes[copies[i]].push_back(static_cast<std::int64_t>(i));
   }
-  check_gradients(grads, head);
   if (classes.size() <= 1) {
-    // One class (any data-parallel job): one pass over the list as it is.
+    // One class (any data-parallel job): one pass over the list as it is (it checks the list
+    // before it changes anything).
     inspect_into(grads, options, head, stats, blame);
     const int c = classes.empty() ? 1 : classes.begin()->first;
     if (c > 1) head.div_(static_cast<double>(c));
     return;
   }
+  // Several passes: the whole list is checked before the first can unscale a gradient.
+  check_gradients(grads, head);
   *stats = LocalStats();
   *blame = DeferredBlame();
   stats->num_tensors = static_cast<std::int64_t>(grads.size());

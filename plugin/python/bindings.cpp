@@ -88,7 +88,14 @@ T option_value(const std::string& what, const py::handle& value) {
     return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000.0)));
   } else {
     if (value.is_none()) return T();
-    return value.cast<T>();
+    try {
+      return value.cast<T>();
+    } catch (const py::cast_error&) {
+      // The process group and the store: pybind's own text names a C++ type, not the option.
+      throw type_error(std::is_same_v<T, c10::intrusive_ptr<c10d::Store>>
+                           ? "a torch.distributed Store (e.g. dist.TCPStore, dist.FileStore)"
+                           : "a torch.distributed ProcessGroup (e.g. dist.group.WORLD)");
+    }
   }
 }
 

@@ -62,16 +62,19 @@ void PythonPort::refresh() {
     for (const auto& n : result[1]) names.push_back(n.cast<std::string>());
     TORCH_CHECK(names.size() == params.size(), "stepguard: the optimizer port named ", names.size(),
                 " of ", params.size(), " parameters");
-    std::vector<Placement> layout;
-    if (has_layout_) {
+    // The layout goes with the parameter list: read when the list is first seen or changes
+    // (not a Python call per step).
+    if (has_layout_ && (!layout_read_ || params.size() != params_.size())) {
+      std::vector<Placement> layout;
       const py::object placements = port_.attr("layout")();
       if (!placements.is_none()) {
         for (const auto& p : placements) layout.push_back(p.cast<Placement>());
       }
+      layout_ = std::move(layout);
+      layout_read_ = true;
     }
     params_ = std::move(params);
     names_ = std::move(names);
-    layout_ = std::move(layout);
   });
 }
 

@@ -8,7 +8,7 @@
  * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved) with saved a list of
  * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
  * sharded_state() -> bool and layout() -> list of stepguard.Placement (one per parameter, read
- * with parameters() at every refresh) or None.
+ * when the parameter list is first seen and whenever its length changes) or None.
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -50,7 +50,8 @@ class PythonPort final : public OptimizerPort {
   bool has_gradients_ = false;
   bool has_sharded_state_ = false;
   bool has_layout_ = false;
-  std::vector<Placement> layout_;  ///< the port's layout() at the last refresh(), or empty
+  bool layout_read_ = false;
+  std::vector<Placement> layout_;  ///< the port's layout() when the parameter list last changed
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
 };

@@ -35,8 +35,9 @@ class OptimizerPort {
   /// The gradients to inspect, one per parameter (undefined where a parameter has none).
   virtual std::vector<at::Tensor> gradients() const;
   /// How the ranks hold each parameter's gradient (stepguard/layout.h), one per parameter, read
-  /// after every refresh(). Empty: every parameter by GuardOptions::sharded_gradients (all
-  /// Placement::shard() when set, all Placement::replica() otherwise).
+  /// at construction and whenever refresh() changes the number of parameters. Empty: every
+  /// parameter by GuardOptions::sharded_gradients (all Placement::shard() when set, all
+  /// Placement::replica() otherwise).
   virtual std::vector<Placement> layout() const { return {}; }
 
   /// Steps the wrapped optimizer with every learning rate multiplied by `lr_factor` for this step

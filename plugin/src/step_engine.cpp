@@ -78,22 +78,24 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                       params.empty() ? at::Device(at::kCPU) : params.front().device());
 }
 
-// A param group added between steps (progressive unfreezing): the snapshots hold the old list
-// and cannot be restored into the new one. They are dropped (the same step on every rank: the
-// loop adds the group on every rank), so a rollback before the next snapshot is a skip.
-void StepEngine::forget_snapshots_of_another_model() {
+// The port's parameter list changed (a param group added between steps: progressive
+// unfreezing; the same step on every rank, as the loop adds it on every rank). The layout is
+// resolved again, and the snapshots, which hold the old list and cannot be restored into the
+// new one, are dropped: a rollback before the next snapshot is a skip.
+void StepEngine::parameters_changed() {
   const std::size_t now = port_.parameters().size();
-  if (now == known_parameters_) return;
-  if (recovery_.snapshots_held() > 0) {
+  const std::size_t held = recovery_.snapshots_held();
+  if (held > 0) {
     std::fprintf(stderr,
                  "stepguard: step %" PRId64
                  ": the optimizer now holds %zu parameters (it held %zu): the %zu RAM "
                  "snapshot(s) of the old list are dropped; a rollback before the next snapshot "
                  "skips instead\n",
-                 step_ + 1, now, known_parameters_, recovery_.snapshots_held());
+                 step_ + 1, now, known_parameters_, held);
     recovery_.clear_snapshots();
   }
   known_parameters_ = now;
+  refresh_layout();
 }
 
 void StepEngine::refresh_layout() {
@@ -155,19 +157,21 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   t = Clock::now();
   p.findings = investigate(p.agreed, p.decided);
   stage_seconds_.record = seconds_since(t);
+  // The figures the report will carry, read off the same decision.
+  const StepReport r = make_report(step, p.agreed.global, p.decided);
   Verdict v;
   v.step = step;
-  v.outcome = p.decided.decision.outcome;
-  v.actions = p.decided.decision.actions;
-  v.action = strongest_action(v.actions);
-  v.grad_norm = p.agreed.global.grad_norm;
+  v.outcome = r.outcome;
+  v.actions = r.actions;
+  v.action = r.action;
+  v.grad_norm = r.grad_norm;
   v.clip_norm = p.decided.decision.has(Action::kClip) ? p.decided.decision.clip_norm : 0.0;
-  v.loss_scale = step_loss_scale_;
-  v.lr_factor = p.decided.lr_factor;
-  v.nonfinite_count = p.agreed.global.nonfinite_count();
-  v.loss_given = p.agreed.global.loss_given_ranks > 0;
-  v.loss = p.agreed.global.loss;
-  v.batches_to_skip = p.decided.decision.batches_to_skip;
+  v.loss_scale = step_loss_scale_;  // the backward's (the report's is the next step's)
+  v.lr_factor = r.lr_factor;
+  v.nonfinite_count = r.nonfinite_count;
+  v.loss_given = r.loss_given;
+  v.loss = r.loss;
+  v.batches_to_skip = r.batches_to_skip;
   pending_ = std::move(p);
   return v;
 }
@@ -233,8 +237,7 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
   TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
               "); step() refuses to run after an abort");
   port_.refresh();
-  forget_snapshots_of_another_model();
-  refresh_layout();
+  if (port_.parameters().size() != known_parameters_) parameters_changed();
   recovery_.claim_checkpoint_dir(step_ + 1);
   step_device_ = gradient_device();
   if (!loss.defined()) return;  // step() from the gradients alone

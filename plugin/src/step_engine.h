@@ -148,7 +148,7 @@ class StepEngine {
   void check_can_step(const at::Tensor& loss);
   void check_not_pending(const char* what) const;
   void refresh_layout();
-  void forget_snapshots_of_another_model();
+  void parameters_changed();
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);

@@ -131,30 +131,32 @@ def _sharded(model, optimizer, is_loading=False):
                                                       metadata=METADATA)}
 
 
+def _adam_params(megatron_optimizer):
+    """(param group, main parameter, its torch Adam state) of every optimizer Megatron chains."""
+    for o in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                yield group, p, o.optimizer.state[p]
+
+
 def _prime_adam_state(megatron_optimizer):
     """Megatron-core 0.16.1 with torch's Adam (no Apex or Transformer Engine, as on CPU):
     DistributedOptimizer.state_dict() asserts one Adam step value over the parameters' states, so
     sharded_state_dict(is_loading=True) fails on a fresh optimizer. The state a first step would
     have (step 0, zero moments); the load overwrites all of it."""
-    for o in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
-        for group in o.optimizer.param_groups:
-            for p in group["params"]:
-                if not o.optimizer.state[p]:
-                    o.optimizer.state[p] = {"step": torch.tensor(0.0),
-                                            "exp_avg": torch.zeros_like(p.data),
-                                            "exp_avg_sq": torch.zeros_like(p.data)}
+    for _, p, state in _adam_params(megatron_optimizer):
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                         exp_avg_sq=torch.zeros_like(p.data))
 
 
 def _fix_adam_steps(megatron_optimizer):
     """The same pairing, dp_reshardable: torch Adam's per-parameter "step" is saved as a
     non-persistent object, so the load leaves the fresh optimizer's 0; the loaded param groups
     hold the right one."""
-    for o in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
-        for group in o.optimizer.param_groups:
-            for p in group["params"]:
-                st = o.optimizer.state.get(p)
-                if "step" in group and st and "step" in st:
-                    st["step"] = torch.tensor(float(group["step"]))
+    for group, _, state in _adam_params(megatron_optimizer):
+        if "step" in group and "step" in state:
+            state["step"] = torch.tensor(float(group["step"]))
 
 
 def _load(model, optimizer, directory, distributed_optimizer):
@@ -170,10 +172,9 @@ def _load(model, optimizer, directory, distributed_optimizer):
 
 
 def _save_main(rank, world, port, out_dir, ckpt_dir):
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
     _init(rank, world, port)
-    parallel_state.initialize_model_parallel(2, 1)
     results = {}
     for distributed_optimizer in CONFIGS:
         key = "distopt" if distributed_optimizer else "ddp"
@@ -201,10 +202,7 @@ def _save_main(rank, world, port, out_dir, ckpt_dir):
 
 
 def _load_main(rank, world, port, out_dir, ckpt_dir):
-    from megatron.core import parallel_state
-
     _init(rank, world, port)
-    parallel_state.initialize_model_parallel(2, 1)
     results = {}
     for distributed_optimizer in CONFIGS:
         key = "distopt" if distributed_optimizer else "ddp"
@@ -237,6 +235,8 @@ def _init(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import megatron_cpu
     megatron_cpu.install()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(2, 1)  # tensor parallel on the 2 ranks
 
 
 def _finish(out_dir, rank, results):

@@ -110,6 +110,25 @@ def test_resume_into_another_optimizer_type_is_refused_and_changes_nothing(tmp_p
     assert guard.step(loss).applied and "exp_avg" in adam.state[next(other.parameters())]
 
 
+def test_resume_into_the_same_optimizer_with_another_state_layout_is_refused(tmp_path, capfd):
+    """Adam(amsgrad=False) saved, Adam(amsgrad=True) resuming: the state lacks max_exp_avg_sq, so
+    the first step would raise KeyError. Refused before anything changes; training goes on."""
+    model = make_model(3)
+    _train_and_checkpoint(tmp_path / "ckpt", torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    other = make_model(4)
+    adam = torch.optim.Adam(other.parameters(), lr=1e-3, amsgrad=True)
+    resumed = stepguard.GuardedOptimizer(adam, other.named_parameters())
+    before = [p.detach().clone() for p in other.parameters()]
+    assert resumed.resume(str(tmp_path / "ckpt")) == 0
+    assert "written with amsgrad=False in param group 0; this optimizer has amsgrad=True" in \
+        capfd.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+    resumed.zero_grad()
+    loss = loss_of(other, 0)
+    loss.backward()
+    assert resumed.step(loss).applied and "max_exp_avg_sq" in adam.state[next(other.parameters())]
+
+
 def test_a_replay_closure_that_calls_step_is_refused():
     model = make_model(5)
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

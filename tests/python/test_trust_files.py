@@ -117,8 +117,8 @@ def test_a_nul_in_a_path_is_refused_naming_the_option(tmp_path, option):
 
 def test_an_option_of_the_wrong_type_is_a_type_error_naming_it():
     model = make_model(1)
-    with pytest.raises(TypeError, match="stepguard: option store: cannot take a object "
-                                        r"\(a torch.distributed Store"):
+    with pytest.raises(TypeError, match="stepguard: option store must be a torch.distributed Store "
+                                        r"\(e.g. dist.TCPStore, dist.FileStore\), got object"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), store=object())
     with pytest.raises(TypeError,
                        match="stepguard: option checkpoint_every must be an int, got str"):
@@ -148,31 +148,3 @@ def test_a_rollback_after_add_param_group_skips_instead_of_aborting(capfd):
     assert outcomes == ["applied"] * 6 + ["skipped", "applied"], outcomes
     assert not guard.stats().aborted
     assert "the optimizer now holds" in capfd.readouterr().err
-
-
-def test_resume_into_the_same_optimizer_with_another_state_layout_is_refused(tmp_path, capfd):
-    """Adam(amsgrad=False) saved, Adam(amsgrad=True) resuming: the state lacks max_exp_avg_sq, so
-    the first step would raise KeyError. Refused before anything changes; training goes on."""
-    model = make_model(3)
-    guard = stepguard.GuardedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
-                                       model.named_parameters(), run_id="layout",
-                                       checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
-    for step in range(3):
-        guard.zero_grad()
-        loss = loss_of(model, step)
-        loss.backward()
-        assert guard.step(loss).applied
-        guard.wait_for_background_work()
-    guard.commit_pending_checkpoint()
-    other = make_model(4)
-    adam = torch.optim.Adam(other.parameters(), lr=1e-3, amsgrad=True)
-    resumed = stepguard.GuardedOptimizer(adam, other.named_parameters())
-    before = [p.detach().clone() for p in other.parameters()]
-    assert resumed.resume(str(tmp_path / "ckpt")) == 0
-    assert "written with amsgrad=False in param group 0; this optimizer has amsgrad=True" in \
-        capfd.readouterr().err
-    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
-    resumed.zero_grad()
-    loss = loss_of(other, 0)
-    loss.backward()
-    assert resumed.step(loss).applied and "max_exp_avg_sq" in adam.state[next(other.parameters())]

@@ -2,6 +2,7 @@
 optimizer.step(). The engine is stepguard's C++ step engine (stepguard._C), the same one the C++
 GuardedOptimizer runs."""
 
+import contextlib
 import os
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -22,29 +23,12 @@ def _options(policy, policy_yaml, process_group, store, options):
                         % (", ".join(unknown), ", ".join(_C.GuardOptions.fields)))
     out = _C.GuardOptions()
     named = dict(policy=policy, policy_yaml=policy_yaml, process_group=process_group, store=store)
-    given = {name: value for name, value in named.items() if value is not None}  # None: not given
-    given.update(options)  # a keyword given is a value, None included
-    for name, value in given.items():
-        try:
+    for name, value in named.items():
+        if value is not None:  # None: not given
             setattr(out, name, value)
-        except (TypeError, RuntimeError) as e:
-            if "Unable to cast" not in str(e) and "incompatible" not in str(e):
-                raise
-            # pybind's own text names a C++ type, not the option: say which option and what it got.
-            raise TypeError("stepguard: option %s: cannot take a %s (%s)"
-                            % (name, type(value).__name__, _expected(name))) from None
+    for name, value in options.items():  # a keyword given is a value, None included
+        setattr(out, name, value)
     return out
-
-
-def _expected(name):
-    """What option ``name`` takes, in words."""
-    kinds = {"process_group": "a torch.distributed ProcessGroup, e.g. dist.group.WORLD",
-             "store": "a torch.distributed Store, e.g. dist.TCPStore or dist.FileStore",
-             "collective_timeout": "seconds as a number, or a datetime.timedelta"}
-    if name in kinds:
-        return kinds[name]
-    default = getattr(_C.GuardOptions(), name, None)
-    return "a %s" % type(default).__name__ if default is not None else "see GuardOptions"
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -227,13 +211,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         policy did not clip. ``step()`` does this itself."""
         self._guard.clip_gradients(verdict)
 
+    @contextlib.contextmanager
     def _one_call(self, what):
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError(
                 "stepguard: %s was called while another call of this guard's step is running "
                 "(from a replay closure, a hook or another thread); a guard is not re-entrant "
                 "and not thread-safe: one training thread drives it" % what)
-        return _Held(self._stepping)
+        try:
+            yield
+        finally:
+            self._stepping.release()
 
     def _loss_of(self, closure):
         if closure is None:
@@ -348,20 +336,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
-
-
-class _Held:
-    """Releases a lock acquired by ``_one_call`` when the call's block ends."""
-
-    def __init__(self, lock):
-        self._lock = lock
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._lock.release()
-        return False
 
 
 def _check_default_group(process_group):

@@ -325,14 +325,14 @@ class _MegatronPort(TorchOptimPort):
         return type(self.inner).__name__ == "DistributedOptimizer"
 
     def update(self):
+        """Runs between the guard's verdict (``self.verdict``, set by ``step()``) and settle."""
         v = self.verdict
         config = self.inner.config
         decoupled = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         # Megatron's clip and the policy's, one factor: the smaller target wins. The total norm
         # is the agreed one: Megatron computes none of its own.
-        targets = [t for t in (config.clip_grad, v.clip_norm if v is not None else None)
-                   if t is not None and t > 0.0]
-        grad_norm = v.grad_norm if v is not None else self.inner.get_grad_norm()
+        targets = [t for t in (config.clip_grad, v.clip_norm) if t is not None and t > 0.0]
+        grad_norm = v.grad_norm
         if targets:
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
             params = self.inner.get_parameters()

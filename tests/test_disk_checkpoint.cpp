@@ -72,6 +72,32 @@ TEST(GuardResume, ContinuesBitwiseFromTheNewestValidCheckpoint) {
   }
 }
 
+// An lr lowered during training (as a schedule does) comes back with the checkpoint, as the
+// optimizer's own archive would bring it; the fresh optimizer's lr does not win.
+TEST(GuardResume, PutsBackEachParamGroupsLearningRate) {
+  const std::string dir = fresh_dir("resume_lr");
+  auto model = make_model(21);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  opt.param_groups()[0].options().set_lr(0.025);
+  {
+    GuardedOptimizer guard(opt, GuardOptions().checkpoint_dir(dir).checkpoint_every(1));
+    for (std::int64_t step = 1; step <= 2; ++step) {
+      opt.zero_grad();
+      auto loss = loss_of(model, step);
+      loss.backward();
+      ASSERT_TRUE(guard.step(loss).applied());
+      guard.wait_for_background_work();
+    }
+  }
+  auto other = make_model(99);
+  torch::optim::SGD fresh(other->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  GuardedOptimizer resumed(fresh, GuardOptions());
+  ASSERT_EQ(resumed.resume(dir), 1);
+  EXPECT_EQ(fresh.param_groups()[0].options().get_lr(), 0.025);
+  auto& sgd = static_cast<torch::optim::SGDOptions&>(fresh.param_groups()[0].options());
+  EXPECT_EQ(sgd.momentum(), 0.9);
+}
+
 // A new run in a directory that holds another run's checkpoints is refused at its first step
 // (nothing written, nothing pruned); resuming from it continues that run, whose checkpoints
 // then prune as before.

@@ -117,8 +117,10 @@ TEST(Metrics, SnapshotsAndCheckpointsAreCounted) {
   }
   const std::string text = guard.metrics_text();
   EXPECT_EQ(value_of(text, "stepguard_snapshots_total"), 5);
-  EXPECT_EQ(value_of(text, "stepguard_snapshot_bytes"), 2 * 4 * 4);  // two copies of 4 floats
-  EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 2);       // steps 2 and 4
+  // Two copies of 4 floats and of the optimizer's record (its group's lr: T{"lr":[0.1],...}).
+  const std::string record = R"(T{"lr":[0.1],"states":[]})";
+  EXPECT_EQ(value_of(text, "stepguard_snapshot_bytes"), 2 * (4 * 4 + record.size()));
+  EXPECT_EQ(value_of(text, "stepguard_checkpoints_total"), 2);  // steps 2 and 4
   EXPECT_EQ(value_of(text, "stepguard_last_checkpoint_step"), 4);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_write_duration_seconds_count"), 2);
   EXPECT_EQ(value_of(text, "stepguard_checkpoint_interval_steps"), 2);

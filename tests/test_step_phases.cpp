@@ -1,12 +1,14 @@
 // The step's two phases (verdict, the loop's own update, settle) and the parallel layout as a
 // LibTorch loop gives them: the phases are a plain step bitwise, out of order they are refused and
-// change nothing, a layout that cannot hold is refused at construction.
+// change nothing, a layout that cannot hold is refused at construction; the parameter list is
+// followed by identity.
 #include <gtest/gtest.h>
 #include <stepguard/stepguard.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,33 @@ TEST(StepPhases, APlacementBeyondTheGroupIsRefused) {
   auto loss = loss_of(model, 0);
   loss.backward();
   EXPECT_TRUE(guard.step(loss).applied());
+}
+
+// Tensors swapped into a param group (same count, other tensors) are the ones inspected: a NaN
+// gradient on them is skipped, not applied against a stale list.
+TEST(StepPhases, TensorsSwappedIntoAGroupAreTheOnesInspected) {
+  auto model = make_model(3);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  GuardedOptimizer guard(opt);
+  opt.zero_grad();
+  auto loss = loss_of(model, 0);
+  loss.backward();
+  ASSERT_TRUE(guard.step(loss).applied());
+  std::vector<torch::Tensor> swapped;
+  for (const auto& p : opt.param_groups()[0].params()) {
+    swapped.push_back(p.detach().clone().requires_grad_(true));
+  }
+  opt.param_groups()[0].params() = swapped;
+  auto sum = swapped[0].sum();
+  for (std::size_t i = 1; i < swapped.size(); ++i) sum = sum + swapped[i].sum();
+  sum.backward();
+  swapped[1].mutable_grad().view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  const auto before = clone_all(swapped);
+  const StepReport r = guard.step(sum);
+  EXPECT_EQ(r.outcome, Outcome::kSkipped);
+  EXPECT_EQ(r.nonfinite_count, 1);
+  for (std::size_t i = 0; i < swapped.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(before[i], swapped[i]));
 }
 
 }  // namespace

@@ -63,8 +63,12 @@ void PythonPort::refresh() {
     TORCH_CHECK(names.size() == params.size(), "stepguard: the optimizer port named ", names.size(),
                 " of ", params.size(), " parameters");
     // The layout goes with the parameter list: read when the list is first seen or changes
-    // (not a Python call per step).
-    if (has_layout_ && (!layout_read_ || params.size() != params_.size())) {
+    // (by identity; not a Python call per step).
+    bool same = params.size() == params_.size();
+    for (std::size_t i = 0; same && i < params.size(); ++i) {
+      same = params[i].unsafeGetTensorImpl() == params_[i].unsafeGetTensorImpl();
+    }
+    if (has_layout_ && (!layout_read_ || !same)) {
       std::vector<Placement> layout;
       const py::object placements = port_.attr("layout")();
       if (!placements.is_none()) {
@@ -108,9 +112,10 @@ void PythonPort::check_state_bytes(const std::string& bytes,
            [&] { port_.attr("check_state_bytes")(py::bytes(bytes), to_python(saved)); });
 }
 
-void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) {
+void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
+                                  bool settings) {
   with_gil("load_state_bytes",
-           [&] { port_.attr("load_state_bytes")(py::bytes(bytes), to_python(saved)); });
+           [&] { port_.attr("load_state_bytes")(py::bytes(bytes), to_python(saved), settings); });
 }
 
 void PythonPort::after_restore() {

@@ -5,7 +5,7 @@
  *
  * The port object provides: parameters() -> (list of tensors, list of names); apply(lr_factor);
  * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
- * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved) with saved a list of
+ * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved, settings) with saved a list of
  * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
  * sharded_state() -> bool and layout() -> list of stepguard.Placement (one per parameter, read
  * when the parameter list is first seen and whenever its length changes) or None.
@@ -38,7 +38,8 @@ class PythonPort final : public OptimizerPort {
   std::string state_bytes() const override;
   void check_state_bytes(const std::string& bytes,
                          const std::vector<NamedTensor>& saved) const override;
-  void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) override;
+  void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
+                        bool settings) override;
   void after_restore() override;
   bool sharded_state() const override;
   std::vector<Placement> layout() const override { return layout_; }

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -59,9 +60,17 @@ void LibTorchPort::collect(const torch::OrderedDict<std::string, torch::Tensor>&
 }
 
 void LibTorchPort::refresh() {
+  // By identity: a group added, or other tensors put into a group, is another list.
   std::size_t n = 0;
-  for (const auto& group : optimizer_.param_groups()) n += group.params().size();
-  if (n != params_.size()) collect(named_);
+  bool same = true;
+  for (const auto& group : optimizer_.param_groups()) {
+    for (const auto& p : group.params()) {
+      same =
+          same && n < params_.size() && params_[n].unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+      ++n;
+    }
+  }
+  if (!same || n != params_.size()) collect(named_);
 }
 
 void LibTorchPort::apply(double lr_factor) {
@@ -122,7 +131,6 @@ std::vector<NamedTensor> LibTorchPort::state_tensors() const {
 }
 
 std::string LibTorchPort::state_bytes() const {
-  if (optimizer_.state().empty()) return {};  // nothing yet (or a stateless optimizer)
   if (!typed()) {
     torch::serialize::OutputArchive archive;
     optimizer_.save(archive);
@@ -139,7 +147,10 @@ std::string LibTorchPort::state_bytes() const {
         }
         states.push_back({{"param", i}, {"type", type}, {"step", step}, {"fields", defined}});
       });
-  return kTyped + states.dump();
+  // Each group's lr, as the optimizer's own archive keeps its options (a resume puts it back).
+  Json lrs = Json::array();
+  for (const auto& group : optimizer_.param_groups()) lrs.push_back(group.options().get_lr());
+  return kTyped + Json{{"states", states}, {"lr", lrs}}.dump();
 }
 
 void LibTorchPort::check_state_bytes(const std::string& bytes,
@@ -153,22 +164,36 @@ void LibTorchPort::check_state_bytes(const std::string& bytes,
   if (bytes[0] == kTyped) (void)read_typed(bytes.substr(1), saved);
 }
 
-void LibTorchPort::load_state_bytes(const std::string& bytes,
-                                    const std::vector<NamedTensor>& saved) {
+void LibTorchPort::load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
+                                    bool settings) {
   check_state_bytes(bytes, saved);
   if (bytes.empty()) {
     optimizer_.state().clear();
     return;
   }
   if (bytes[0] == kTyped) {
-    load_typed(read_typed(bytes.substr(1), saved), saved);
+    const TypedState typed = read_typed(bytes.substr(1), saved);
+    load_typed(typed.entries, saved);
+    if (settings) {
+      std::size_t g = 0;
+      for (auto& group : optimizer_.param_groups()) group.options().set_lr(typed.lrs.at(g++));
+    }
     return;
+  }
+  // The archive holds the groups' options too: a rollback keeps the live ones.
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> live;
+  if (!settings) {
+    for (const auto& group : optimizer_.param_groups()) live.push_back(group.options().clone());
   }
   try {
     torch::serialize::InputArchive archive;
     std::istringstream in(bytes.substr(1));
     archive.load_from(in);
     optimizer_.load(archive);
+    std::size_t g = 0;
+    for (auto& group : optimizer_.param_groups()) {
+      if (g < live.size()) group.set_options(std::move(live[g++]));
+    }
   } catch (const std::exception& e) {
     std::string what = e.what();
     if (const auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
@@ -177,19 +202,38 @@ void LibTorchPort::load_state_bytes(const std::string& bytes,
   }
 }
 
-std::vector<LibTorchPort::TypedEntry> LibTorchPort::read_typed(
-    const std::string& json, const std::vector<NamedTensor>& saved) const {
+LibTorchPort::TypedState LibTorchPort::read_typed(const std::string& json,
+                                                  const std::vector<NamedTensor>& saved) const {
   std::map<std::string, const at::Tensor*> by_name;
   for (const auto& t : saved) by_name[t.name] = &t.tensor;
-  std::vector<TypedEntry> entries;
+  TypedState typed;
+  std::vector<TypedEntry>& entries = typed.entries;
+  bool recorded = false;  // the groups' lr
   try {
-    for (const Json& s : Json::parse(json)) {
+    // {"states": [...], "lr": [...]}; before the fifth trust round the states array alone.
+    const Json doc = Json::parse(json);
+    const Json& states = doc.is_array() ? doc : doc.at("states");
+    for (const Json& s : states) {
       entries.push_back({s.at("param").get<std::size_t>(), s.at("type").get<std::string>(),
                          s.at("step").get<std::int64_t>(),
                          s.at("fields").get<std::vector<std::string>>()});
     }
+    recorded = doc.is_object();
+    if (recorded) typed.lrs = doc.at("lr").get<std::vector<double>>();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "stepguard: the saved optimizer state is unreadable (", e.what(), ")");
+  }
+  const std::size_t groups = optimizer_.param_groups().size();
+  if (recorded) {
+    TORCH_CHECK(typed.lrs.size() == groups, "stepguard: the saved optimizer state has ",
+                typed.lrs.size(), " param groups; this optimizer has ", groups);
+  } else {
+    for (const auto& g : optimizer_.param_groups()) typed.lrs.push_back(g.options().get_lr());
+  }
+  for (std::size_t g = 0; g < typed.lrs.size(); ++g) {
+    TORCH_CHECK(std::isfinite(typed.lrs[g]) && typed.lrs[g] >= 0.0,
+                "stepguard: the saved lr of param group ", g, " is ", typed.lrs[g],
+                ", not a finite number >= 0");
   }
   for (const TypedEntry& e : entries) {
     TORCH_CHECK(e.param < params_.size(), "stepguard: the saved optimizer state names parameter ",
@@ -206,7 +250,7 @@ std::vector<LibTorchPort::TypedEntry> LibTorchPort::read_typed(
                   params_[e.param].sizes());
     }
   }
-  return entries;
+  return typed;
 }
 
 void LibTorchPort::load_typed(const std::vector<TypedEntry>& entries,

@@ -33,7 +33,8 @@ class LibTorchPort final : public OptimizerPort {
   std::string state_bytes() const override;
   void check_state_bytes(const std::string& bytes,
                          const std::vector<NamedTensor>& saved) const override;
-  void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved) override;
+  void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
+                        bool settings) override;
 
   torch::optim::Optimizer& optimizer() noexcept { return optimizer_; }
 
@@ -49,9 +50,13 @@ class LibTorchPort final : public OptimizerPort {
     std::int64_t step;
     std::vector<std::string> fields;
   };
-  /// The typed states `json` lists, checked against this optimizer and `saved`.
-  std::vector<TypedEntry> read_typed(const std::string& json,
-                                     const std::vector<NamedTensor>& saved) const;
+  struct TypedState {
+    std::vector<TypedEntry> entries;
+    std::vector<double> lrs;  ///< one per param group (the live ones for an older record)
+  };
+  /// The typed states `json` lists and the groups' lr, checked against this optimizer and
+  /// `saved`.
+  TypedState read_typed(const std::string& json, const std::vector<NamedTensor>& saved) const;
   void load_typed(const std::vector<TypedEntry>& entries, const std::vector<NamedTensor>& saved);
 
   torch::optim::Optimizer& optimizer_;

@@ -59,9 +59,12 @@ class OptimizerPort {
   /// First half of a restore: puts back what state_bytes() held and makes state_tensors() name
   /// exactly the tensors in `saved` (allocating any that do not exist yet, e.g. before the first
   /// step), ready to be filled in place. Throws c10::Error, changing nothing, when the bytes do
-  /// not fit this optimizer.
-  virtual void load_state_bytes(const std::string& bytes,
-                                const std::vector<NamedTensor>& saved) = 0;
+  /// not fit this optimizer. With `settings` (a resume from a disk checkpoint) the param groups'
+  /// hyper-parameters the bytes recorded (lr and the like) are put back too, as a framework's
+  /// load_state_dict does; a rollback (false) leaves the live ones: the loop's LR schedule goes
+  /// on across it.
+  virtual void load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
+                                bool settings) = 0;
   /// Called once a restore (snapshot or checkpoint) has written everything back.
   virtual void after_restore() {}
   /// True when each rank holds only its own shard of the optimizer state (ZeRO), so a checkpoint

@@ -177,7 +177,7 @@ void Recovery::restore_snapshot(std::int64_t step) {
   TORCH_CHECK(s != nullptr, "stepguard: no RAM snapshot of step ", step);
   const std::string source = "the RAM snapshot of step " + std::to_string(step);
   check_restorable(s->tensors, s->opaque, s->rng, source);
-  restore(s->tensors, s->opaque, s->rng, source);
+  restore(s->tensors, s->opaque, s->rng, source, /*settings=*/false);
 }
 
 void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std::string& opaque,
@@ -210,8 +210,8 @@ void Recovery::check_restorable(const std::vector<NamedTensor>& saved, const std
 }
 
 void Recovery::restore(const std::vector<NamedTensor>& saved, const std::string& opaque,
-                       const checkpoint::RngState& rng, const std::string& source) {
-  port_.load_state_bytes(opaque, optimizer_part(saved));
+                       const checkpoint::RngState& rng, const std::string& source, bool settings) {
+  port_.load_state_bytes(opaque, optimizer_part(saved), settings);
   const std::vector<NamedTensor> live = training_tensors();
   try {
     checkpoint::check_fits(saved, live, source);
@@ -324,7 +324,8 @@ std::optional<checkpoint::GuardRecord> Recovery::resume(
     if (std::all_of(oks.begin(), oks.end(), [](std::int64_t v) { return v == 1; })) {
       // Checked everywhere: only now does anything change.
       restore(loaded->tensors, loaded->opaque, loaded->rng,
-              checkpoint::step_dir(dir, agreed) + "/rank " + std::to_string(consensus_.rank()));
+              checkpoint::step_dir(dir, agreed) + "/rank " + std::to_string(consensus_.rank()),
+              /*settings=*/true);
       if (ring_) ring_->clear();
       pending_step_ = 0;  // a pending directory is never loaded; a later commit clears it
       pending_write_ = std::future<void>();

@@ -187,8 +187,9 @@ class Recovery final : public SnapshotHolder {
   /// Throws CheckpointError (or c10::Error) naming `source` unless `saved` fits the live model.
   void check_restorable(const std::vector<NamedTensor>& saved, const std::string& opaque,
                         const checkpoint::RngState& rng, const std::string& source) const;
+  /// Writes `saved` back; `settings`: the optimizer's hyper-parameters too (a disk checkpoint).
   void restore(const std::vector<NamedTensor>& saved, const std::string& opaque,
-               const checkpoint::RngState& rng, const std::string& source);
+               const checkpoint::RngState& rng, const std::string& source, bool settings);
   std::vector<checkpoint::CheckpointEntry> resumable_entries(const std::string& dir) const;
   void check_world_size(const std::vector<checkpoint::CheckpointEntry>& entries) const;
   std::int64_t newest_loadable(const std::vector<checkpoint::CheckpointEntry>& entries,

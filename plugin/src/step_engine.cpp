@@ -61,7 +61,7 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                           config_.disk_every);
   event_log_ = open_trace(options_);
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
-  known_parameters_ = port_.parameters().size();
+  for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
   refresh_layout();
   // One collective at construction, on every rank: settings that differ and lists that cannot
   // fit together are refused here, naming every rank's, instead of being met later as a
@@ -78,23 +78,34 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                       params.empty() ? at::Device(at::kCPU) : params.front().device());
 }
 
+bool StepEngine::same_parameters() const {
+  const auto& params = port_.parameters();
+  if (params.size() != known_parameters_.size()) return false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].unsafeGetTensorImpl() != known_parameters_[i]) return false;
+  }
+  return true;
+}
+
 // The port's parameter list changed (a param group added between steps: progressive
-// unfreezing; the same step on every rank, as the loop adds it on every rank). The layout is
-// resolved again, and the snapshots, which hold the old list and cannot be restored into the
-// new one, are dropped: a rollback before the next snapshot is a skip.
+// unfreezing; tensors swapped into a group; the same step on every rank, as the loop changes it
+// on every rank). The layout is resolved again, and the snapshots, which hold the old list and
+// cannot be restored into the new one, are dropped: a rollback before the next snapshot is a
+// skip.
 void StepEngine::parameters_changed() {
   const std::size_t now = port_.parameters().size();
   const std::size_t held = recovery_.snapshots_held();
   if (held > 0) {
     std::fprintf(stderr,
                  "stepguard: step %" PRId64
-                 ": the optimizer now holds %zu parameters (it held %zu): the %zu RAM "
-                 "snapshot(s) of the old list are dropped; a rollback before the next snapshot "
-                 "skips instead\n",
-                 step_ + 1, now, known_parameters_, held);
+                 ": the optimizer's parameters changed (%zu now, %zu before; a group added or "
+                 "tensors swapped in): the %zu RAM snapshot(s) of the old list are dropped; a "
+                 "rollback before the next snapshot skips instead\n",
+                 step_ + 1, now, known_parameters_.size(), held);
     recovery_.clear_snapshots();
   }
-  known_parameters_ = now;
+  known_parameters_.clear();
+  for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
   refresh_layout();
 }
 
@@ -237,7 +248,7 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
   TORCH_CHECK(!aborted_, "stepguard: training was aborted at step ", step_, " (", abort_reason_,
               "); step() refuses to run after an abort");
   port_.refresh();
-  if (port_.parameters().size() != known_parameters_) parameters_changed();
+  if (!same_parameters()) parameters_changed();
   recovery_.claim_checkpoint_dir(step_ + 1);
   step_device_ = gradient_device();
   if (!loss.defined()) return;  // step() from the gradients alone

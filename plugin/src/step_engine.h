@@ -149,6 +149,7 @@ class StepEngine {
   void check_not_pending(const char* what) const;
   void refresh_layout();
   void parameters_changed();
+  bool same_parameters() const;
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
@@ -204,8 +205,10 @@ class StepEngine {
   std::optional<at::Device> step_device_;
   std::int64_t last_snapshot_step_ = -1;  ///< the replica-check schedule follows it
   std::int64_t last_incident_step_ = -1;
-  std::int64_t trace_failures_ = 0;   ///< trace lines that could not be written
-  std::size_t known_parameters_ = 0;  ///< the port's parameter count the snapshots were taken of
+  std::int64_t trace_failures_ = 0;  ///< trace lines that could not be written
+  /// The port's parameters the snapshots were taken of, by identity: a group added or tensors
+  /// swapped into a group (same count, other tensors) is another list.
+  std::vector<const void*> known_parameters_;
 
   // Forensics.
   forensics::Recompute replay_;

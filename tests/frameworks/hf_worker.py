@@ -99,7 +99,9 @@ def main():
         return grad
 
     dict(model.named_parameters())[GRAD_TENSOR].register_hook(nan_gradient)
-    sg = StepguardCallback(policy=policy, collective_timeout=60).attach(trainer)
+    # One trace_path for both ranks: rank 0 writes it, rank 1 trace.jsonl.rank1.
+    sg = StepguardCallback(policy=policy, collective_timeout=60,
+                           trace_path=os.path.join(out, "trace.jsonl")).attach(trainer)
     recorder = Recorder(sg)
     trainer.add_callback(recorder)
     result = trainer.train()

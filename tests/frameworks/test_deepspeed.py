@@ -98,10 +98,10 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         })
     # DeepSpeed's own checkpoint carries the guard's decision state as client state.
     engine.save_checkpoint(checkpoint_dir, client_state=guarded.state_dict())
-    before = guarded.guard._guard.record()
+    before = guarded.guard.guard_state_dict()
     _, client_state = engine.load_checkpoint(checkpoint_dir)
     guarded.load_state_dict(client_state)
-    resumed = {"same_state": guarded.guard._guard.record() == before,
+    resumed = {"same_state": guarded.guard.guard_state_dict() == before,
                "equal": torch.equal(_flat_params(engine.module), after[STEPS])}
     for _ in range(MICRO):
         x, y = _batch(position, rank, dtype)

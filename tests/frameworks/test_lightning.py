@@ -98,7 +98,9 @@ def train(out):
     from stepguard.integrations.lightning import StepguardCallback
 
     torch.set_num_threads(1)
-    guard_cb = StepguardCallback(policy=str(HERE / "policy.yaml"), collective_timeout=30)
+    # One trace_path for both ranks: rank 0 writes it, rank 1 trace.jsonl.rank1.
+    guard_cb = StepguardCallback(policy=str(HERE / "policy.yaml"), collective_timeout=30,
+                                 trace_path=os.path.join(out, "trace.jsonl"))
     recorder = Recorder(guard_cb)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS, max_epochs=1,
@@ -208,6 +210,11 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
     assert int(float(rows[-1]["stepguard/rolled_back"])) == 1
     assert int(float(rows[-1]["stepguard/dropped"])) == 1
 
+    # Each rank its own trace, every guard step in it.
+    for name in ("trace.jsonl", "trace.jsonl.rank1"):
+        lines = (tmp_path / name).read_text().splitlines()
+        assert len(lines) >= guard_steps, (name, lines)
+
     # The checkpoint: the optimizer's state as plain SGD's, the guard's in the callback's state.
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert set(ckpt["optimizer_states"][0]) == {"state", "param_groups"}
@@ -245,6 +252,90 @@ def test_lightning_checkpoints_resume_with_and_without_the_callback(tmp_path):
     plain, _, _ = fit(tmp_path, 3, guard=False)
     _, guard, trainer = fit(tmp_path, 4, ckpt_path=plain)
     assert guard.stats().step_count == 1 and trainer.global_step == 4
+
+
+CLIP = 0.05      # below every clean grad norm here: Lightning clips every step
+NAN_STEP = 2     # the NaN gradient, in head.weight only
+
+
+class NanNet(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.head(self.body(x)), y)
+        if self.global_step == NAN_STEP:
+            loss = loss + float("nan") * self.head.weight.sum()
+        return loss
+
+
+class Params(pl.Callback):
+    """The parameters after each batch, and Lightning's own grad norm before its clip."""
+
+    def __init__(self, guard_cb=None):
+        self.guard_cb = guard_cb
+        self.after, self.norms, self.reported = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+        self.norms.append(float(grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append(torch.cat([p.detach().reshape(-1).clone()
+                                     for p in pl_module.parameters()]))
+        if self.guard_cb is not None:
+            self.reported.append(self.guard_cb.guards[0].last_report.grad_norm)
+
+
+def clipped_fit(root, steps, callbacks):
+    params = Params(callbacks[0] if callbacks else None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=CLIP,
+                         callbacks=callbacks + [params], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(root))
+    trainer.fit(NanNet())
+    return params
+
+
+def test_lightning_gradient_clip_comes_after_the_verdict_and_uses_its_norm(tmp_path,
+                                                                           monkeypatch):
+    """Trainer(gradient_clip_val=...), Lightning's usual setting: the guard judges the gradients
+    before the clip (blame names the one NaN tensor, the norm reported is the pre-clip norm
+    Lightning's own grad_norm gives), and the clip uses the guard's norm: the parameters are
+    those of an unguarded run with the same clip. No per-step stats() call (it would wait for
+    the step's snapshot copy)."""
+    from stepguard.integrations import lightning as integration
+
+    torch.set_num_threads(1)
+    calls = []
+    stats = integration._LightningGuard.stats
+    monkeypatch.setattr(integration._LightningGuard, "stats",
+                        lambda self: calls.append(1) or stats(self))
+    guard_cb = integration.StepguardCallback(policy="default")
+    guarded = clipped_fit(tmp_path, 5, [guard_cb])
+    guard = guard_cb.guards[0]
+    assert len(calls) <= 2, len(calls)  # at fit start only, not per step
+    (incident,) = guard_cb.incidents
+    assert incident["step"] == NAN_STEP + 1 and incident["tensors"] == ["head.weight"], incident
+    assert guard.stats().totals.to_dict()["skipped"] == 1
+    assert torch.equal(guarded.after[NAN_STEP], guarded.after[NAN_STEP - 1])
+    plain = clipped_fit(tmp_path, NAN_STEP, [])
+    for step in range(NAN_STEP):
+        # The reported norm is the one before the clip, above the clip value, Lightning's own.
+        assert guarded.norms[step] > CLIP
+        assert guarded.reported[step] == pytest.approx(guarded.norms[step], rel=1e-6)
+        assert guarded.norms[step] == pytest.approx(plain.norms[step], rel=1e-6)
+        assert torch.allclose(guarded.after[step], plain.after[step], rtol=0, atol=1e-7)
+    assert all(torch.isfinite(p).all() for p in guarded.after)
+
+
+def test_lightning_refuses_the_guards_own_loss_scaling(tmp_path):
+    from stepguard.integrations.lightning import StepguardCallback
+
+    with pytest.raises(ValueError, match="loss scaling .* refused under Lightning"):
+        fit_with = StepguardCallback(policy="default", loss_scaling=True)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[fit_with],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(Net())
 
 
 if __name__ == "__main__":

@@ -172,6 +172,11 @@ def test_trainer_ddp_gloo_two_ranks(tmp_path):
         assert _close(by_step[spike_step]["grad_norm"], train_logs[spike_step]["grad_norm"],
                       1e-6)
 
+    # Each rank its own trace, every guard step in it.
+    for name in ("trace.jsonl", "trace.jsonl.rank1"):
+        with open(os.path.join(str(tmp_path), name)) as f:
+            assert len(f.read().splitlines()) >= ranks[0]["max_steps"], name
+
     # Every rank logs a line per incident, naming the origin rank and the tensors.
     line = "stepguard: step %d: nonfinite_loss -> skip_batch (cause forward) from rank(s) [1]"
     assert text.count(line % ranks[0]["nan_step"]) == WORLD, text[-6000:]

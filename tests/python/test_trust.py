@@ -13,6 +13,15 @@ from stepguard import _port, _safe_pickle
 from conftest import loss_of, make_model
 
 
+# Snapshots every step; a NaN loss rolls back to the newest confirmed one.
+_ROLLBACK_ON_NAN_LOSS = """
+version: 1
+checkpoint: {snapshot_every: 1, snapshot_keep: 2}
+rules:
+  - {on: nonfinite_loss, action: rollback, skip_batches: 1}
+"""
+
+
 def _train_and_checkpoint(directory, optimizer, model, steps=2):
     guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(),
                                        checkpoint_dir=str(directory), checkpoint_every=1,
@@ -127,6 +136,67 @@ def test_resume_into_the_same_optimizer_with_another_state_layout_is_refused(tmp
     loss = loss_of(other, 0)
     loss.backward()
     assert resumed.step(loss).applied and "max_exp_avg_sq" in adam.state[next(other.parameters())]
+
+
+def test_resume_puts_back_the_param_groups_hyper_parameters(tmp_path, capfd):
+    """An lr lowered during training (0.1 -> 0.025, as a schedule does) and a weight decay set
+    per group come back with the checkpoint, as optimizer.load_state_dict() brings them; a
+    stateless SGD's too (its checkpoint holds no state tensors at all)."""
+    for momentum in (0.9, 0.0):
+        model = make_model(5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        optimizer.param_groups[0]["lr"] = 0.025
+        optimizer.param_groups[0]["weight_decay"] = 0.01
+        _train_and_checkpoint(tmp_path / str(momentum), optimizer, model)
+        other = make_model(6)
+        fresh = torch.optim.SGD(other.parameters(), lr=0.1, momentum=momentum)
+        resumed = stepguard.GuardedOptimizer(fresh, other.named_parameters(), run_id="trust")
+        assert resumed.resume(str(tmp_path / str(momentum))) == 2
+        assert fresh.param_groups[0]["lr"] == 0.025
+        assert fresh.param_groups[0]["weight_decay"] == 0.01
+        assert fresh.param_groups[0]["params"] == list(other.parameters())
+        assert fresh.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+def test_a_checkpoint_of_another_group_count_or_a_bad_lr_is_refused(tmp_path, capfd):
+    model = make_model(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train_and_checkpoint(tmp_path / "ckpt", optimizer, model)
+    port = _port.TorchOptimPort(optimizer, model.named_parameters())
+    data = port.state_bytes()
+    tensors = port.state_tensors()
+    record = _safe_pickle.loads(data[2:])
+    for groups, text in ((record["groups"] * 2, "has 2 param groups; this optimizer has 1"),
+                         ([dict(record["groups"][0], lr=-3.0)],
+                          "the saved lr of param group 0 is -3.0, not a finite number >= 0"),
+                         ([dict(record["groups"][0], lr=float("nan"))], "is nan"),
+                         ([{"params": [0]}], "settings of param group 0 are malformed")):
+        crafted = b"P2" + _safe_pickle.dumps(dict(record, groups=groups))
+        with pytest.raises(ValueError, match=text):
+            port.check_state_bytes(crafted, tensors)
+    # A two-group optimizer resuming a one-group checkpoint: refused, nothing changes.
+    other = make_model(8)
+    params = list(other.parameters())
+    two = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}], lr=0.1,
+                          momentum=0.9)
+    resumed = stepguard.GuardedOptimizer(two, other.named_parameters(), run_id="trust")
+    assert resumed.resume(str(tmp_path / "ckpt")) == 0
+    assert "has 1 param groups; this optimizer has 2" in capfd.readouterr().err
+    assert [g["lr"] for g in two.param_groups] == [0.1, 0.5]
+
+
+def test_a_rollback_keeps_the_live_lr_of_the_loops_schedule():
+    """A snapshot's groups are not put back by a rollback: the schedule has moved on since."""
+    model = make_model(9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(), policy_yaml=_ROLLBACK_ON_NAN_LOSS)
+    _run_steps(guard, model, 3)
+    optimizer.param_groups[0]["lr"] = 0.05
+    guard.zero_grad()
+    loss = loss_of(model, 5)
+    loss.backward()
+    assert guard.step(loss * float("nan")).rolled_back
+    assert optimizer.param_groups[0]["lr"] == 0.05
 
 
 def test_a_replay_closure_that_calls_step_is_refused():
@@ -325,12 +395,7 @@ def test_a_rollback_keeps_what_is_not_a_parameters_state():
     model = make_model(24)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     optimizer.state["schedule"] = {"phase": 2}  # a subclass's own entry
-    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(), policy_yaml="""
-version: 1
-checkpoint: {snapshot_every: 1, snapshot_keep: 2}
-rules:
-  - {on: nonfinite_loss, action: rollback, skip_batches: 1}
-""")
+    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(), policy_yaml=_ROLLBACK_ON_NAN_LOSS)
     _run_steps(guard, model, 3)
     guard.zero_grad()
     loss = loss_of(model, 5)

@@ -5,6 +5,7 @@ GuardedOptimizer runs."""
 import contextlib
 import os
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -81,6 +82,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
     DTensors placed other than ``Shard`` on every mesh dimension are refused (their elements
     would be counted on several ranks).
 
+    torch.optim's contract: the step hooks registered on the guard
+    (``register_step_pre_hook``/``post_hook``) run around every guarded step, applied or not;
+    those on the wrapped optimizer around its update, on applied steps only. The parameters are
+    tracked by identity: tensors swapped into a param group are seen at the next step (its RAM
+    snapshots, of the old tensors, are dropped). An exception from the wrapped optimizer's step
+    reaches the caller with its own type (``torch.OutOfMemoryError`` stays one), chained to the
+    guard's error; the step is recorded as skipped and the guard goes on.
+
+    State dict: ``{"optimizer": <the wrapped optimizer's state_dict()>, "stepguard":
+    <guard_state_dict()>}``; the guard's part is plain ints and lists (``step``,
+    ``data_position``, ``guard``: the decision state, ``totals``, ``skipped_ranges``). The
+    framework integrations save the guard's part in the framework's own checkpoint.
+
     Not thread-safe: one training thread drives one guard.
     """
 
@@ -91,7 +105,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  process_group: Optional[Any] = None, store: Optional[Any] = None,
                  port: Optional[TorchOptimPort] = None,
                  layout: Optional[Sequence["_C.Placement"]] = None, **options: Any) -> None:
-        # The wrapped optimizer holds the state; Optimizer.__init__ is not called on purpose.
+        # The wrapped optimizer holds the state (param_groups, state and defaults pass through to
+        # it), so Optimizer.__init__, which would rebuild them, is not called; what else it sets
+        # up is: the hook tables its public registrars (register_step_pre_hook, ...) fill.
+        _init_hook_tables(self)
         guard_options = _options(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
             _check_zero_group(optimizer, process_group)
@@ -163,6 +180,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return "GuardedOptimizer(%r)" % (self.optimizer,)
 
     # -- the guarded step ---------------------------------------------------------------------
+    # torch's own wrapper: the step pre-hooks (global and this guard's) before, the post-hooks
+    # after every guarded step, applied or not, and a profiler range around it. Hooks registered
+    # on the wrapped optimizer run around its update: on applied steps only.
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Union[torch.Tensor, Callable[[], torch.Tensor], None] = None
              ) -> StepReport:
         """Replaces ``optimizer.step()`` and returns a ``StepReport``. Called as torch.optim
@@ -177,8 +198,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
           (``report.loss`` is None, ``report.loss_given`` False).
         """
         with self._one_call("step()"):
-            report = self._guard.step(self._loss_of(closure))
-            self._recorded_loss = None
+            self._port.failure = None
+            try:
+                report = self._guard.step(self._loss_of(closure))
+            except _C.StepguardError as error:
+                failure, self._port.failure = self._port.failure, None
+                if failure is None:
+                    raise
+                # The wrapped optimizer's own exception (torch.OutOfMemoryError, ...), as the
+                # caller would get it from optimizer.step(); the step was recorded as skipped.
+                if hasattr(failure, "add_note"):
+                    failure.add_note("stepguard: raised by the wrapped optimizer's step; the "
+                                     "guard recorded step %d as skipped"
+                                     % self._guard.stats().step_count)
+                raise failure from error
+            finally:
+                self._recorded_loss = None
         return self._after_step(report)
 
     def verdict(self, loss: Optional[torch.Tensor] = None) -> "_C.Verdict":
@@ -309,21 +344,59 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     # -- state dict: the wrapped optimizer's and the guard's -----------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "stepguard": self._guard.record()}
+        """``{"optimizer": <the wrapped optimizer's state_dict()>, "stepguard":
+        <guard_state_dict()>}``; the state-dict hooks registered on the guard run around it
+        (``register_state_dict_pre_hook``/``post_hook``, as torch.optim's)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = self._state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "stepguard" not in state_dict or "optimizer" not in state_dict:
+        """Loads what ``state_dict()`` returned: both parts, or neither (a part that does not
+        fit raises and changes nothing). The load hooks run around it."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "stepguard": self.guard_state_dict()}
+
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or not {"stepguard", "optimizer"} <= set(state_dict):
             raise ValueError("stepguard: not a GuardedOptimizer state dict (it needs the keys "
                              "'optimizer' and 'stepguard')")
         # The guard's part is checked whole before it changes anything; if the optimizer's part
         # then fails, the guard goes back to what it was: both load, or neither.
-        before = self._guard.record()
-        self._guard.load_record(state_dict["stepguard"])
+        before = self.guard_state_dict()
+        self.load_guard_state_dict(state_dict["stepguard"])
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])
         except BaseException:
-            self._guard.load_record(before)
+            self.load_guard_state_dict(before)
             raise
+
+    def guard_state_dict(self) -> Dict[str, Any]:
+        """The guard's own state, what a framework checkpoint carries beside the optimizer's:
+        ``step`` (steps taken), ``data_position`` (batches consumed, skips included),
+        ``guard`` (the decision state: detector statistics, LR factor and its recovery, loss
+        scale, budgets), ``totals`` (the running counts) and ``skipped_ranges`` (batches a
+        rollback dropped, as (first, count) pairs). Plain ints and lists: ``torch.save`` and
+        ``torch.load(weights_only=True)`` take it."""
+        return self._guard.record()
+
+    def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
+        """Loads what ``guard_state_dict()`` returned; checked whole first (a key missing or out
+        of range raises naming it, and nothing changes)."""
+        self._guard.load_record(state)
 
     # -- what the guard knows -----------------------------------------------------------------
     def stats(self) -> "_C.GuardStats":
@@ -336,6 +409,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
+
+
+def _init_hook_tables(optimizer):
+    """The hook tables torch.optim.Optimizer.__init__ creates, under the names its public
+    registrars (``register_step_pre_hook`` and the rest) and ``profile_hook_step`` use."""
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                 "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+        setattr(optimizer, name, OrderedDict())
 
 
 def _check_default_group(process_group):

@@ -10,6 +10,8 @@ of its own shard of the parameters, every rank holds all parameters) is recognis
 parameters are all of them, its state is the local optimizer's (``optimizer.optim``), the shard.
 """
 
+import operator
+
 import torch
 
 from . import _safe_pickle
@@ -28,7 +30,8 @@ except ImportError:
 _STATE_SWITCHES = ("amsgrad", "centered")
 
 # Opaque state bytes: a marker, then a pickle of plain values only (_safe_pickle reads it without
-# running code): P2 {"optimizer": its type, "state": the structure}; P1 the structure alone.
+# running code): P2 {"optimizer": its type, "state": the structure, "switches": the state
+# switches per group, "groups": each group's hyper-parameters}; P1 the structure alone.
 _FORMAT = b"P2"
 _FORMAT_P1 = b"P1"
 
@@ -119,7 +122,6 @@ class TorchOptimPort:
         self._params = []  # the optimizer's own (DTensors under FSDP2)
         self._local = []   # what the engine reads and writes: this rank's shards
         self._names = []
-        self._count = -1
         self._layout = _checked_layout(layout)
         self.dtensors = any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
         if not self.dtensors and type(self).gradients is TorchOptimPort.gradients:
@@ -127,16 +129,21 @@ class TorchOptimPort:
 
     # -- parameters ---------------------------------------------------------------------------
     def parameters(self):
-        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
-        if count != self._count:
-            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            self._names = [self._names_by_id.get(id(p), "param_%d" % i)
-                           for i, p in enumerate(self._params)]
-            for p, name in zip(self._params, self._names):
+        """The parameters (this rank's local tensors) and their names, tracked by identity: a
+        group added, or tensors swapped into a group (accelerate's ``_switch_parameters`` does),
+        gives a new list; a swapped-in tensor keeps the name of the one it replaced."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self._params) or not all(map(operator.is_, params, self._params)):
+            old = self._names if len(params) == len(self._names) else []
+            names = []
+            for i, p in enumerate(params):
+                fallback = old[i] if old else "param_%d" % i
+                names.append(self._names_by_id.get(id(p), fallback))
+            for p, name in zip(params, names):
                 if is_dtensor(p):
                     check_sharded(name, p, "parameter")
-            self._local = [local_tensor(p) for p in self._params]
-            self._count = count
+            self._params, self._names = params, names
+            self._local = [local_tensor(p) for p in params]
         return self._local, self._names
 
     def gradients(self):
@@ -165,8 +172,19 @@ class TorchOptimPort:
         return self.optimizer.optim if self.zero else self.optimizer
 
     # -- the step -----------------------------------------------------------------------------
+    #: What the wrapped optimizer's step raised in the last apply() (the engine sees only its
+    #: text); GuardedOptimizer.step raises it again with its own type.
+    failure = None
+
     def apply(self, lr_factor):
         """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
+        try:
+            self._apply(lr_factor)
+        except BaseException as e:
+            self.failure = e
+            raise
+
+    def _apply(self, lr_factor):
         if lr_factor == 1.0:
             self.update()
             return
@@ -221,10 +239,20 @@ class TorchOptimPort:
                 else:
                     entry[key] = ("value", value)
             structure.append((i, entry))
-        if not structure:
+        groups = self._group_settings()
+        if not structure and not groups:
             return b""
         return _FORMAT + _safe_pickle.dumps({"optimizer": self._optimizer_type(),
-                                             "state": structure, "switches": self._switches()})
+                                             "state": structure, "switches": self._switches(),
+                                             "groups": groups})
+
+    def _group_settings(self):
+        """Each param group's hyper-parameters (lr, betas, weight_decay, ...: every entry but
+        ``params`` that is a plain value), as ``state_dict()`` keeps them; a resume from a disk
+        checkpoint puts them back, a rollback leaves the live ones (the loop's schedulers own
+        the LR between snapshots)."""
+        return [{k: v for k, v in g.items() if k != "params" and _plain(v)}
+                for g in self.optimizer.param_groups]
 
     def _switches(self):
         """Each param group's settings that decide which tensors the state holds (Adam's amsgrad
@@ -248,14 +276,18 @@ class TorchOptimPort:
         elif data.startswith(_FORMAT):
             record = _safe_pickle.loads(data[len(_FORMAT):])
             # "switches" since the fourth trust round; records without them are read as before.
+            # "groups" since the fifth. Records without them are read as before.
             if not isinstance(record, dict) or not (
-                    {"optimizer", "state"} <= set(record) <= {"optimizer", "state", "switches"}):
+                    {"optimizer", "state"} <= set(record) <= {"optimizer", "state", "switches",
+                                                              "groups"}):
                 raise ValueError("the saved optimizer state's structure is malformed")
             if record["optimizer"] != self._optimizer_type():
                 raise ValueError("the saved optimizer state was written by %s; this optimizer is "
                                  "%s" % (record["optimizer"], self._optimizer_type()))
             if "switches" in record:
                 self._check_switches(record["switches"])
+            if "groups" in record:
+                self._check_groups(record["groups"])
             structure = record["state"]
         else:
             raise ValueError("the saved optimizer state is not a torch.optim port's")
@@ -299,6 +331,20 @@ class TorchOptimPort:
                                      "group %d; this optimizer has %s=%s (the state's tensors "
                                      "differ)" % (key, theirs[key], g, key, value))
 
+    def _check_groups(self, saved):
+        mine = self.optimizer.param_groups
+        if not isinstance(saved, list) or len(saved) != len(mine):
+            raise ValueError("the saved optimizer state has %s param groups; this optimizer has "
+                             "%d" % (len(saved) if isinstance(saved, list) else "no", len(mine)))
+        for g, settings in enumerate(saved):
+            if not isinstance(settings, dict) or not all(isinstance(k, str) and k != "params"
+                                                         for k in settings):
+                raise ValueError("the saved settings of param group %d are malformed" % g)
+            lr = settings.get("lr", 0.0)
+            if type(lr) not in (int, float) or not 0.0 <= lr < float("inf"):
+                raise ValueError("the saved lr of param group %d is %r, not a finite number >= 0"
+                                 % (g, lr))
+
     def _check_own_shard(self, i, param, name):
         owner = self.optimizer._param_to_rank.get(param)
         if owner != self.optimizer.rank:
@@ -311,8 +357,10 @@ class TorchOptimPort:
     def check_state_bytes(self, data, saved):
         self._read(data, saved)
 
-    def load_state_bytes(self, data, saved):
-        """Rebuilds the state's structure; the engine then fills its tensors in place."""
+    def load_state_bytes(self, data, saved, settings=False):
+        """Rebuilds the state's structure; the engine then fills its tensors in place. With
+        ``settings`` (a resume from a disk checkpoint, not a rollback) the param groups'
+        hyper-parameters are put back too, as ``load_state_dict`` does."""
         structure = self._read(data, saved)
         self.parameters()
         params = self._params
@@ -342,9 +390,21 @@ class TorchOptimPort:
         for p in params:
             state.pop(p, None)
         state.update(rebuilt)
+        if settings and data.startswith(_FORMAT):
+            record = _safe_pickle.loads(data[len(_FORMAT):])
+            for group, values in zip(self.optimizer.param_groups, record.get("groups", [])):
+                group.update(values)
 
     def after_restore(self):
         pass
+
+
+def _plain(value):
+    """True for a value the state bytes may carry: None, a bool, number or str, or a tuple or
+    list of them (a tensor-valued lr, for one, is not kept)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    return type(value) in (tuple, list) and all(_plain(v) for v in value)
 
 
 def _checked_layout(layout):

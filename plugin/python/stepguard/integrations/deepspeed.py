@@ -86,14 +86,14 @@ class EngineGuard:
         """The guard's decision state, for DeepSpeed's checkpoint:
         ``engine.save_checkpoint(dir, client_state=sg.state_dict())``; DeepSpeed saves the
         optimizer state itself."""
-        return {"stepguard": self.guard._guard.record()}
+        return {"stepguard": self.guard.guard_state_dict()}
 
     def load_state_dict(self, client_state):
         """After ``_, client_state = engine.load_checkpoint(dir)``."""
         if not isinstance(client_state, dict) or "stepguard" not in client_state:
             raise ValueError("stepguard: this client state holds no 'stepguard' entry (save it "
                              "with engine.save_checkpoint(dir, client_state=sg.state_dict()))")
-        self.guard._guard.load_record(client_state["stepguard"])
+        self.guard.load_guard_state_dict(client_state["stepguard"])
 
     def _backward(self, loss, *args, **kwargs):
         self.record_loss(loss)

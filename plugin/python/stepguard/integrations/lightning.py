@@ -32,22 +32,23 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
+from ._core import OUTCOME_CODES, Figures, clip_with_verdict, guard_options, \
+    refuse_own_loss_scaling
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
 log = logging.getLogger(__name__)
 
-#: ``stepguard/outcome`` as logged: the report's outcome as a number ("dropped": a batch after a
-#: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
-OUTCOME_CODES = {"applied": 0, "skipped": 1, "rolled_back": 2, "aborted": 3, "dropped": 4}
-
 
 class _LightningGuard(GuardedOptimizer):
-    """The guard Lightning steps. ``step`` takes Lightning's closure (whose result is None under
-    manual optimization: the guard then goes on the gradients, or a loss given to
-    ``record_loss``), remembers the report and drops the batches a rollback asks to drop.
-    ``state_dict`` is the wrapped optimizer's, so Lightning checkpoints load with or without the
-    callback; the guard's own state travels in the callback's state."""
+    """The guard Lightning steps. The callback takes the step's verdict in
+    ``on_before_optimizer_step`` (inside Lightning's closure: after backward, before Lightning's
+    gradient clip), with the loss of the step's micro-batches (``on_before_backward``); ``step``
+    runs Lightning's closure, then the update the verdict allows (Lightning's clip from the
+    agreed norm, the wrapped optimizer's step) and settles. It remembers the report and drops
+    the batches a rollback asks to drop. ``state_dict`` is the wrapped optimizer's, so Lightning
+    checkpoints load with or without the callback; the guard's own state travels in the
+    callback's state."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,34 +57,76 @@ class _LightningGuard(GuardedOptimizer):
         self.fresh = False        # a step happened since the callback last logged
         self.to_drop = 0
         self.dropped = 0
+        self.loss: Optional[torch.Tensor] = None  # this step's micro-batch losses, summed
+        self.pending = None       # the verdict taken in on_before_optimizer_step
+        self.clip_val = None      # Lightning's clip of this step, done from the agreed norm
+        self.figures = Figures(self)
 
+    def take_verdict(self) -> None:
+        if self.to_drop > 0 or self.pending is not None:
+            return
+        loss, self.loss = self.loss, None
+        self.pending = self.verdict(loss)
+
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Any = None) -> Any:
         loss = closure
         if callable(closure) and not torch.is_tensor(closure):
-            with torch.enable_grad():
-                loss = closure()  # Lightning's: training_step, zero_grad, backward (it must run)
+            try:
+                with torch.enable_grad():
+                    loss = closure()  # Lightning's: training_step, backward, verdict, clip
+            except BaseException:
+                if self.pending is not None:  # raised after the verdict: the step is not applied
+                    verdict, self.pending, self.clip_val = self.pending, None, None
+                    self.settle(verdict, False)
+                raise
             if not torch.is_tensor(loss):
                 loss = None
         self.fresh = True
         self.held_back = True
+        verdict, self.pending = self.pending, None
+        clip_val, self.clip_val = self.clip_val, None
         if self.to_drop > 0:
             self.to_drop -= 1
             self.dropped += 1
+            self.loss = None
             self.last_report = None
+            self.figures.update(None)
             self.zero_grad()
             return None
-        report = super().step(loss)
+        if verdict is None:  # no on_before_optimizer_step (a strategy that steps otherwise)
+            given, self.loss = self.loss, None
+            report = GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
+        else:
+            report = self._update(verdict, clip_val)
         self.last_report = report
+        self.figures.update(report)
         self.held_back = not report.applied
         self.to_drop += report.batches_to_skip
         return report
 
-    def state_dict(self) -> Dict[str, Any]:
+    def _update(self, verdict: Any, clip_val: Optional[float]) -> Any:
+        applied = False
+        if verdict.applies:
+            try:
+                if clip_val:
+                    params = [p for g in self.param_groups for p in g["params"]]
+                    clip_with_verdict(params, clip_val, verdict)
+                else:
+                    self.clip_gradients(verdict)
+                self._port.apply(verdict.lr_factor)
+                applied = True
+            except BaseException:
+                self.settle(verdict, False)
+                raise
+        return self.settle(verdict, applied)
+
+    def _state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if "stepguard" in state_dict and "optimizer" in state_dict:
-            super().load_state_dict(state_dict)
+            super()._load_state_dict(state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)
 
@@ -108,8 +151,12 @@ class StepguardCallback(pl.Callback):
     dict, on every rank). An aborted step stops the trainer (``should_stop``). Under manual
     optimization ``opt.step()`` returns the ``StepReport``; step your schedulers when
     ``report.applied``. Precision '32-true' or 'bf16-mixed': '16-mixed' (a GradScaler) and the
-    guard's own loss scaling are refused. Gradient clipping (``gradient_clip_val``) runs inside
-    Lightning's closure, before the guard looks at the gradients.
+    guard's own loss scaling are refused. The guard judges the gradients as backward left them
+    (in ``on_before_optimizer_step``), before Lightning's gradient clip; the clip by norm
+    (``gradient_clip_val``, or ``self.clip_gradients`` in ``configure_gradient_clipping``) then
+    uses the guard's agreed norm instead of computing it again, and runs only on steps the guard
+    applies. With several ranks, ``trace_path`` names rank 0's file; rank r writes
+    ``<trace_path>.rank<r>``.
     """
 
     def __init__(self, policy: Optional[str] = None, *, log_metrics: bool = True,
@@ -121,17 +168,13 @@ class StepguardCallback(pl.Callback):
         self.incidents: List[Dict[str, Any]] = []
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
         self._patched: Optional[pl.LightningModule] = None
+        self._plugin: Any = None  # the precision plugin whose clip goes by the agreed norm
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError("stepguard: precision='16-mixed' runs a GradScaler that skips steps "
                              "behind the guard; use '32-true' or 'bf16-mixed'")
-        options = dict(self.guard_options)
-        dist = torch.distributed
-        if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            options.setdefault("process_group", dist.group.WORLD)
-        if self.policy is not None:
-            options["policy"] = self.policy
+        options = guard_options(self.guard_options, self.policy)
         named = list(pl_module.named_parameters())  # the module's names, not DDP's "module."
         guards = []
         for optimizer in trainer.strategy.optimizers:
@@ -141,19 +184,62 @@ class StepguardCallback(pl.Callback):
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named, **options)
-                if optimizer.stats().loss_scale != 1.0:
-                    raise ValueError("stepguard: the guard's loss scaling (loss_scaling=True or a "
-                                     "policy loss_scale section) is not supported under "
-                                     "Lightning: its backward does not scale the loss")
+                refuse_own_loss_scaling(optimizer, "Lightning")
                 optimizer.track_buffers(pl_module.named_buffers())
             guards.append(optimizer)
         if self._records is not None:
             for guard, record in zip(guards, self._records):
-                guard._guard.load_record(record)
+                guard.load_guard_state_dict(record)
+                guard.figures = Figures(guard)  # its counts go on from the checkpoint's
             self._records = None
         trainer.strategy.optimizers = guards  # Lightning wraps each in a fresh LightningOptimizer
         self.guards = guards
         self._hold_schedulers(trainer, pl_module)
+        self._clip_from_verdict(trainer)
+
+    def _guard_of(self, optimizer: Any) -> Optional[_LightningGuard]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        for guard in self.guards:
+            if optimizer is guard:
+                return guard
+        return None
+
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           loss: torch.Tensor) -> None:
+        # The loss backward runs on (divided by accumulate_grad_batches): summed over the
+        # micro-batches of a step, the step's mean loss.
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            return
+        loss = loss.detach().float().reshape(())
+        for guard in self.guards:
+            guard.loss = loss if guard.loss is None else guard.loss + loss
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: Any) -> None:
+        # Lightning calls this after backward and before its gradient clip (Precision.
+        # _after_closure): the guard's verdict on the gradients as backward left them.
+        guard = self._guard_of(optimizer)
+        if guard is not None:
+            guard.take_verdict()
+
+    def _clip_from_verdict(self, trainer: "pl.Trainer") -> None:
+        # Lightning clips by norm through its precision plugin's clip_grad_by_norm (called from
+        # LightningModule.clip_gradients, which configure_gradient_clipping calls); the instance
+        # attribute in front of it hands the clip to the guarded step, which clips from the
+        # guard's agreed norm, on applied steps only. Other optimizers clip as Lightning does.
+        plugin = trainer.precision_plugin
+        plugin.__dict__.pop("clip_grad_by_norm", None)  # left by a fit that failed
+        original = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
+            guard = self._guard_of(optimizer)
+            if guard is None or guard.pending is None:
+                original(optimizer, clip_val)
+            else:
+                guard.clip_val = float(clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self._plugin = plugin
 
     def _hold_schedulers(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Lightning steps schedulers by calling the module's lr_scheduler_step hook (the user's
@@ -200,21 +286,10 @@ class StepguardCallback(pl.Callback):
 
     @staticmethod
     def _metrics(guard: _LightningGuard, report: Any) -> Dict[str, float]:
-        stats = guard.stats()  # one read for every figure
-        totals = stats.totals.to_dict()
+        # From the reports alone: stats() would wait for the snapshot copy the step just began.
         # A dropped batch has no measured figures: NaN, not the last step's (which Lightning
         # would otherwise log again).
-        nan = float("nan")
-        out = {"outcome": OUTCOME_CODES["dropped"], "applied": 0, "grad_norm": nan,
-               "nonfinite_count": nan, "loss_scale": stats.loss_scale,
-               "lr_factor": stats.lr_factor}
-        if report is not None:
-            out.update(outcome=OUTCOME_CODES.get(report.outcome, -1), applied=report.applied,
-                       grad_norm=report.grad_norm, nonfinite_count=report.nonfinite_count,
-                       loss_scale=report.loss_scale, lr_factor=report.lr_factor)
-        out.update(skipped=totals["skipped"], rolled_back=totals["rolled_back"],
-                   incidents=totals["incidents"], dropped=guard.dropped)
-        return out
+        return guard.figures.step_figures()
 
     def _incident(self, trainer: "pl.Trainer", report: Any) -> None:
         incident = dict(report.incident)
@@ -232,11 +307,14 @@ class StepguardCallback(pl.Callback):
         if self._patched is not None:
             self._patched.__dict__.pop("lr_scheduler_step", None)
             self._patched = None
+        if self._plugin is not None:
+            self._plugin.__dict__.pop("clip_grad_by_norm", None)
+            self._plugin = None
 
     # The guard's decision state (detector statistics, LR factor, loss scale, counts) rides in
     # the checkpoint as this callback's state; the optimizer state stays plain.
     def state_dict(self) -> Dict[str, Any]:
-        return {"records": [guard._guard.record() for guard in self.guards]}
+        return {"records": [guard.guard_state_dict() for guard in self.guards]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._records = list(state_dict.get("records", [])) or None

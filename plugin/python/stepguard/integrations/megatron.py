@@ -168,7 +168,7 @@ class GuardedMegatronOptimizer:
     def state_dict(self):
         """The per-rank format: Megatron's state dict under "optimizer", the guard's under
         "stepguard"."""
-        return {"optimizer": self._megatron.state_dict(), "stepguard": self.guard._guard.record()}
+        return {"optimizer": self._megatron.state_dict(), "stepguard": self.guard.guard_state_dict()}
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
         """Megatron's ``sharded_state_dict`` for ``dist_checkpointing``, with the guard's state
@@ -176,7 +176,7 @@ class GuardedMegatronOptimizer:
         travels in the checkpoint's common part."""
         sharded = self._megatron.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         sharded[_SHARDED_KEY] = {"format": _SHARDED_FORMAT,
-                                 "record": self.guard._guard.record()}
+                                 "record": self.guard.guard_state_dict()}
         return sharded
 
     def load_state_dict(self, state_dict):
@@ -208,13 +208,13 @@ class GuardedMegatronOptimizer:
                              "'stepguard' entry but neither state_dict()'s keys ('optimizer', "
                              "'stepguard') nor sharded_state_dict()'s form")
         # The guard's part is checked whole first, and goes back if Megatron's part then fails.
-        before = self.guard._guard.record()
-        self.guard._guard.load_record(record)
+        before = self.guard.guard_state_dict()
+        self.guard.load_guard_state_dict(record)
         try:
             with torch.no_grad():
                 self._megatron.load_state_dict(megatron_part)
         except BaseException:
-            self.guard._guard.load_record(before)
+            self.guard.load_guard_state_dict(before)
             raise
 
 

@@ -20,64 +20,88 @@ blamed tensors), and every rank logs a warning line per incident.
 
 ``attach(trainer)`` also hands the guard what no Trainer callback sees: each step's loss (the
 sum of what ``training_step`` returns for its micro-batches, i.e. the mean micro-batch loss, as
-the Trainer logs it) and, under DDP or one process, the gradient clipping (``max_grad_norm``):
-the Trainer still gets and logs the pre-clip norm, and the gradients are clipped inside the
-guarded step, after the verdict, so that the guard judges (and blames) the gradients as backward
-left them. Passed in ``Trainer(callbacks=[...])`` without ``attach``, the callback guards on the
-(already clipped) gradients alone: no loss detectors, and a NaN anywhere reaches every tensor
-through the clip coefficient.
+the Trainer logs it), the checkpoint ``train(resume_from_checkpoint=...)`` resumes from, and,
+under DDP or one process, the grad norm the Trainer measures before its clip
+(``max_grad_norm``): the guard's verdict is taken there, on the gradients as backward left them
+(blame names the bad tensor), and its agreed norm is what the Trainer logs and clips with (the
+norm is computed once); the clip runs in the guarded step, on applied steps only. Passed in
+``Trainer(callbacks=[...])`` without ``attach``, the callback guards on the (already clipped)
+gradients alone: no loss detectors, and a NaN anywhere reaches every tensor through the clip
+coefficient.
 
-Not covered: fp16 with accelerate's GradScaler (refused: use bf16, or the guard's own loss
-scaling), DeepSpeed and FSDP through the Trainer, the ``batches_to_skip`` of a rollback (the
-Trainer's data iterator is out of reach; the batch of the bad step itself is dropped), and the
-guard's own state in Trainer checkpoints (``optimizer.pt`` keeps the wrapped optimizer's format;
-on resume the guard starts afresh).
+The guard's state (``guard_state_dict()``) is saved in every Trainer checkpoint folder, one
+``stepguard_rank<r>.pt`` per rank beside the Trainer's own files, and loaded on
+``resume_from_checkpoint``: the LR factor, budgets, step numbers and data position go on. With
+several ranks, ``trace_path`` names rank 0's file; rank r writes ``<trace_path>.rank<r>``. The
+guard's own loss scaling is refused (the Trainer never scales the loss by the guard's scale).
+
+Not covered: fp16 with accelerate's GradScaler (refused: use bf16 or fp32), DeepSpeed and FSDP
+through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data iterator is out of
+reach; the batch of the bad step itself is dropped, and the callback says so once per run).
 """
 
-import math
+import os
 
 import torch
-import torch.distributed as dist
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .._guard import GuardedOptimizer
-from .._port import TorchOptimPort, is_dtensor
+from .._port import is_dtensor
+from ._core import Figures, clip_with_verdict, guard_options, refuse_own_loss_scaling
 
 logger = transformers.utils.logging.get_logger(__name__)
 
 _INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reason")
 
 
-class _TrainerPort(TorchOptimPort):
-    """The wrapped optimizer's step, with the Trainer's gradient clipping in front of it when
-    ``attach`` handed the clipping to the guard."""
-
-    clip = None  # (parameters, max_norm, total_norm) measured for this step by the Trainer
-
-    def update(self):
-        clip, self.clip = self.clip, None
-        if clip is not None and math.isfinite(clip[1]):
-            torch.nn.utils.clip_grads_with_norm_(*clip)
-        super().update()
+def _state_file(checkpoint, rank):
+    """The guard's state in a Trainer checkpoint folder: one file per rank, beside the
+    Trainer's own per-rank ``rng_state_<r>.pth``."""
+    return os.path.join(checkpoint, "stepguard_rank%d.pt" % rank)
 
 
 class _TrainerGuard(GuardedOptimizer):
     """The guard inside the Trainer's AcceleratedOptimizer: it keeps the report the Trainer
     drops, and saves and loads as the wrapped optimizer does (Trainer checkpoints keep their
-    format and load with or without stepguard)."""
+    format and load with or without stepguard). With ``attach``, the verdict is taken where the
+    Trainer measures the grad norm (``take_verdict``); the Trainer's ``optimizer.step()`` then
+    clips from the agreed norm, runs the update the verdict allows and settles."""
 
     last_report = None
+    pending = None    # the verdict taken at the Trainer's clip
+    max_norm = None   # the Trainer's max_grad_norm for that step
+
+    def take_verdict(self, loss, max_norm):
+        if self.pending is None:
+            self.pending = self.verdict(loss)
+            self.max_norm = max_norm
+        return self.pending
 
     def step(self, closure=None):
-        self.last_report = super().step(closure)
+        verdict, self.pending = self.pending, None
+        if verdict is None:
+            self.last_report = super().step(closure)
+            return self.last_report
+        applied = False
+        if verdict.applies:
+            try:
+                params = [p for g in self.param_groups for p in g["params"]]
+                clip_with_verdict(params, self.max_norm, verdict)
+                self._port.apply(verdict.lr_factor)
+                applied = True
+            except BaseException:
+                self.settle(verdict, False)
+                raise
+        self.last_report = self.settle(verdict, applied)
         return self.last_report
 
-    def state_dict(self):
+    def _state_dict(self):
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def _load_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict)
 
 
@@ -106,11 +130,13 @@ class StepguardCallback(transformers.TrainerCallback):
         self.guard_options = guard_options
         self.guard = None
         self.last_report = None
-        self._port = None
         self._attached = False
         self._loss = None        # this step's loss so far (sum over its micro-batches)
         self._incidents = []     # since the last log
         self._logged_step = None
+        self._resume_from = None  # the checkpoint folder train() resumes from
+        self._figures = None
+        self._told_skip = False
 
     def attach(self, trainer):
         """Adds the callback to ``trainer`` (first, so that reporters see its log entries) and
@@ -132,21 +158,37 @@ class StepguardCallback(transformers.TrainerCallback):
             return loss
 
         trainer.training_step = guarded_training_step
+        train = trainer.train
+
+        def guarded_train(resume_from_checkpoint=None, *args, **kwargs):
+            # The folder the Trainer resumes from, which no callback event names: the guard's
+            # state is loaded from it at on_train_begin (True: the newest in output_dir).
+            checkpoint = resume_from_checkpoint
+            if isinstance(checkpoint, bool):
+                checkpoint = get_last_checkpoint(trainer.args.output_dir) if checkpoint else None
+            self._resume_from = checkpoint
+            return train(resume_from_checkpoint, *args, **kwargs)
+
+        trainer.train = guarded_train
         accelerator = trainer.accelerator
         kind = accelerator.distributed_type
         if kind == DistributedType.NO or kind.value.startswith("MULTI_"):
             clip_grad_norm_ = accelerator.clip_grad_norm_
 
-            def measure_grad_norm_(parameters, max_norm, norm_type=2):
+            def clip_from_verdict_(parameters, max_norm, norm_type=2):
+                # The Trainer measures the norm here (accelerator.clip_grad_norm_, whose result it
+                # logs): the guard's verdict instead, its agreed norm returned; the clip itself
+                # runs in the guarded step, on applied steps only.
                 parameters = list(parameters)
-                params = [p for p in parameters if p.grad is not None]
-                if self._port is None or any(is_dtensor(p.grad) for p in params):
+                guard = self.guard
+                if (guard is None or norm_type != 2
+                        or any(is_dtensor(p.grad) for p in parameters if p.grad is not None)):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
-                total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-                self._port.clip = (params, max_norm, total)  # clipped in the guarded step
-                return total
+                loss, self._loss = self._loss, None
+                verdict = guard.take_verdict(loss, max_norm)
+                return torch.tensor(verdict.grad_norm)
 
-            accelerator.clip_grad_norm_ = measure_grad_norm_
+            accelerator.clip_grad_norm_ = clip_from_verdict_
         self._attached = True
         return self
 
@@ -160,30 +202,53 @@ class StepguardCallback(transformers.TrainerCallback):
         if optimizer.scaler is not None:
             raise ValueError(
                 "stepguard: fp16 with accelerate's GradScaler is not supported: its scaler skips "
-                "overflowing steps before the guard sees them; train in bf16 or fp32 (the "
-                "guard's policy can own an fp16 loss scale when the loop is yours)")
+                "overflowing steps before the guard sees them; train in bf16 or fp32")
         self._loss = None
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
-            self._port = self.guard._port
             return
-        options = dict(self.guard_options)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            options.setdefault("process_group", dist.group.WORLD)
-        self._port = _TrainerPort(optimizer.optimizer, model.named_parameters())
-        self.guard = _TrainerGuard(optimizer.optimizer, port=self._port, policy=self.policy,
-                                   **options)
+        self.guard = _TrainerGuard(optimizer.optimizer, model.named_parameters(),
+                                   **guard_options(self.guard_options, self.policy))
+        refuse_own_loss_scaling(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard
+        self._load_guard_state(args)
+        self._figures = Figures(self.guard)
         if not self._attached:
             logger.warning("stepguard: StepguardCallback was not attached to the Trainer "
                            "(callback.attach(trainer)): the guard sees no loss, so its loss "
                            "detectors are off, and it sees the gradients after clipping")
 
+    def _load_guard_state(self, args):
+        """The guard's state from the checkpoint train() resumes from, on every rank."""
+        checkpoint, self._resume_from = self._resume_from, None
+        if checkpoint is None:
+            return
+        path = _state_file(checkpoint, self.guard.stats().rank)
+        if not os.path.isfile(path):
+            logger.warning("stepguard: %s holds no guard state (saved without stepguard): the "
+                           "guard starts afresh (LR factor 1, budgets and counts from 0)",
+                           checkpoint)
+            return
+        self.guard.load_guard_state_dict(torch.load(path, weights_only=True))
+
+    def on_save(self, args, state, control, **kwargs):
+        # After the Trainer wrote checkpoint-<global_step> (every rank runs this event): the
+        # guard's state goes beside it, written whole then renamed into place.
+        if self.guard is None:
+            return
+        folder = os.path.join(args.output_dir, "%s-%d" % (PREFIX_CHECKPOINT_DIR, state.global_step))
+        if not os.path.isdir(folder):
+            return
+        path = _state_file(folder, self.guard.stats().rank)
+        tmp = "%s.tmp.%d" % (path, os.getpid())
+        torch.save(self.guard.guard_state_dict(), tmp)
+        os.replace(tmp, path)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.guard is None:
             return
         self.guard.last_report = None
-        if self._loss is not None:
+        if self._loss is not None and self.guard.pending is None:  # no verdict at a clip
             self.guard.record_loss(self._loss)
             self._loss = None
 
@@ -191,13 +256,19 @@ class StepguardCallback(transformers.TrainerCallback):
         if self.guard is None:
             return
         report, self.guard.last_report = self.guard.last_report, None
-        if self._port is not None:
-            self._port.clip = None
         if report is None:  # the AcceleratedOptimizer did not step
             return
         self.last_report = report
-        # accelerate's step_was_skipped: the Trainer leaves the LR scheduler alone on this step
+        self._figures.update(report)
+        # Trainer reads accelerator.optimizer_step_was_skipped, i.e. AcceleratedOptimizer.
+        # step_was_skipped, which returns this attribute (set by accelerate for a GradScaler
+        # overflow), to leave the LR scheduler alone on this step.
         optimizer._is_overflow = not report.applied
+        if report.batches_to_skip and not self._told_skip:
+            self._told_skip = True
+            logger.warning("stepguard: the policy's rollback asks to drop the next %d batch(es); "
+                           "the Trainer's data order is out of the guard's reach, so they are "
+                           "trained on (said once per run)", report.batches_to_skip)
         if report.incident is not None:
             incident = {k: report.incident.get(k) for k in _INCIDENT_KEYS}
             self._incidents.append(incident)
@@ -212,13 +283,11 @@ class StepguardCallback(transformers.TrainerCallback):
         if report is None or logs is None or report.step == self._logged_step:
             return
         self._logged_step = report.step
-        stats = self.guard.stats()  # one read for every figure
-        totals = stats.totals.to_dict()
-        extra = {"stepguard/grad_norm": report.grad_norm,
-                 "stepguard/loss_scale": stats.loss_scale,
-                 "stepguard/lr_factor": stats.lr_factor}
-        for key in ("applied", "skipped", "rolled_back", "incidents"):
-            extra["stepguard/" + key] = totals.get(key, 0)
+        # From the reports: stats() would wait for the snapshot copy the step just began.
+        figures = self._figures.step_figures()
+        extra = {"stepguard/" + key: figures[key]
+                 for key in ("grad_norm", "loss_scale", "lr_factor", "applied", "skipped",
+                             "rolled_back", "incidents")}
         logs.update(extra)  # numbers only: every reporter takes them
         # Trainer.log() appended a copy of logs to log_history before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

@@ -1,0 +1,115 @@
+"""What the framework integrations have in common, written once: the guard's options as a
+framework hands them over (the process group, one trace per rank), the refusals that hold in every
+framework whose backward the guard does not own, the framework's gradient clip driven by the
+guard's agreed norm, and each step's figures for the framework's logger, read off the step
+reports (no call that waits for the step's background snapshot copy)."""
+
+import math
+
+import torch
+
+__all__ = ["guard_options", "per_rank_path", "refuse_own_loss_scaling", "clip_with_verdict",
+           "Figures", "OUTCOME_CODES"]
+
+#: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
+#: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
+OUTCOME_CODES = {"applied": 0, "skipped": 1, "rolled_back": 2, "aborted": 3, "dropped": 4}
+
+# The options naming a file or directory each rank writes: one per rank in a multi-rank job.
+_PER_RANK_PATHS = ("trace_path",)
+
+
+def _world():
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def per_rank_path(path, rank):
+    """``path`` for rank 0, ``path.rank<r>`` for the others (as ``stepguard demo`` names them)."""
+    return path if rank == 0 else "%s.rank%d" % (path, rank)
+
+
+def guard_options(options, policy=None):
+    """The ``GuardedOptimizer`` keywords a framework integration passes: ``options`` as the user
+    gave them, with ``process_group`` defaulting to WORLD when torch.distributed runs several
+    ranks (every rank must take the same decision) and each rank's own trace file when one
+    ``trace_path`` is given to several ranks (two guards cannot write one file)."""
+    out = dict(options)
+    rank, world = _world()
+    if world > 1:
+        out.setdefault("process_group", torch.distributed.group.WORLD)
+        for key in _PER_RANK_PATHS:
+            if out.get(key):
+                out[key] = per_rank_path(str(out[key]), rank)
+    if policy is not None:
+        out["policy"] = policy
+    return out
+
+
+def refuse_own_loss_scaling(guard, framework):
+    """The guard's own loss scaling needs a loop that calls ``guard.scale_loss(loss)`` before
+    backward; a framework's backward never does, so the guard would unscale gradients that were
+    never scaled (updates 65536 times too small, every step reported applied)."""
+    if guard.stats().loss_scale != 1.0:
+        raise ValueError(
+            "stepguard: the guard's own loss scaling (loss_scaling=True, a policy with a "
+            "loss_scale section, or the deepspeed-fp16 preset) is refused under %s: its "
+            "backward does not scale the loss by the guard's scale, so the guard would unscale "
+            "gradients that were never scaled. Train in bf16 or fp32 and use a policy without "
+            "loss scaling (e.g. 'default')" % framework)
+
+
+def clip_with_verdict(parameters, max_norm, verdict):
+    """The framework's gradient clip to ``max_norm`` (and the policy's clip, when it clipped this
+    step) by one factor, from the norm the guard agreed (``verdict.grad_norm``): the norm is not
+    computed a second time. Nothing when neither clips or the norm is not finite."""
+    targets = [t for t in (max_norm, verdict.clip_norm) if t is not None and t > 0.0]
+    norm = verdict.grad_norm
+    if not targets or not math.isfinite(norm):
+        return
+    params = [p for p in parameters if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(params, min(targets), torch.tensor(norm))
+
+
+class Figures:
+    """Each step's figures for a framework's logger, and the running counts, from the reports
+    alone: ``update(report)`` once per step (None for a batch that was dropped). The counts start
+    from ``guard``'s totals (a resumed guard's included); the loss scale and LR factor of a
+    dropped batch are the last step's."""
+
+    def __init__(self, guard):
+        stats = guard.stats()
+        totals = stats.totals.to_dict()
+        self.counts = {k: totals.get(k, 0) for k in ("applied", "skipped", "rolled_back",
+                                                     "incidents")}
+        self.counts["dropped"] = 0
+        self.scale = (stats.loss_scale, stats.lr_factor)
+        self.last = None
+
+    def update(self, report):
+        self.last = report
+        if report is not None:
+            self.scale = (report.loss_scale, report.lr_factor)
+        if report is None:
+            self.counts["dropped"] += 1
+            return
+        if report.outcome in self.counts:
+            self.counts[report.outcome] += 1
+        if report.incident is not None:
+            self.counts["incidents"] += 1
+
+    def step_figures(self):
+        """The last step's figures (NaN where a dropped batch has none) and the counts so far."""
+        nan = float("nan")
+        report = self.last
+        out = {"outcome": OUTCOME_CODES["dropped"], "applied": 0, "grad_norm": nan,
+               "nonfinite_count": nan, "loss_scale": self.scale[0], "lr_factor": self.scale[1]}
+        if report is not None:
+            out.update(outcome=OUTCOME_CODES.get(report.outcome, -1),
+                       applied=int(report.applied), grad_norm=report.grad_norm,
+                       nonfinite_count=report.nonfinite_count, loss_scale=report.loss_scale,
+                       lr_factor=report.lr_factor)
+        out.update((k, v) for k, v in self.counts.items() if k != "applied")
+        return out

@@ -1,0 +1,118 @@
+"""The real HF Trainer, one process on CPU, with the Trainer's defaults (max_grad_norm=1.0, a
+linear schedule): the guard's state rides in every Trainer checkpoint and comes back on
+resume_from_checkpoint (a run resumed at step 4 ends bitwise where the uninterrupted run ends,
+LR factor, budgets, step numbers and data position included); the guard's own loss scaling is
+refused; the verdict is taken where the Trainer measures its grad norm, and the norm is not
+measured a second time."""
+
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from hf_worker import RandomTokens
+from stepguard.integrations.transformers import StepguardCallback
+
+MAX_STEPS, SAVE_AT, NAN_AT = 8, 4, 2
+# A NaN step is skipped and halves the LR factor for the rest of this short run.
+POLICY = """
+version: 1
+rules:
+  - {name: skip-nonfinite, on: nonfinite, action: skip_batch}
+  - {name: halve-lr, on: nonfinite, action: lower_lr, factor: 0.5, floor: 0.05,
+     recover_after: 50, recover_over: 200}
+"""
+
+
+class NanTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.state.global_step + 1 == NAN_AT:
+            loss = loss * float("nan")
+        return loss
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, tmp_path):
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                       ("HF_HOME", str(tmp_path / "hf_home")), ("WANDB_DISABLED", "true"),
+                       ("DISABLE_MLFLOW_INTEGRATION", "TRUE")):
+        monkeypatch.setenv(key, value)
+    torch.set_num_threads(1)
+
+
+def _trainer(out, **guard):
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=MAX_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, save_strategy="steps", save_steps=SAVE_AT, logging_steps=1,
+        report_to=[], use_cpu=True, seed=7, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = NanTrainer(model=GPT2LMHeadModel(config), args=args,
+                         train_dataset=RandomTokens(64, 16, 64))
+    callback = StepguardCallback(policy_yaml=POLICY, **guard).attach(trainer)
+    return trainer, callback
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _figures(guard):
+    s = guard.stats()
+    return {"step_count": s.step_count, "lr_factor": s.lr_factor,
+            "data_position": s.data_position, "totals": s.totals.to_dict()}
+
+
+def test_a_resumed_trainer_run_ends_bitwise_where_the_uninterrupted_one_ends(tmp_path):
+    whole, whole_cb = _trainer(tmp_path / "whole")
+    whole.train()
+    assert os.path.isfile(tmp_path / "whole" / "checkpoint-4" / "stepguard_rank0.pt")
+    assert whole_cb.guard.stats().lr_factor == 0.5
+
+    resumed, resumed_cb = _trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / ("checkpoint-%d" % SAVE_AT)))
+    assert torch.equal(_flat(resumed.model), _flat(whole.model))
+    assert _figures(resumed_cb.guard) == _figures(whole_cb.guard)
+    assert resumed_cb.last_report.step == MAX_STEPS
+    # The LR the scheduler reached counts applied steps only, in both runs alike.
+    assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
+
+
+def test_a_checkpoint_saved_without_the_guard_resumes_with_a_fresh_guard(tmp_path, caplog):
+    plain = NanTrainer(model=_trainer(tmp_path / "x")[0].model, args=TrainingArguments(
+        output_dir=str(tmp_path / "plain"), max_steps=1, save_strategy="steps", save_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, per_device_train_batch_size=4),
+        train_dataset=RandomTokens(64, 16, 64))
+    plain.train()
+    trainer, callback = _trainer(tmp_path / "guarded")
+    with caplog.at_level("WARNING"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
+    assert "holds no guard state" in caplog.text
+    assert callback.guard.stats().step_count == MAX_STEPS - 1
+
+
+def test_the_guards_own_loss_scaling_is_refused_under_the_trainer(tmp_path):
+    trainer, _ = _trainer(tmp_path / "scaled", loss_scaling=True)
+    with pytest.raises(ValueError, match="loss scaling .* refused under the HF Trainer"):
+        trainer.train()
+
+
+def test_the_trainer_measures_no_second_grad_norm(tmp_path, monkeypatch):
+    """The verdict's agreed norm is what the Trainer logs and clips with: torch's norm
+    functions are not called in the step."""
+    calls = []
+    for name in ("get_total_norm", "clip_grad_norm_"):
+        original = getattr(torch.nn.utils, name)
+        monkeypatch.setattr(torch.nn.utils, name,
+                            lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    trainer, callback = _trainer(tmp_path / "norm")
+    trainer.train()
+    assert calls == [], calls
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(logged) == MAX_STEPS
+    assert callback.last_report.grad_norm == pytest.approx(logged[-1], rel=1e-6)

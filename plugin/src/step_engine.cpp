@@ -78,37 +78,6 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                       params.empty() ? at::Device(at::kCPU) : params.front().device());
 }
 
-bool StepEngine::same_parameters() const {
-  const auto& params = port_.parameters();
-  if (params.size() != known_parameters_.size()) return false;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].unsafeGetTensorImpl() != known_parameters_[i]) return false;
-  }
-  return true;
-}
-
-// The port's parameter list changed (a param group added between steps: progressive
-// unfreezing; tensors swapped into a group; the same step on every rank, as the loop changes it
-// on every rank). The layout is resolved again, and the snapshots, which hold the old list and
-// cannot be restored into the new one, are dropped: a rollback before the next snapshot is a
-// skip.
-void StepEngine::parameters_changed() {
-  const std::size_t now = port_.parameters().size();
-  const std::size_t held = recovery_.snapshots_held();
-  if (held > 0) {
-    std::fprintf(stderr,
-                 "stepguard: step %" PRId64
-                 ": the optimizer's parameters changed (%zu now, %zu before; a group added or "
-                 "tensors swapped in): the %zu RAM snapshot(s) of the old list are dropped; a "
-                 "rollback before the next snapshot skips instead\n",
-                 step_ + 1, now, known_parameters_.size(), held);
-    recovery_.clear_snapshots();
-  }
-  known_parameters_.clear();
-  for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
-  refresh_layout();
-}
-
 void StepEngine::refresh_layout() {
   const bool was = layout_.all_replicas;
   layout_ = resolve_layout(port_.layout(), port_.parameters(), port_.parameter_names(),
@@ -267,11 +236,19 @@ void StepEngine::check_can_step(const at::Tensor& loss) {
 }
 
 // Where this step's gradients live: the first defined gradient's device (none: no gradient yet).
+// A parameter that is not a leaf (a port's view into flat storage, as DeepSpeed ZeRO's) has no
+// .grad of its own (reading it makes autograd warn, once per parameter per step): its gradient
+// is the port's, on the view's device.
 std::optional<at::Device> StepEngine::gradient_device() const {
+  std::optional<at::Device> view_device;
   for (const auto& p : port_.parameters()) {
+    if (!p.is_leaf()) {
+      if (!view_device) view_device = p.device();
+      continue;
+    }
     if (p.grad().defined()) return p.grad().device();
   }
-  return std::nullopt;
+  return view_device;
 }
 
 // 1 inspect, 2 agree: the fused pass writes the step buffer on the gradients' device, the one

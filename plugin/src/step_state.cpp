@@ -1,5 +1,6 @@
 // StepEngine: the guard's side of a checkpoint (its record), and restoring it: from a front end's
-// state dict, or with a resume from a checkpoint directory.
+// state dict, or with a resume from a checkpoint directory; and the parameter list the snapshots
+// were taken of, followed by identity.
 #include <c10/util/Exception.h>
 
 #include <cinttypes>
@@ -109,6 +110,37 @@ void StepEngine::commit_pending_checkpoint() {
   if (aborted_) return;
   settle_snapshot();
   (void)recovery_.commit_pending();
+}
+
+bool StepEngine::same_parameters() const {
+  const auto& params = port_.parameters();
+  if (params.size() != known_parameters_.size()) return false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].unsafeGetTensorImpl() != known_parameters_[i]) return false;
+  }
+  return true;
+}
+
+// The port's parameter list changed (a param group added between steps: progressive
+// unfreezing; tensors swapped into a group; the same step on every rank, as the loop changes it
+// on every rank). The layout is resolved again, and the snapshots, which hold the old list and
+// cannot be restored into the new one, are dropped: a rollback before the next snapshot is a
+// skip.
+void StepEngine::parameters_changed() {
+  const std::size_t now = port_.parameters().size();
+  const std::size_t held = recovery_.snapshots_held();
+  if (held > 0) {
+    std::fprintf(stderr,
+                 "stepguard: step %" PRId64
+                 ": the optimizer's parameters changed (%zu now, %zu before; a group added or "
+                 "tensors swapped in): the %zu RAM snapshot(s) of the old list are dropped; a "
+                 "rollback before the next snapshot skips instead\n",
+                 step_ + 1, now, known_parameters_.size(), held);
+    recovery_.clear_snapshots();
+  }
+  known_parameters_.clear();
+  for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
+  refresh_layout();
 }
 
 }  // namespace stepguard

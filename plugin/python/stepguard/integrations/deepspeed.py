@@ -71,6 +71,7 @@ class EngineGuard:
         self._layout = layout
         self._losses = []
         self.last_report = None
+        self._expected = None  # (global_steps, skipped_steps) once DeepSpeed ends the last step
         self._ds_backward = engine.backward
         # Instance attributes over the engine's and its optimizer's methods: the engine calls
         # these names, and nothing else of DeepSpeed changes.
@@ -100,6 +101,7 @@ class EngineGuard:
         return self._ds_backward(loss, *args, **kwargs)
 
     def _step(self, closure=None):
+        self._check_last_step()
         loss = torch.stack(self._losses).mean() if self._losses else None
         self._losses = []
         report = self.guard.step(loss)
@@ -108,7 +110,28 @@ class EngineGuard:
             self._layout.skip(self._ds_step)
         else:
             self._layout.applied()
+        # DeepSpeed counts a step its optimizer reported as overflowed (engine.skipped_steps)
+        # after this call returns; the next step checks that it did as the guard decided.
+        # (engine._take_model_step: overflow -> skipped_steps += 1, then global_steps += 1).
+        self._expected = (self.engine.global_steps + 1,
+                          self.engine.skipped_steps + (0 if report.applied else 1))
         return report
+
+    def _check_last_step(self):
+        expected, self._expected = self._expected, None
+        # Another global step count: a checkpoint was loaded in between; nothing to compare.
+        if expected is None or self.engine.global_steps != expected[0]:
+            return
+        expected = expected[1]
+        if self.engine.skipped_steps == expected:
+            return
+        last = self.last_report
+        raise RuntimeError(
+            "stepguard: DeepSpeed did not take the guard's decision of step %d (%s): its "
+            "skipped_steps is %d, the guard expected %d. This DeepSpeed release steps otherwise "
+            "than the integration was tested with (0.19.8): a step the guard skipped may have "
+            "been applied; stop and check the run" % (last.step, last.outcome,
+                                                      self.engine.skipped_steps, expected))
 
 
 def _check_engine(engine):

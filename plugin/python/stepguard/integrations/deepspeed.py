@@ -36,12 +36,14 @@ import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
+from ._core import guard_options
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
     """Guards ``engine``'s optimizer step; returns the ``EngineGuard`` (``.guard`` is the
     ``GuardedOptimizer``; ``.last_report`` the newest step's report). ``process_group`` defaults
-    to every rank of the job (WORLD); other keywords are ``GuardedOptimizer``'s options."""
+    to every rank of the job (WORLD) when it runs several; other keywords are
+    ``GuardedOptimizer``'s options (one ``trace_path`` becomes ``<path>.rank<r>`` on rank r)."""
     return EngineGuard(engine, policy=policy, policy_yaml=policy_yaml,
                        process_group=process_group, **options)
 
@@ -54,10 +56,11 @@ class EngineGuard:
         self.engine = engine
         ds_optimizer = engine.optimizer
         layout = _layout_of(engine, ds_optimizer)
-        if process_group is None and torch.distributed.is_initialized():
-            # Every rank of the job takes each step's decision together (model-parallel peers
-            # too): a rank that decided alone would leave the others waiting in a collective.
-            process_group = torch.distributed.group.WORLD
+        # Every rank of the job takes each step's decision together (model-parallel peers too):
+        # WORLD over several ranks unless given; one trace file per rank.
+        if process_group is not None:
+            options["process_group"] = process_group
+        options = guard_options(options)
         if "sharded_gradients" in options and options["sharded_gradients"] != layout.sharded:
             raise ValueError("stepguard: sharded_gradients=%r does not match this engine (ZeRO "
                              "stage %d): leave it out" % (options["sharded_gradients"],
@@ -66,8 +69,7 @@ class EngineGuard:
         self._ds_step = ds_optimizer.step  # the bound method DeepSpeed defines
         port = _DeepSpeedPort(engine.basic_optimizer, layout, self._ds_step)
         self.guard = GuardedOptimizer(engine.basic_optimizer, port=port, policy=policy,
-                                      policy_yaml=policy_yaml, process_group=process_group,
-                                      **options)
+                                      policy_yaml=policy_yaml, **options)
         self._layout = layout
         self._losses = []
         self.last_report = None

@@ -57,6 +57,7 @@ from packaging.version import InvalidVersion, Version
 from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
+from ._core import guard_options
 
 
 # The oldest and the newest megatron-core release the framework tests ran (README "Supported
@@ -107,10 +108,13 @@ class GuardedMegatronOptimizer:
         _refuse_unguarded(inner, chunks)
         self._megatron = megatron_optimizer
         self._inner = inner
-        if process_group is None and torch.distributed.is_initialized():
-            # Every rank of the job takes each step's decision together: Megatron's grad-stats
-            # group is the model-parallel one, which leaves out the data-parallel replicas.
-            process_group = torch.distributed.group.WORLD
+        # Every rank of the job takes each step's decision together (WORLD over several ranks
+        # unless given: Megatron's grad-stats group is the model-parallel one, which leaves out
+        # the data-parallel replicas); one trace file per rank.
+        if process_group is not None:
+            options["process_group"] = process_group
+        options = guard_options(options)
+        process_group = options.pop("process_group", None)
         if "sharded_gradients" in options:
             raise ValueError("stepguard: sharded_gradients is not an option here: the Megatron "
                              "integration reads how every parameter is held (tensor, pipeline "

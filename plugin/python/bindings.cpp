@@ -5,8 +5,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -111,12 +113,20 @@ py::object option_object(const T& value) {
   }
 }
 
+// The guard record's totals by name, in the order of its words (StepEngine::guard_record).
+constexpr const char* kTotalNames[] = {"steps",   "applied",   "skipped",   "rolled_back",
+                                       "aborted", "incidents", "snapshots", "checkpoints_written"};
+
 py::dict record_dict(const checkpoint::GuardRecord& r) {
   py::dict d;
   d["step"] = r.step;
   d["data_position"] = r.data_position;
   d["guard"] = r.guard;
-  d["totals"] = r.totals;
+  py::dict totals;  // by name: a count added later does not shift the others
+  for (std::size_t i = 0; i < r.totals.size() && i < std::size(kTotalNames); ++i) {
+    totals[kTotalNames[i]] = r.totals[i];
+  }
+  d["totals"] = totals;
   d["skipped_ranges"] = r.skipped_ranges;
   return d;
 }
@@ -149,11 +159,30 @@ checkpoint::GuardRecord record_of(const py::handle& object) {
     for (const auto& item : v) out.push_back(option_value<std::int64_t>(name(key), item));
     return out;
   };
+  // The totals by name (a count the state lacks, added after it was saved, starts at 0), or
+  // as the positional words state dicts held before.
+  const auto totals = [&]() -> std::vector<std::int64_t> {
+    const py::object v = entry("totals");
+    if (!py::isinstance<py::dict>(v)) return words("totals");
+    const py::dict named = py::reinterpret_borrow<py::dict>(v);
+    std::vector<std::int64_t> out(std::size(kTotalNames), 0);
+    for (const auto& [key, value] : named) {
+      const std::string k = py::str(key).cast<std::string>();
+      const auto* at = std::find_if(std::begin(kTotalNames), std::end(kTotalNames),
+                                    [&](const char* n) { return k == n; });
+      if (at == std::end(kTotalNames)) {
+        throw py::key_error("stepguard: the guard state's 'totals' has no count '" + k + "'");
+      }
+      out[static_cast<std::size_t>(at - std::begin(kTotalNames))] =
+          option_value<std::int64_t>(name("totals") + "['" + k + "']", value);
+    }
+    return out;
+  };
   checkpoint::GuardRecord r;
   r.step = count("step");
   r.data_position = count("data_position");
   r.guard = words("guard");
-  r.totals = words("totals");
+  r.totals = totals();
   r.skipped_ranges = words("skipped_ranges");
   return r;
 }

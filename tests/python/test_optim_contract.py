@@ -124,3 +124,27 @@ def test_an_exception_of_the_wrapped_optimizer_keeps_its_type_and_the_guard_goes
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     report = guard.step(_backward(guard, model, 1))
     assert report.applied and report.step == 2
+
+
+def test_the_guard_state_names_its_totals_and_reads_the_positional_ones_of_before():
+    model = make_model(6)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    guard.step(_backward(guard, model, 0))
+    guard.step(_backward(guard, model, 1, poison=next(model.parameters())))
+    state = guard.guard_state_dict()
+    assert state["totals"] == {"steps": 2, "applied": 1, "skipped": 1, "rolled_back": 0,
+                               "aborted": 0, "incidents": 1, "snapshots": 0,
+                               "checkpoints_written": 0}
+    other = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    old = dict(state, totals=[2, 1, 1, 0, 0, 1, 0, 0])  # a state dict of an earlier release
+    other.load_guard_state_dict(old)
+    assert other.guard_state_dict() == state
+    fewer = dict(state, totals={"steps": 2, "applied": 1, "skipped": 1})  # counts added since
+    other.load_guard_state_dict(fewer)
+    assert other.stats().totals.incidents == 0 and other.stats().totals.skipped == 1
+    with pytest.raises(KeyError, match="'totals' has no count 'aplied'"):
+        other.load_guard_state_dict(dict(state, totals={"aplied": 1}))
+    with pytest.raises(TypeError, match="'totals'\\['steps'\\]"):
+        other.load_guard_state_dict(dict(state, totals={"steps": "2"}))

@@ -387,10 +387,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def guard_state_dict(self) -> Dict[str, Any]:
         """The guard's own state, what a framework checkpoint carries beside the optimizer's:
         ``step`` (steps taken), ``data_position`` (batches consumed, skips included),
-        ``guard`` (the decision state: detector statistics, LR factor and its recovery, loss
-        scale, budgets), ``totals`` (the running counts) and ``skipped_ranges`` (batches a
-        rollback dropped, as (first, count) pairs). Plain ints and lists: ``torch.save`` and
-        ``torch.load(weights_only=True)`` take it."""
+        ``guard`` (the decision state's words: detector statistics, LR factor and its
+        recovery, loss scale, budgets; versioned by the guard itself), ``totals`` (the running
+        counts by name: steps, applied, skipped, rolled_back, aborted, incidents, snapshots,
+        checkpoints_written) and ``skipped_ranges`` (batches a rollback dropped, as (first,
+        count) pairs). Plain ints, lists and dicts: ``torch.save`` and
+        ``torch.load(weights_only=True)`` take it. Loading takes the totals by name (a count
+        the state lacks starts at 0; an unknown name is refused) or as the 8 positional words
+        state dicts held before."""
         return self._guard.record()
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:

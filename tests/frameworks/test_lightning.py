@@ -338,5 +338,22 @@ def test_lightning_refuses_the_guards_own_loss_scaling(tmp_path):
         trainer.fit(Net())
 
 
+def test_lightning_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path):
+    """A step of the wrapped optimizer that does not come through the guard (as a Lightning
+    release that stepped it directly would make) is an error, not a silent bypass."""
+    from stepguard.integrations.lightning import StepguardCallback
+
+    class Bypass(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.strategy.optimizers[0].optimizer.step()  # the wrapped SGD itself
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2,
+                         callbacks=[StepguardCallback(policy="default"), Bypass()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="stepped the wrapped SGD outside the guard"):
+        trainer.fit(Net())
+
+
 if __name__ == "__main__":
     train(sys.argv[1])

@@ -116,3 +116,16 @@ def test_the_trainer_measures_no_second_grad_norm(tmp_path, monkeypatch):
     logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     assert len(logged) == MAX_STEPS
     assert callback.last_report.grad_norm == pytest.approx(logged[-1], rel=1e-6)
+
+
+def test_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path):
+    """As accelerate's optimizer-step wrapper would make, stepping the optimizer it captured at
+    setup: an error naming it, not a step the guard never judged."""
+    class Bypass(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            optimizer.optimizer.optimizer.step()  # AcceleratedOptimizer -> guard -> AdamW
+
+    trainer, _ = _trainer(tmp_path / "bypass")
+    trainer.add_callback(Bypass())
+    with pytest.raises(RuntimeError, match="stepped the wrapped AdamW outside the guard"):
+        trainer.train()

@@ -175,14 +175,20 @@ class TorchOptimPort:
     #: What the wrapped optimizer's step raised in the last apply() (the engine sees only its
     #: text); GuardedOptimizer.step raises it again with its own type.
     failure = None
+    #: True while apply() runs the wrapped optimizer's update (a step of it at any other time
+    #: did not come through the guard).
+    updating = False
 
     def apply(self, lr_factor):
         """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
+        self.updating = True
         try:
             self._apply(lr_factor)
         except BaseException as e:
             self.failure = e
             raise
+        finally:
+            self.updating = False
 
     def _apply(self, lr_factor):
         if lr_factor == 1.0:

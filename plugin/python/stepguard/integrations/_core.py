@@ -8,8 +8,8 @@ import math
 
 import torch
 
-__all__ = ["guard_options", "per_rank_path", "refuse_own_loss_scaling", "clip_with_verdict",
-           "Figures", "OUTCOME_CODES"]
+__all__ = ["guard_options", "per_rank_path", "refuse_own_loss_scaling", "refuse_bypass",
+           "clip_with_verdict", "Figures", "OUTCOME_CODES"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -59,6 +59,23 @@ def refuse_own_loss_scaling(guard, framework):
             "backward does not scale the loss by the guard's scale, so the guard would unscale "
             "gradients that were never scaled. Train in bf16 or fp32 and use a policy without "
             "loss scaling (e.g. 'default')" % framework)
+
+
+def refuse_bypass(guard, framework):
+    """Makes a step of the wrapped optimizer that does not come through the guard an error: a
+    framework that steps it another way (an optimizer-step wrapper captured at setup, a release
+    that calls it directly) would apply steps the guard skipped. Returns the hook's handle."""
+    port = guard._port
+
+    def check(optimizer, args, kwargs):
+        if not port.updating:
+            raise RuntimeError(
+                "stepguard: %s stepped the wrapped %s outside the guard: the guard's decision "
+                "(skip, rollback) would be bypassed. This %s release steps the optimizer "
+                "otherwise than the integration was tested with"
+                % (framework, type(optimizer).__name__, framework))
+
+    return guard.optimizer.register_step_pre_hook(check)
 
 
 def clip_with_verdict(parameters, max_norm, verdict):

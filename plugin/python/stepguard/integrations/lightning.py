@@ -32,7 +32,7 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import OUTCOME_CODES, Figures, clip_with_verdict, guard_options, \
+from ._core import OUTCOME_CODES, Figures, clip_with_verdict, guard_options, refuse_bypass, \
     refuse_own_loss_scaling
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
@@ -169,6 +169,7 @@ class StepguardCallback(pl.Callback):
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
         self._patched: Optional[pl.LightningModule] = None
         self._plugin: Any = None  # the precision plugin whose clip goes by the agreed norm
+        self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
@@ -185,6 +186,7 @@ class StepguardCallback(pl.Callback):
             if not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named, **options)
                 refuse_own_loss_scaling(optimizer, "Lightning")
+                self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
             guards.append(optimizer)
         if self._records is not None:
@@ -310,6 +312,9 @@ class StepguardCallback(pl.Callback):
         if self._plugin is not None:
             self._plugin.__dict__.pop("clip_grad_by_norm", None)
             self._plugin = None
+        for handle in self._watches:
+            handle.remove()
+        self._watches = []
 
     # The guard's decision state (detector statistics, LR factor, loss scale, counts) rides in
     # the checkpoint as this callback's state; the optimizer state stays plain.

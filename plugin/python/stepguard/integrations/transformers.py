@@ -50,7 +50,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._guard import GuardedOptimizer
 from .._port import is_dtensor
-from ._core import Figures, clip_with_verdict, guard_options, refuse_own_loss_scaling
+from ._core import Figures, clip_with_verdict, guard_options, refuse_bypass, \
+    refuse_own_loss_scaling
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -199,6 +200,12 @@ class StepguardCallback(transformers.TrainerCallback):
                 "stepguard: StepguardCallback guards the Trainer's AcceleratedOptimizer; got %s "
                 "(DeepSpeed through the Trainer is not covered: see "
                 "stepguard.integrations.deepspeed)" % type(optimizer).__name__)
+        if not (isinstance(getattr(AcceleratedOptimizer, "step_was_skipped", None), property)
+                and hasattr(optimizer, "_is_overflow")):
+            raise TypeError(
+                "stepguard: this accelerate's AcceleratedOptimizer has no step_was_skipped / "
+                "_is_overflow (accelerate 1.15 has them): the Trainer could not be told that a "
+                "step was not applied, and its LR schedule would move on skipped steps")
         if optimizer.scaler is not None:
             raise ValueError(
                 "stepguard: fp16 with accelerate's GradScaler is not supported: its scaler skips "
@@ -210,6 +217,7 @@ class StepguardCallback(transformers.TrainerCallback):
         self.guard = _TrainerGuard(optimizer.optimizer, model.named_parameters(),
                                    **guard_options(self.guard_options, self.policy))
         refuse_own_loss_scaling(self.guard, "the HF Trainer")
+        refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard
         self._load_guard_state(args)
         self._figures = Figures(self.guard)

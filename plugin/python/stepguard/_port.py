@@ -272,11 +272,13 @@ class TorchOptimPort:
         return "%s.%s" % (type(owner).__module__, type(owner).__qualname__)
 
     def _read(self, data, saved):
-        """The structure in ``data``, checked against this optimizer and the saved tensors."""
+        """The structure in ``data`` and the param groups' settings it recorded (none before the
+        fifth trust round), checked against this optimizer and the saved tensors."""
+        groups = []
         if not data:
             if saved:
                 raise ValueError("the saved optimizer state has tensors but no structure")
-            return []
+            return [], groups
         if data.startswith(_FORMAT_P1):
             structure = _safe_pickle.loads(data[len(_FORMAT_P1):])  # no optimizer type recorded
         elif data.startswith(_FORMAT):
@@ -294,6 +296,7 @@ class TorchOptimPort:
                 self._check_switches(record["switches"])
             if "groups" in record:
                 self._check_groups(record["groups"])
+                groups = record["groups"]
             structure = record["state"]
         else:
             raise ValueError("the saved optimizer state is not a torch.optim port's")
@@ -322,7 +325,7 @@ class TorchOptimPort:
         if unnamed:
             raise ValueError("the saved optimizer state holds tensor '%s', which its structure "
                              "does not name" % unnamed[0])
-        return structure
+        return structure, groups
 
     def _check_switches(self, saved):
         mine = self._switches()
@@ -367,7 +370,7 @@ class TorchOptimPort:
         """Rebuilds the state's structure; the engine then fills its tensors in place. With
         ``settings`` (a resume from a disk checkpoint, not a rollback) the param groups'
         hyper-parameters are put back too, as ``load_state_dict`` does."""
-        structure = self._read(data, saved)
+        structure, groups = self._read(data, saved)
         self.parameters()
         params = self._params
         tensors = dict(saved)
@@ -396,9 +399,8 @@ class TorchOptimPort:
         for p in params:
             state.pop(p, None)
         state.update(rebuilt)
-        if settings and data.startswith(_FORMAT):
-            record = _safe_pickle.loads(data[len(_FORMAT):])
-            for group, values in zip(self.optimizer.param_groups, record.get("groups", [])):
+        if settings:
+            for group, values in zip(self.optimizer.param_groups, groups):
                 group.update(values)
 
     def after_restore(self):

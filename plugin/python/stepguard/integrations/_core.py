@@ -9,7 +9,7 @@ import math
 import torch
 
 __all__ = ["guard_options", "per_rank_path", "refuse_own_loss_scaling", "refuse_bypass",
-           "clip_with_verdict", "Figures", "OUTCOME_CODES"]
+           "clip_with_verdict", "finish_step", "Figures", "OUTCOME_CODES"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -88,6 +88,29 @@ def clip_with_verdict(parameters, max_norm, verdict):
         return
     params = [p for p in parameters if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(params, min(targets), torch.tensor(norm))
+
+
+def finish_step(guard, verdict, max_norm=None):
+    """The second half of a step whose verdict a framework seam took: the update the verdict
+    allows (the framework's clip to ``max_norm`` and the policy's by one factor from the agreed
+    norm, or the policy's alone; the wrapped optimizer's step with the LR factor), then
+    ``settle``. An exception in the update settles the step as not applied and goes on up with
+    its own type."""
+    applied = False
+    if verdict.applies:
+        try:
+            if max_norm:
+                params = [p for g in guard.param_groups for p in g["params"]]
+                clip_with_verdict(params, max_norm, verdict)
+            else:
+                guard.clip_gradients(verdict)
+            guard._port.apply(verdict.lr_factor)
+            applied = True
+        except BaseException:
+            guard._port.failure = None  # raised here as it is: nothing to keep
+            guard.settle(verdict, False)
+            raise
+    return guard.settle(verdict, applied)
 
 
 class Figures:

@@ -32,7 +32,7 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import OUTCOME_CODES, Figures, clip_with_verdict, guard_options, refuse_bypass, \
+from ._core import OUTCOME_CODES, Figures, finish_step, guard_options, refuse_bypass, \
     refuse_own_loss_scaling
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
@@ -98,28 +98,12 @@ class _LightningGuard(GuardedOptimizer):
             given, self.loss = self.loss, None
             report = GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
         else:
-            report = self._update(verdict, clip_val)
+            report = finish_step(self, verdict, clip_val)
         self.last_report = report
         self.figures.update(report)
         self.held_back = not report.applied
         self.to_drop += report.batches_to_skip
         return report
-
-    def _update(self, verdict: Any, clip_val: Optional[float]) -> Any:
-        applied = False
-        if verdict.applies:
-            try:
-                if clip_val:
-                    params = [p for g in self.param_groups for p in g["params"]]
-                    clip_with_verdict(params, clip_val, verdict)
-                else:
-                    self.clip_gradients(verdict)
-                self._port.apply(verdict.lr_factor)
-                applied = True
-            except BaseException:
-                self.settle(verdict, False)
-                raise
-        return self.settle(verdict, applied)
 
     def _state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()

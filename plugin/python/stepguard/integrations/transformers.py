@@ -50,8 +50,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._guard import GuardedOptimizer
 from .._port import is_dtensor
-from ._core import Figures, clip_with_verdict, guard_options, refuse_bypass, \
-    refuse_own_loss_scaling
+from ._core import Figures, finish_step, guard_options, refuse_bypass, refuse_own_loss_scaling
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -86,17 +85,7 @@ class _TrainerGuard(GuardedOptimizer):
         if verdict is None:
             self.last_report = super().step(closure)
             return self.last_report
-        applied = False
-        if verdict.applies:
-            try:
-                params = [p for g in self.param_groups for p in g["params"]]
-                clip_with_verdict(params, self.max_norm, verdict)
-                self._port.apply(verdict.lr_factor)
-                applied = True
-            except BaseException:
-                self.settle(verdict, False)
-                raise
-        self.last_report = self.settle(verdict, applied)
+        self.last_report = finish_step(self, verdict, self.max_norm)
         return self.last_report
 
     def _state_dict(self):

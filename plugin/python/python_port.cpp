@@ -36,6 +36,15 @@ std::vector<NamedTensor> from_python(const py::handle& list) {
   return out;
 }
 
+// Whether a signature takes *args (then it takes a third positional argument too).
+bool has_var_args(const py::object& signature) {
+  const py::object var = py::module_::import("inspect").attr("Parameter").attr("VAR_POSITIONAL");
+  for (const auto& item : signature.attr("parameters").attr("values")()) {
+    if (py::reinterpret_borrow<py::object>(item.attr("kind")).equal(var)) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
@@ -114,8 +123,18 @@ void PythonPort::check_state_bytes(const std::string& bytes,
 
 void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<NamedTensor>& saved,
                                   bool settings) {
-  with_gil("load_state_bytes",
-           [&] { port_.attr("load_state_bytes")(py::bytes(bytes), to_python(saved), settings); });
+  with_gil("load_state_bytes", [&] {
+    const py::object load = port_.attr("load_state_bytes");
+    // A port written before `settings` existed takes (data, saved): it is called so, and its
+    // settings stay as they are (what it did before).
+    const py::object signature = py::module_::import("inspect").attr("signature")(load);
+    const auto taken = py::len(signature.attr("parameters"));
+    if (taken >= 3 || has_var_args(signature)) {
+      load(py::bytes(bytes), to_python(saved), settings);
+    } else {
+      load(py::bytes(bytes), to_python(saved));
+    }
+  });
 }
 
 void PythonPort::after_restore() {

@@ -54,7 +54,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
     guarded = sg_deepspeed.guard_engine(engine, policy=POLICY, collective_timeout=60)
     target = dict(engine.module.named_parameters())["2.weight"]
-    steps, after = [], {}
+    steps, after, counts = [], {}, None
     position = 0  # the data position: a rollback skips batches
     for _ in range(STEPS):
         step = guarded.guard.stats().step_count + 1
@@ -70,11 +70,15 @@ def _run(rank, world, stage, precision, checkpoint_dir):
             if step == SPIKE:
                 y = y * 300
             engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
-            if micro == MICRO - 1 and stage == 0 and precision == "fp32":
-                # DeepSpeed computes no norm of its own here: the accumulated, averaged gradients'
+            if micro == MICRO - 1 and stage == 0:
+                # The accumulated, averaged gradients' norm, computed here (DeepSpeed's is the
+                # guard's since the integration hands it the agreed norm).
                 reference = float(torch.nn.utils.get_total_norm(
-                    [p.grad for p in engine.module.parameters()]))
-            engine.step()
+                    [p.grad.float() for p in engine.module.parameters()]))
+            if micro == MICRO - 1 and step == STEPS:
+                counts = _count_in_step(engine, guarded.guard)
+            else:
+                engine.step()
         if hook is not None:
             hook.remove()
         report = guarded.last_report
@@ -109,7 +113,54 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
         engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
-    return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed}
+    return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
+            "counts": counts}
+
+
+def _count_in_step(engine, guard):
+    """engine.step() of a clean step, counting what runs inside the engine's optimizer step (the
+    guarded one): all-reduces through torch.distributed (DeepSpeed's norm and overflow check
+    make them), DeepSpeed's and torch's norm functions, and the guard's collectives."""
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    counts = {"all_reduce": 0, "norms": 0, "inside": False}
+    undo = []
+
+    def count(owner, name, key):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            if counts["inside"]:
+                counts[key] += 1
+            return real(*args, **kwargs)
+        setattr(owner, name, counted)
+        undo.append((owner, name, real))
+
+    count(torch.distributed, "all_reduce", "all_reduce")
+    for owner, name in ((torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grad_norm_"),
+                        (unfused_optimizer, "get_weight_norm"),
+                        (DeepSpeedZeroOptimizer, "get_grad_norm_direct")):
+        count(owner, name, "norms")
+    step = engine.optimizer.step
+
+    def guarded_step(*args, **kwargs):
+        counts["inside"] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            counts["inside"] = False
+    engine.optimizer.step = guarded_step
+    before = guard.stats().collective_calls
+    try:
+        engine.step()
+    finally:
+        engine.optimizer.step = step
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
+    del counts["inside"]
+    counts["guard"] = guard.stats().collective_calls - before
+    return counts
 
 
 def _refusals():
@@ -129,7 +180,27 @@ def _refusals():
         except ValueError as error:
             out[name] = str(error)
     out["applied_anyway"] = _applied_anyway(base)
+    out["manual_scale"] = _manual_scale(base)
     return out
+
+
+def _manual_scale(base):
+    """DeepSpeed's manual path, engine.scale(loss).backward(): the guard gets the loss (a NaN
+    loss at step 2 is skipped). DeepSpeed allows it from ZeRO stage 1."""
+    config = dict(base, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                  zero_optimization={"stage": 1})
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    guarded = sg_deepspeed.guard_engine(engine, policy=POLICY)
+    outcomes = []
+    for step in range(3):
+        x, y = _batch(step, 0, torch.float32)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.scale(loss * float("nan") if step == 1 else loss).backward()
+        engine.step()
+        outcomes.append(guarded.last_report.outcome)
+    return [guarded.last_report.loss, guarded.last_report.loss_given, outcomes]
 
 
 def _applied_anyway(base):
@@ -205,6 +276,9 @@ def _check(ranks, key, world):
         assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
         assert run["resumed"] == {"same_state": True, "equal": True,
                                   "next": [STEPS + 1, "applied"]}, (key, rank, run["resumed"])
+        # A clean step: the guard's one collective; DeepSpeed neither computes a norm nor
+        # all-reduces in its step (it takes the agreed norm).
+        assert run["counts"] == {"all_reduce": 0, "norms": 0, "guard": 1}, (key, run["counts"])
     # The NaN gradient of '2.weight' is named by the rank(s) holding that parameter's gradient.
     blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
     assert any("2.weight" in t for t in blamed), (key, blamed)
@@ -229,4 +303,6 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
     assert "without an optimizer" in refusals["no_optimizer"], refusals
     assert "ZeRO stage 3" in refusals["zero3"], refusals
     step, error = refusals["applied_anyway"]
-    assert step == 2 and "did not take the guard's decision of step 2 (skipped)" in error, error
+    assert step == 1 and "DeepSpeed applied step 2, which the guard did not apply" in error, error
+    loss, given, outcomes = refusals["manual_scale"]
+    assert given and outcomes == ["applied", "skipped", "applied"], refusals["manual_scale"]

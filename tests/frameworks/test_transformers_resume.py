@@ -129,3 +129,55 @@ def test_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path):
     trainer.add_callback(Bypass())
     with pytest.raises(RuntimeError, match="stepped the wrapped AdamW outside the guard"):
         trainer.train()
+
+
+def test_a_second_train_on_the_same_trainer_resumes_the_guard_too(tmp_path):
+    """train(resume_from_checkpoint=...) again on a Trainer that already trained: the guard's
+    state comes from that checkpoint, as on a fresh Trainer (not the first run's end)."""
+    whole, whole_cb = _trainer(tmp_path / "whole")
+    whole.train()
+    expected = _figures(whole_cb.guard)
+    whole.train(resume_from_checkpoint=str(tmp_path / "whole" / ("checkpoint-%d" % SAVE_AT)))
+    assert _figures(whole_cb.guard) == expected
+    assert whole_cb.last_report.step == MAX_STEPS
+
+
+class _RaiseOnce(transformers.TrainerCallback):
+    """Raises between the Trainer's clip (where the verdict is taken) and its step, once."""
+
+    def __init__(self, at):
+        self.at, self.raised = at, False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.at and not self.raised:
+            self.raised = True
+            raise RuntimeError("interrupted between the clip and the step")
+
+
+def test_a_verdict_whose_step_never_came_is_settled_not_applied_and_not_reused(tmp_path):
+    trainer, callback = _trainer(tmp_path / "interrupted")
+    trainer.add_callback(_RaiseOnce(at=3))
+    with pytest.raises(RuntimeError, match="between the clip and the step"):
+        trainer.train()
+    stats = callback.guard.stats()  # step 3's verdict taken, its step not yet settled
+    assert callback.guard.pending is not None and stats.step_count == 3 and stats.totals.steps == 2
+    trainer.train()  # a fresh run on the same Trainer (8 steps, the NaN at its step 2 again)
+    stats = callback.guard.stats()
+    assert stats.step_count == 3 + MAX_STEPS and callback.last_report.step == 3 + MAX_STEPS
+    assert stats.totals.skipped == 3  # the NaN steps of both runs and the interrupted one
+    assert bool(torch.isfinite(_flat(trainer.model)).all())
+
+
+def test_step_hooks_on_the_guard_fire_once_per_trainer_step(tmp_path):
+    events = []
+
+    class Hooks(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            guard = optimizer.optimizer
+            guard.register_step_pre_hook(lambda *a: events.append("pre"))
+            guard.register_step_post_hook(lambda *a: events.append("post"))
+
+    trainer, callback = _trainer(tmp_path / "hooks")
+    trainer.add_callback(Hooks())
+    trainer.train()
+    assert events == ["pre", "post"] * MAX_STEPS

@@ -440,3 +440,27 @@ def test_decision_state_words_out_of_range_are_refused(word, value, text):
     with pytest.raises(stepguard.StepguardError, match=text.replace("(", "\\(")):
         guard.load_state_dict(state)
     assert guard.stats().step_count == 0
+
+
+def test_a_port_written_before_the_settings_argument_still_rolls_back():
+    """A port subclass whose load_state_bytes takes (data, saved), as before the third argument
+    came, is called with two; the rollback restores as before."""
+    from stepguard._port import TorchOptimPort
+
+    calls = []
+
+    class OldPort(TorchOptimPort):
+        def load_state_bytes(self, data, saved):
+            calls.append(len(saved))
+            return super().load_state_bytes(data, saved)
+
+    model = make_model(9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters(),
+                                       port=OldPort(optimizer), policy_yaml=_ROLLBACK_ON_NAN_LOSS)
+    _run_steps(guard, model, 3)
+    guard.zero_grad()
+    loss = loss_of(model, 5)
+    loss.backward()
+    assert guard.step(loss * float("nan")).rolled_back
+    assert calls and calls[0] > 0

@@ -32,11 +32,14 @@ dynamic loss scaler owns the scale), ZeRO stage 3, CPU offload, ``BF16_Optimizer
 fp32 gradient accumulation) and pipeline engines.
 """
 
+import math
+import warnings
+
 import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import guard_options
+from ._core import finish_step, guard_options
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -74,10 +77,12 @@ class EngineGuard:
         self._losses = []
         self.last_report = None
         self._expected = None  # (global_steps, skipped_steps) once DeepSpeed ends the last step
-        self._ds_backward = engine.backward
+        self._ds_backward, self._ds_scale = engine.backward, engine.scale
         # Instance attributes over the engine's and its optimizer's methods: the engine calls
-        # these names, and nothing else of DeepSpeed changes.
-        engine.backward = self._backward
+        # these names (engine._take_model_step: self.optimizer.step(), then .overflow), and
+        # nothing else of DeepSpeed changes. backward() and scale() (DeepSpeed's manual path,
+        # engine.scale(loss).backward()) hand the guard the loss.
+        engine.backward, engine.scale = self._backward, self._scale
         ds_optimizer.step = self._step
 
     def record_loss(self, loss):
@@ -102,14 +107,30 @@ class EngineGuard:
         self.record_loss(loss)
         return self._ds_backward(loss, *args, **kwargs)
 
+    def _scale(self, loss):
+        self.record_loss(loss)
+        return self._ds_scale(loss)
+
     def _step(self, closure=None):
         self._check_last_step()
         loss = torch.stack(self._losses).mean() if self._losses else None
         self._losses = []
-        report = self.guard.step(loss)
+        # The verdict first (the step's one collective); an applied step is DeepSpeed's update
+        # with the agreed norm as its norm (no second norm, no second all-reduce).
+        verdict = self.guard.verdict(loss)
+        self._layout.verdict = verdict
+        try:
+            report = finish_step(self.guard, verdict)
+        finally:
+            self._layout.verdict = None
         self.last_report = report
         if not report.applied:
             self._layout.skip(self._ds_step)
+            if not getattr(self.engine.optimizer, "overflow", False):
+                raise RuntimeError(
+                    "stepguard: DeepSpeed applied step %d, which the guard did not apply (%s): "
+                    "its overflow path did not run as in the release the integration was "
+                    "tested with (0.19.8); stop and check the run" % (report.step, report.outcome))
         else:
             self._layout.applied()
         # DeepSpeed counts a step its optimizer reported as overflowed (engine.skipped_steps)
@@ -124,16 +145,23 @@ class EngineGuard:
         # Another global step count: a checkpoint was loaded in between; nothing to compare.
         if expected is None or self.engine.global_steps != expected[0]:
             return
-        expected = expected[1]
-        if self.engine.skipped_steps == expected:
+        expected, skipped, last = expected[1], self.engine.skipped_steps, self.last_report
+        if skipped == expected:
             return
-        last = self.last_report
+        if skipped > expected:
+            # DeepSpeed's own overflow check skipped a step the guard applied: nothing was
+            # applied that the guard refused, but the guard's counts call the step applied.
+            warnings.warn(
+                "stepguard: DeepSpeed skipped step %d itself (its skipped_steps is %d, the guard "
+                "expected %d): the guard's report and counts call that step applied"
+                % (last.step, skipped, expected), RuntimeWarning)
+            return
         raise RuntimeError(
             "stepguard: DeepSpeed did not take the guard's decision of step %d (%s): its "
             "skipped_steps is %d, the guard expected %d. This DeepSpeed release steps otherwise "
             "than the integration was tested with (0.19.8): a step the guard skipped may have "
             "been applied; stop and check the run" % (last.step, last.outcome,
-                                                      self.engine.skipped_steps, expected))
+                                                      skipped, expected))
 
 
 def _check_engine(engine):
@@ -167,6 +195,15 @@ def _layout_of(engine, ds_optimizer):
         "bf16 with fp32 gradient accumulation uses BF16_Optimizer, not guarded yet)" % kind)
 
 
+def _norm_after(verdict):
+    """The gradients' norm after the policy's clip of ``verdict`` (the agreed norm when the
+    policy did not clip): what the framework's own clip starts from."""
+    norm = verdict.grad_norm
+    if verdict.clip_norm is not None and 0.0 < verdict.clip_norm < norm:
+        return verdict.clip_norm
+    return norm
+
+
 def _names_by_id(engine):
     return {id(p): check_name(n, "parameter name")
             for n, p in engine.module.named_parameters()}
@@ -178,10 +215,11 @@ class _PlainLayout:
 
     def __init__(self, engine):
         self.optimizer = engine.basic_optimizer
-        # The engine clips fp32 gradients just before this optimizer's step; the clip moves into
-        # the guarded update so that the guard inspects (and blames) the gradients as they are.
-        self.clip = engine.clip_fp32_gradients if engine.gradient_clipping() > 0.0 else None
-        if self.clip is not None:
+        # The engine clips fp32 gradients just before this optimizer's step (computing their
+        # norm); the clip moves into the guarded update, from the agreed norm, so that the guard
+        # inspects (and blames) the gradients as they are and the norm is computed once.
+        self.clip = engine.gradient_clipping()
+        if self.clip > 0.0:
             engine.clip_fp32_gradients = lambda: None
         names = _names_by_id(engine)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -195,8 +233,11 @@ class _PlainLayout:
         return None  # the engine reads each parameter's .grad
 
     def update(self, ds_step):
-        if self.clip is not None:
-            self.clip()
+        norm = _norm_after(self.verdict)
+        if self.clip > 0.0 and math.isfinite(norm):
+            params = [p for g in self.optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
         ds_step()
 
     def skip(self, ds_step):
@@ -216,6 +257,9 @@ class _UnfusedLayout:
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
+        if ds_optimizer.loss_scale_config.cur_scale != 1.0 or ds_optimizer.fused_lamb_legacy:
+            raise ValueError("stepguard: the DeepSpeed integration does not guard an "
+                             "FP16_UnfusedOptimizer with a loss scale or legacy fused LAMB")
         names = _names_by_id(engine)
         self.model = [p for group in ds_optimizer.fp16_groups for p in group]
         self.masters = [p for group in ds_optimizer.fp32_groups for p in group]
@@ -228,7 +272,23 @@ class _UnfusedLayout:
         return [p.grad for p in self.model]
 
     def update(self, ds_step):
-        ds_step()
+        # FP16_UnfusedOptimizer.step's update without its overflow check and norm (both read
+        # every gradient, and all-reduce, a second time): the bf16 gradients into the fp32
+        # masters, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the torch
+        # optimizer's step, the masters back into the model.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        for model, master in zip(self.model, self.masters):
+            master.grad = (torch.zeros_like(master) if model.grad is None
+                           else model.grad.to(master.dtype))
+        if ds.clip_grad > 0.0 and math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.masters, ds.clip_grad, torch.tensor(norm))
+        ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
+        ds.optimizer.step()
+        with torch.no_grad():
+            for model, master in zip(self.model, self.masters):
+                master.grad = None
+                model.copy_(master)
+        ds.overflow, ds._global_grad_norm = False, self.verdict.grad_norm
 
     def skip(self, ds_step):
         self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
@@ -303,7 +363,21 @@ class _ZeroLayout:
                            "its partition layout (this DeepSpeed version is not supported)" % g)
 
     def update(self, ds_step):
-        ds_step()
+        # DeepSpeed's step with what the guard agreed: DeepSpeedZeroOptimizer.step checks for
+        # overflow when `check_grad_overflow` (bf16: a read of every gradient and an
+        # all-reduce; the verdict found none) and takes `scaled_global_grad_norm =
+        # self.scaled_global_norm()` (a norm of every partition and an all-reduce) for its clip
+        # and _global_grad_norm: the agreed norm instead.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        device = ds.single_partition_of_fp32_groups[0].device
+        ds.scaled_global_norm = lambda norm_type=2: torch.tensor(norm * ds.loss_scale,
+                                                                 dtype=torch.float, device=device)
+        saved, ds.check_grad_overflow = ds.check_grad_overflow, False
+        try:
+            ds_step()
+        finally:
+            del ds.scaled_global_norm
+            ds.check_grad_overflow = saved
 
     def skip(self, ds_step):
         # DeepSpeed's own overflow path: gradients and buffers released, the scaler told,

@@ -75,15 +75,25 @@ class _TrainerGuard(GuardedOptimizer):
     max_norm = None   # the Trainer's max_grad_norm for that step
 
     def take_verdict(self, loss, max_norm):
-        if self.pending is None:
-            self.pending = self.verdict(loss)
-            self.max_norm = max_norm
+        self.drop_pending()
+        self.pending = self.verdict(loss)
+        self.max_norm = max_norm
         return self.pending
 
+    def drop_pending(self):
+        """A verdict whose step never came (an exception between the Trainer's clip and its
+        step): settled as not applied, so that no later step runs on it."""
+        verdict, self.pending = self.pending, None
+        if verdict is not None:
+            self.settle(verdict, False)
+
+    # torch's wrapper, as GuardedOptimizer.step has it: the step hooks fire around the
+    # Trainer's step on both paths, once.
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure=None):
         verdict, self.pending = self.pending, None
         if verdict is None:
-            self.last_report = super().step(closure)
+            self.last_report = GuardedOptimizer.step.__wrapped__(self, closure)
             return self.last_report
         self.last_report = finish_step(self, verdict, self.max_norm)
         return self.last_report
@@ -202,6 +212,9 @@ class StepguardCallback(transformers.TrainerCallback):
         self._loss = None
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
+            self.guard.drop_pending()
+            self._load_guard_state(args)
+            self._figures = Figures(self.guard)
             return
         self.guard = _TrainerGuard(optimizer.optimizer, model.named_parameters(),
                                    **guard_options(self.guard_options, self.policy))

@@ -309,10 +309,16 @@ def test_lightning_gradient_clip_comes_after_the_verdict_and_uses_its_norm(tmp_p
     stats = integration._LightningGuard.stats
     monkeypatch.setattr(integration._LightningGuard, "stats",
                         lambda self: calls.append(1) or stats(self))
+    norms = []  # torch's norm functions (Lightning's clip by norm calls clip_grad_norm_)
+    for name in ("get_total_norm", "clip_grad_norm_"):
+        monkeypatch.setattr(torch.nn.utils, name, lambda *a, _f=getattr(torch.nn.utils, name),
+                            _n=name, **k: norms.append(_n) or _f(*a, **k))
     guard_cb = integration.StepguardCallback(policy="default")
     guarded = clipped_fit(tmp_path, 5, [guard_cb])
     guard = guard_cb.guards[0]
     assert len(calls) <= 2, len(calls)  # at fit start only, not per step
+    # Per step: the guard's one collective, and no second norm.
+    assert norms == [] and guard.stats().collective_calls == 5, (norms, guard.stats())
     (incident,) = guard_cb.incidents
     assert incident["step"] == NAN_STEP + 1 and incident["tensors"] == ["head.weight"], incident
     assert guard.stats().totals.to_dict()["skipped"] == 1

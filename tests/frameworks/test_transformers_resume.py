@@ -113,6 +113,7 @@ def test_the_trainer_measures_no_second_grad_norm(tmp_path, monkeypatch):
     trainer, callback = _trainer(tmp_path / "norm")
     trainer.train()
     assert calls == [], calls
+    assert callback.guard.stats().collective_calls == MAX_STEPS  # one per step
     logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     assert len(logged) == MAX_STEPS
     assert callback.last_report.grad_norm == pytest.approx(logged[-1], rel=1e-6)

@@ -180,6 +180,15 @@ def _refusals():
         except ValueError as error:
             out[name] = str(error)
     out["applied_anyway"] = _applied_anyway(base)
+    real = deepspeed.__version__
+    deepspeed.__version__ = "0.18.0"
+    try:
+        sg_deepspeed.guard_engine(engine3, policy=POLICY)
+        out["old_release"] = "accepted"
+    except RuntimeError as error:
+        out["old_release"] = str(error)
+    finally:
+        deepspeed.__version__ = real
     out["manual_scale"] = _manual_scale(base)
     return out
 
@@ -304,5 +313,7 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
     assert "ZeRO stage 3" in refusals["zero3"], refusals
     step, error = refusals["applied_anyway"]
     assert step == 1 and "DeepSpeed applied step 2, which the guard did not apply" in error, error
+    assert "deepspeed 0.18.0 is older than the releases tested (0.19.8)" in \
+        refusals["old_release"], refusals["old_release"]
     loss, given, outcomes = refusals["manual_scale"]
     assert given and outcomes == ["applied", "skipped", "applied"], refusals["manual_scale"]

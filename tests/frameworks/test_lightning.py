@@ -363,3 +363,16 @@ def test_lightning_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path)
 
 if __name__ == "__main__":
     train(sys.argv[1])
+
+
+def test_lightning_older_than_the_tested_release_is_refused(tmp_path, monkeypatch):
+    from stepguard.integrations.lightning import StepguardCallback
+
+    monkeypatch.setattr(pl, "__version__", "2.0.0")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1,
+                         callbacks=[StepguardCallback(policy="default")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"lightning 2\.0\.0 is older than the releases tested "
+                                           r"\(2\.6\.6\)"):
+        trainer.fit(Net())

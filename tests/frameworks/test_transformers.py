@@ -178,9 +178,9 @@ def test_trainer_ddp_gloo_two_ranks(tmp_path):
             assert len(f.read().splitlines()) >= ranks[0]["max_steps"], name
 
     # Every rank logs a line per incident, naming the origin rank and the tensors.
-    line = "stepguard: step %d: nonfinite_loss -> skip_batch (cause forward) from rank(s) [1]"
+    line = "stepguard: step %d skipped: nonfinite_loss -> skip_batch (cause forward) from rank 1;"
     assert text.count(line % ranks[0]["nan_step"]) == WORLD, text[-6000:]
-    line = "stepguard: step %d: nonfinite_grad -> skip_batch (cause backward) from rank(s) "
+    line = "stepguard: step %d skipped: nonfinite_grad -> skip_batch (cause backward) from rank "
     grad_lines = [l for l in text.splitlines() if line % ranks[0]["grad_step"] in l]
     assert len(grad_lines) == WORLD and all(
         l.endswith("tensors: " + ranks[0]["grad_tensor"]) for l in grad_lines), grad_lines

@@ -182,3 +182,23 @@ def test_step_hooks_on_the_guard_fire_once_per_trainer_step(tmp_path):
     trainer.add_callback(Hooks())
     trainer.train()
     assert events == ["pre", "post"] * MAX_STEPS
+
+
+@pytest.mark.parametrize("package", ["transformers", "accelerate"])
+def test_a_release_older_than_the_tested_ones_is_refused_at_train_begin(tmp_path, monkeypatch,
+                                                                        package):
+    from stepguard.integrations import _core
+
+    installed = _core.installed_version
+    found = {package: "1.0.0"}
+    monkeypatch.setattr(_core, "installed_version", lambda p: found.get(p) or installed(p))
+    trainer, _ = _trainer(tmp_path / "old")
+    with pytest.raises(RuntimeError, match=r"%s 1\.0\.0 is older than the releases tested"
+                                           % package):
+        trainer.train()
+    found[package] = "99.0.0"
+    trainer, callback = _trainer(tmp_path / "new")
+    with pytest.warns(RuntimeWarning, match=r"%s 99\.0\.0 is newer than the releases tested"
+                                            % package):
+        trainer.train()
+    assert callback.last_report.step == MAX_STEPS

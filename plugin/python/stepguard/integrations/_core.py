@@ -4,12 +4,18 @@ framework whose backward the guard does not own, the framework's gradient clip d
 guard's agreed norm, and each step's figures for the framework's logger, read off the step
 reports (no call that waits for the step's background snapshot copy)."""
 
+import importlib.metadata
 import math
+import warnings
 
 import torch
+from packaging.version import InvalidVersion, Version
 
-__all__ = ["guard_options", "per_rank_path", "refuse_own_loss_scaling", "refuse_bypass",
-           "clip_with_verdict", "finish_step", "Figures", "OUTCOME_CODES"]
+from .._guard import GuardedOptimizer
+
+__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling", "refuse_bypass",
+           "clip_with_verdict", "finish_step", "SeamGuard", "incident_line", "Figures",
+           "OUTCOME_CODES"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -17,6 +23,40 @@ OUTCOME_CODES = {"applied": 0, "skipped": 1, "rolled_back": 2, "aborted": 3, "dr
 
 # The options naming a file or directory each rank writes: one per rank in a multi-rank job.
 _PER_RANK_PATHS = ("trace_path",)
+
+
+#: The releases of each framework the integration tests ran (README "Supported versions"), oldest
+#: and newest: the seams each integration uses are in both.
+TESTED = {"deepspeed": ("0.19.8", "0.19.8"), "megatron-core": ("0.16.1", "0.19.2"),
+          "lightning": ("2.6.6", "2.6.6"), "transformers": ("5.24.0", "5.24.0"),
+          "accelerate": ("1.15.0", "1.15.0")}
+
+
+def installed_version(package):
+    """The installed release of ``package`` (its distribution's metadata)."""
+    return importlib.metadata.version(package)
+
+
+def check_version(package, version=None):
+    """Refuses a ``package`` release older than the tested range and warns about a newer one, by
+    release number ("0.19.2rc1" and "0.19.2+78b9952" are 0.19.2); ``version``: the installed one
+    when left out."""
+    oldest, newest = TESTED[package]
+    if version is None:
+        version = installed_version(package)
+    tested = oldest if oldest == newest else "%s to %s" % (oldest, newest)
+    try:
+        found = Version(str(version)).release
+    except InvalidVersion:
+        raise RuntimeError("stepguard: cannot read the %s version %r (the releases tested are "
+                           "%s)" % (package, version, tested)) from None
+    if found < Version(oldest).release:
+        raise RuntimeError("stepguard: %s %s is older than the releases tested (%s): the seams "
+                           "the integration uses may be missing; install a tested release"
+                           % (package, version, tested))
+    if found > Version(newest).release:
+        warnings.warn("stepguard: %s %s is newer than the releases tested (%s)"
+                      % (package, version, tested), RuntimeWarning, stacklevel=3)
 
 
 def _world():
@@ -111,6 +151,84 @@ def finish_step(guard, verdict, max_norm=None):
             guard.settle(verdict, False)
             raise
     return guard.settle(verdict, applied)
+
+
+class SeamGuard(GuardedOptimizer):
+    """The guard a framework steps, whose verdict a seam of that framework takes after backward
+    and before the framework's clip (``take_verdict``, once per step). The framework's
+    ``optimizer.step(closure)`` runs the closure when it has one (Lightning's runs backward and
+    the seam), then the update the verdict allows (the framework's clip to ``max_norm`` from the
+    agreed norm, the wrapped optimizer's step) and settles; with no verdict taken, the step is
+    a plain guarded step. torch's step hooks fire around it once. The state dict is the wrapped
+    optimizer's, so the framework's checkpoints keep their format and load with or without
+    stepguard; the guard's own state travels beside it (``guard_state_dict``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_report = None
+        self.pending = None   # the verdict the seam took this step
+        self.max_norm = None  # the framework's clip of this step, done from the agreed norm
+        self.loss = None      # this step's micro-batch losses, summed (the step's mean loss)
+
+    def add_loss(self, loss):
+        loss = loss.detach().float().reshape(())
+        self.loss = loss if self.loss is None else self.loss + loss
+
+    def take_verdict(self):
+        if self.pending is None:
+            loss, self.loss = self.loss, None
+            self.pending = self.verdict(loss)
+        return self.pending
+
+    def drop_pending(self):
+        """A verdict whose step never came (an exception between the seam and the step):
+        settled as not applied, so that no later step runs on it."""
+        verdict, self.pending, self.max_norm = self.pending, None, None
+        if verdict is not None:
+            self.settle(verdict, False)
+
+    @torch.optim.Optimizer.profile_hook_step
+    def step(self, closure=None):
+        loss = closure
+        if callable(closure) and not torch.is_tensor(closure):
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except BaseException:
+                self.drop_pending()  # raised after the verdict: the step is not applied
+                raise
+            if not torch.is_tensor(loss):
+                loss = None
+        verdict, self.pending = self.pending, None
+        max_norm, self.max_norm = self.max_norm, None
+        self.last_report = self._run(verdict, max_norm, loss)
+        return self.last_report
+
+    def _run(self, verdict, max_norm, loss):
+        if verdict is None:  # no seam call this step (a strategy or loop that steps otherwise)
+            given, self.loss = self.loss, None
+            return GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
+        return finish_step(self, verdict, max_norm)
+
+    def _state_dict(self):
+        return self.optimizer.state_dict()
+
+    def _load_state_dict(self, state_dict):
+        if "stepguard" in state_dict and "optimizer" in state_dict:  # a guard's own layout
+            super()._load_state_dict(state_dict)
+        else:
+            self.optimizer.load_state_dict(state_dict)
+
+
+def incident_line(report):
+    """One log line for a step's incident: step, outcome, signal, action, cause, origin ranks
+    and the tensors blamed."""
+    incident = report.incident
+    ranks = ",".join(str(r) for r in incident.get("ranks") or [])
+    return ("stepguard: step %d %s: %s -> %s (cause %s) from %s; tensors: %s"
+            % (report.step, report.outcome, incident.get("signal"), incident.get("action"),
+               incident.get("cause"), "rank " + ranks if ranks else "no single rank",
+               ", ".join(incident.get("tensors") or []) or "-"))
 
 
 class Figures:

@@ -39,7 +39,7 @@ import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import finish_step, guard_options
+from ._core import check_version, finish_step, guard_options
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -55,6 +55,8 @@ class EngineGuard:
     """The guard installed in a DeepSpeed engine (see the module's docstring)."""
 
     def __init__(self, engine, *, policy=None, policy_yaml=None, process_group=None, **options):
+        import deepspeed
+        check_version("deepspeed", deepspeed.__version__)
         _check_engine(engine)
         self.engine = engine
         ds_optimizer = engine.optimizer

@@ -32,87 +32,48 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import OUTCOME_CODES, Figures, finish_step, guard_options, refuse_bypass, \
-    refuse_own_loss_scaling
+from ._core import (OUTCOME_CODES, Figures, SeamGuard, check_version, guard_options,
+                    incident_line, refuse_bypass, refuse_own_loss_scaling)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
 log = logging.getLogger(__name__)
 
 
-class _LightningGuard(GuardedOptimizer):
+class _LightningGuard(SeamGuard):
     """The guard Lightning steps. The callback takes the step's verdict in
     ``on_before_optimizer_step`` (inside Lightning's closure: after backward, before Lightning's
     gradient clip), with the loss of the step's micro-batches (``on_before_backward``); ``step``
     runs Lightning's closure, then the update the verdict allows (Lightning's clip from the
-    agreed norm, the wrapped optimizer's step) and settles. It remembers the report and drops
-    the batches a rollback asks to drop. ``state_dict`` is the wrapped optimizer's, so Lightning
-    checkpoints load with or without the callback; the guard's own state travels in the
-    callback's state."""
+    agreed norm, the wrapped optimizer's step) and settles. It also drops the batches a rollback
+    asks to drop and tells the step schedulers to hold still after a step not applied."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.last_report = None
         self.held_back = False    # the last step was not applied: step schedulers hold still
         self.fresh = False        # a step happened since the callback last logged
         self.to_drop = 0
         self.dropped = 0
-        self.loss: Optional[torch.Tensor] = None  # this step's micro-batch losses, summed
-        self.pending = None       # the verdict taken in on_before_optimizer_step
-        self.clip_val = None      # Lightning's clip of this step, done from the agreed norm
         self.figures = Figures(self)
 
-    def take_verdict(self) -> None:
-        if self.to_drop > 0 or self.pending is not None:
-            return
-        loss, self.loss = self.loss, None
-        self.pending = self.verdict(loss)
+    def take_verdict(self) -> Any:
+        return None if self.to_drop > 0 else super().take_verdict()
 
-    @torch.optim.Optimizer.profile_hook_step
-    def step(self, closure: Any = None) -> Any:
-        loss = closure
-        if callable(closure) and not torch.is_tensor(closure):
-            try:
-                with torch.enable_grad():
-                    loss = closure()  # Lightning's: training_step, backward, verdict, clip
-            except BaseException:
-                if self.pending is not None:  # raised after the verdict: the step is not applied
-                    verdict, self.pending, self.clip_val = self.pending, None, None
-                    self.settle(verdict, False)
-                raise
-            if not torch.is_tensor(loss):
-                loss = None
+    def _run(self, verdict: Any, max_norm: Any, loss: Any) -> Any:
         self.fresh = True
         self.held_back = True
-        verdict, self.pending = self.pending, None
-        clip_val, self.clip_val = self.clip_val, None
         if self.to_drop > 0:
             self.to_drop -= 1
             self.dropped += 1
             self.loss = None
-            self.last_report = None
             self.figures.update(None)
             self.zero_grad()
             return None
-        if verdict is None:  # no on_before_optimizer_step (a strategy that steps otherwise)
-            given, self.loss = self.loss, None
-            report = GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
-        else:
-            report = finish_step(self, verdict, clip_val)
-        self.last_report = report
+        report = super()._run(verdict, max_norm, loss)
         self.figures.update(report)
         self.held_back = not report.applied
         self.to_drop += report.batches_to_skip
         return report
-
-    def _state_dict(self) -> Dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "stepguard" in state_dict and "optimizer" in state_dict:
-            super()._load_state_dict(state_dict)
-        else:
-            self.optimizer.load_state_dict(state_dict)
 
 
 class StepguardCallback(pl.Callback):
@@ -156,6 +117,7 @@ class StepguardCallback(pl.Callback):
         self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        check_version("lightning", pl.__version__)
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError("stepguard: precision='16-mixed' runs a GradScaler that skips steps "
                              "behind the guard; use '32-true' or 'bf16-mixed'")
@@ -196,9 +158,8 @@ class StepguardCallback(pl.Callback):
         # micro-batches of a step, the step's mean loss.
         if not torch.is_tensor(loss) or loss.numel() != 1:
             return
-        loss = loss.detach().float().reshape(())
         for guard in self.guards:
-            guard.loss = loss if guard.loss is None else guard.loss + loss
+            guard.add_loss(loss)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: Any) -> None:
@@ -222,7 +183,7 @@ class StepguardCallback(pl.Callback):
             if guard is None or guard.pending is None:
                 original(optimizer, clip_val)
             else:
-                guard.clip_val = float(clip_val)
+                guard.max_norm = float(clip_val)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
         self._plugin = plugin
@@ -266,27 +227,15 @@ class StepguardCallback(pl.Callback):
                 trainer.should_stop = True
             if self.log_metrics:
                 prefix = "stepguard/" if len(self.guards) == 1 else "stepguard/%d/" % i
-                metrics = self._metrics(guard, report)
+                # From the reports: stats() would wait for the snapshot copy the step began.
+                metrics = guard.figures.step_figures()
                 pl_module.log_dict({prefix + k: float(v) for k, v in metrics.items()},
                                    on_step=True, on_epoch=False, batch_size=1)
 
-    @staticmethod
-    def _metrics(guard: _LightningGuard, report: Any) -> Dict[str, float]:
-        # From the reports alone: stats() would wait for the snapshot copy the step just began.
-        # A dropped batch has no measured figures: NaN, not the last step's (which Lightning
-        # would otherwise log again).
-        return guard.figures.step_figures()
-
     def _incident(self, trainer: "pl.Trainer", report: Any) -> None:
-        incident = dict(report.incident)
-        self.incidents.append(incident)
+        self.incidents.append(dict(report.incident))
         if trainer.is_global_zero:
-            ranks = ",".join(str(r) for r in incident.get("ranks", []))
-            ranks = "rank " + ranks if ranks else "no single rank"
-            tensors = ", ".join(incident.get("tensors", [])) or "-"
-            log.warning("stepguard: step %d %s: %s -> %s (cause %s) from %s; tensors: %s",
-                        report.step, report.outcome, incident.get("signal"),
-                        incident.get("action"), incident.get("cause"), ranks, tensors)
+            log.warning(incident_line(report))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                  stage: str) -> None:

@@ -52,41 +52,28 @@ import math
 import warnings
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import guard_options
+from ._core import TESTED, check_version, guard_options
 
 
-# The oldest and the newest megatron-core release the framework tests ran (README "Supported
-# versions"): the public stages used here (prepare_grads, step_with_ready_grads, ChainedOptimizer,
-# get_forward_backward_func) are in both.
-TESTED_VERSIONS = ("0.16.1", "0.19.2")
+# The oldest and the newest megatron-core release the framework tests ran: the public stages
+# used here (prepare_grads, step_with_ready_grads, ChainedOptimizer, get_forward_backward_func)
+# are in both.
+TESTED_VERSIONS = TESTED["megatron-core"]
 
 
 def check_megatron_version(version=None):
-    """Refuses a megatron-core older than the tested range and warns about a newer one, by release
-    number ("0.19.2rc1" and "0.19.2+78b9952" are 0.19.2). ``version``: the installed one when left
-    out (``__shortversion__``: megatron-core 0.19 appends "+<git hash>" to ``__version__`` when
-    it is installed inside a git checkout)."""
+    """``check_version`` of megatron-core: the installed one when ``version`` is left out
+    (``__shortversion__``: megatron-core 0.19 appends "+<git hash>" to ``__version__`` when it
+    is installed inside a git checkout)."""
     if version is None:
         import megatron.core
         version = getattr(megatron.core, "__shortversion__",
                           getattr(megatron.core, "__version__", "unknown"))
-    oldest, newest = TESTED_VERSIONS
-    try:
-        found = Version(str(version)).release
-    except InvalidVersion:
-        raise RuntimeError("stepguard: cannot read the megatron-core version %r (the releases "
-                           "tested are %s to %s)" % (version, oldest, newest)) from None
-    if found < Version(oldest).release:
-        raise RuntimeError("stepguard: megatron-core %s is older than the releases tested "
-                           "(%s to %s); install one of those" % (version, oldest, newest))
-    if found > Version(newest).release:
-        warnings.warn("stepguard: megatron-core %s is newer than the releases tested (%s to %s)"
-                      % (version, oldest, newest), RuntimeWarning, stacklevel=3)
+    check_version("megatron-core", version)
 
 
 class GuardedMegatronOptimizer:

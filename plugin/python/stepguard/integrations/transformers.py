@@ -48,68 +48,23 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .._guard import GuardedOptimizer
 from .._port import is_dtensor
-from ._core import Figures, finish_step, guard_options, refuse_bypass, refuse_own_loss_scaling
+from ._core import (Figures, SeamGuard, check_version, guard_options, incident_line,
+                    refuse_bypass, refuse_own_loss_scaling)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
 _INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reason")
+# The guard inside the Trainer's AcceleratedOptimizer (with ``attach``, its verdict is taken
+# where the Trainer measures the grad norm; the Trainer's optimizer.step() then clips from the
+# agreed norm, runs the update the verdict allows and settles).
+_TrainerGuard = SeamGuard
 
 
 def _state_file(checkpoint, rank):
     """The guard's state in a Trainer checkpoint folder: one file per rank, beside the
     Trainer's own per-rank ``rng_state_<r>.pth``."""
     return os.path.join(checkpoint, "stepguard_rank%d.pt" % rank)
-
-
-class _TrainerGuard(GuardedOptimizer):
-    """The guard inside the Trainer's AcceleratedOptimizer: it keeps the report the Trainer
-    drops, and saves and loads as the wrapped optimizer does (Trainer checkpoints keep their
-    format and load with or without stepguard). With ``attach``, the verdict is taken where the
-    Trainer measures the grad norm (``take_verdict``); the Trainer's ``optimizer.step()`` then
-    clips from the agreed norm, runs the update the verdict allows and settles."""
-
-    last_report = None
-    pending = None    # the verdict taken at the Trainer's clip
-    max_norm = None   # the Trainer's max_grad_norm for that step
-
-    def take_verdict(self, loss, max_norm):
-        self.drop_pending()
-        self.pending = self.verdict(loss)
-        self.max_norm = max_norm
-        return self.pending
-
-    def drop_pending(self):
-        """A verdict whose step never came (an exception between the Trainer's clip and its
-        step): settled as not applied, so that no later step runs on it."""
-        verdict, self.pending = self.pending, None
-        if verdict is not None:
-            self.settle(verdict, False)
-
-    # torch's wrapper, as GuardedOptimizer.step has it: the step hooks fire around the
-    # Trainer's step on both paths, once.
-    @torch.optim.Optimizer.profile_hook_step
-    def step(self, closure=None):
-        verdict, self.pending = self.pending, None
-        if verdict is None:
-            self.last_report = GuardedOptimizer.step.__wrapped__(self, closure)
-            return self.last_report
-        self.last_report = finish_step(self, verdict, self.max_norm)
-        return self.last_report
-
-    def _state_dict(self):
-        return self.optimizer.state_dict()
-
-    def _load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-
-
-def _incident_line(incident):
-    return ("stepguard: step %s: %s -> %s (cause %s) from rank(s) %s; tensors: %s"
-            % (incident.get("step"), incident.get("signal"), incident.get("action"),
-               incident.get("cause"), incident.get("ranks"),
-               ", ".join(incident.get("tensors") or []) or "-"))
 
 
 class StepguardCallback(transformers.TrainerCallback):
@@ -131,7 +86,6 @@ class StepguardCallback(transformers.TrainerCallback):
         self.guard = None
         self.last_report = None
         self._attached = False
-        self._loss = None        # this step's loss so far (sum over its micro-batches)
         self._incidents = []     # since the last log
         self._logged_step = None
         self._resume_from = None  # the checkpoint folder train() resumes from
@@ -151,10 +105,10 @@ class StepguardCallback(transformers.TrainerCallback):
         training_step = trainer.training_step
 
         def guarded_training_step(*args, **kwargs):
+            # The loss of each micro-batch (no callback event carries it).
             loss = training_step(*args, **kwargs)
-            if torch.is_tensor(loss):
-                loss = loss.detach().float().reshape(())
-                self._loss = loss if self._loss is None else self._loss + loss
+            if torch.is_tensor(loss) and self.guard is not None:
+                self.guard.add_loss(loss)
             return loss
 
         trainer.training_step = guarded_training_step
@@ -184,8 +138,8 @@ class StepguardCallback(transformers.TrainerCallback):
                 if (guard is None or norm_type != 2
                         or any(is_dtensor(p.grad) for p in parameters if p.grad is not None)):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
-                loss, self._loss = self._loss, None
-                verdict = guard.take_verdict(loss, max_norm)
+                verdict = guard.take_verdict()
+                guard.max_norm = max_norm
                 return torch.tensor(verdict.grad_norm)
 
             accelerator.clip_grad_norm_ = clip_from_verdict_
@@ -194,6 +148,8 @@ class StepguardCallback(transformers.TrainerCallback):
 
     # -- the Trainer's events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        check_version("transformers")
+        check_version("accelerate")
         if type(optimizer) is not AcceleratedOptimizer:
             raise TypeError(
                 "stepguard: StepguardCallback guards the Trainer's AcceleratedOptimizer; got %s "
@@ -209,10 +165,10 @@ class StepguardCallback(transformers.TrainerCallback):
             raise ValueError(
                 "stepguard: fp16 with accelerate's GradScaler is not supported: its scaler skips "
                 "overflowing steps before the guard sees them; train in bf16 or fp32")
-        self._loss = None
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
             self.guard.drop_pending()
+            self.guard.loss = None
             self._load_guard_state(args)
             self._figures = Figures(self.guard)
             return
@@ -255,12 +211,8 @@ class StepguardCallback(transformers.TrainerCallback):
         os.replace(tmp, path)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.guard is None:
-            return
-        self.guard.last_report = None
-        if self._loss is not None and self.guard.pending is None:  # no verdict at a clip
-            self.guard.record_loss(self._loss)
-            self._loss = None
+        if self.guard is not None:
+            self.guard.last_report = None
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.guard is None:
@@ -280,9 +232,8 @@ class StepguardCallback(transformers.TrainerCallback):
                            "the Trainer's data order is out of the guard's reach, so they are "
                            "trained on (said once per run)", report.batches_to_skip)
         if report.incident is not None:
-            incident = {k: report.incident.get(k) for k in _INCIDENT_KEYS}
-            self._incidents.append(incident)
-            logger.warning(_incident_line(incident))
+            self._incidents.append({k: report.incident.get(k) for k in _INCIDENT_KEYS})
+            logger.warning(incident_line(report))
         if report.aborted:
             logger.error("stepguard: the guard aborted training at step %d (%s)",
                          report.step, ", ".join(report.actions))

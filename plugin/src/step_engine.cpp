@@ -123,6 +123,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   // The snapshot copied while the loop ran forward and backward lands before anything below can
   // change what it reads (a rollback, the optimizer step, a restore).
   settle_snapshot();
+  snapshot_loaded_state();
   stage_seconds_.snapshot = seconds_since(t);  // the wait for the last step's copy
   t = Clock::now();
   check_can_step(loss);

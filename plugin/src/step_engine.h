@@ -162,6 +162,8 @@ class StepEngine {
   /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)
   /// as a snapshot that could not be taken. Never throws.
   void settle_snapshot() noexcept;
+  /// After a load or resume: the state loaded, held as the snapshot of its step.
+  void snapshot_loaded_state();
   void snapshot_failed(std::int64_t step, const char* why);
   /// Exports a checkpoint Recovery wrote, failed or skipped to the metrics.
   void export_checkpoint_event(const CheckpointEvent& event);
@@ -204,6 +206,7 @@ class StepEngine {
   /// Where this step's buffers live: the loss's device, else the gradients'.
   std::optional<at::Device> step_device_;
   std::int64_t last_snapshot_step_ = -1;  ///< the replica-check schedule follows it
+  bool snapshot_loaded_ = false;          ///< a guard state was loaded: snapshot at the next step
   std::int64_t last_incident_step_ = -1;
   std::int64_t trace_failures_ = 0;  ///< trace lines that could not be written
   /// The port's parameters the snapshots were taken of, by identity: a group added or tensors

@@ -47,6 +47,25 @@ void StepEngine::restore_record(const checkpoint::GuardRecord& record) {
     skipped_ranges_.push_back({record.skipped_ranges[i], record.skipped_ranges[i + 1]});
   }
   recovery_.clear_snapshots();
+  snapshot_loaded_ = step_ > 0;
+}
+
+void StepEngine::snapshot_loaded_state() {
+  if (!snapshot_loaded_) return;
+  snapshot_loaded_ = false;
+  // The state a resume put back is one the run reached at step_ (the framework loads its part
+  // before the first step comes): held as that step's snapshot, so that a rollback before the
+  // next scheduled snapshot has a target, as in the run that was not interrupted (which holds it
+  // when step_ was a snapshot step). Not counted again: the record's count has it. Taken whole
+  // now (before this step's update); the RNG state and buffers are those after this step's
+  // forward pass.
+  if (recovery_.ring() == nullptr) return;  // no RAM snapshots in this policy
+  try {
+    recovery_.take_snapshot(step_, controller_.encode());
+    last_snapshot_step_ = step_;
+  } catch (const std::exception& e) {
+    snapshot_failed(step_, e.what());
+  }
 }
 
 void StepEngine::check_record(const checkpoint::GuardRecord& r) const {

@@ -6,7 +6,8 @@ element of rank 1's gradient of GRAD_TENSOR is NaN at GRAD_STEP (in backward, be
 it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times too large at
 SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
 
-usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY
+usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT]
+(save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...))
 """
 
 import json
@@ -26,6 +27,7 @@ GRAD_STEP, GRAD_RANK, GRAD_TENSOR = 5, 1, "transformer.h.0.mlp.c_fc.weight"
 SPIKE_STEP, SPIKE_RANK = 8, 0
 LR = 1e-3
 MAX_GRAD_NORM = 0.3  # below every clean norm here: the Trainer clips each step
+SAVE_EVERY = 6
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -75,6 +77,8 @@ class Recorder(TrainerCallback):
 
 def main():
     out, policy = sys.argv[1], sys.argv[2]
+    mode = sys.argv[3] if len(sys.argv) > 3 else None
+    resume = sys.argv[4] if mode == "resume" else None
     # torchrun starts each worker in a session of its own: the test kills these on a timeout.
     with open(os.path.join(out, "pid%s" % os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
@@ -87,7 +91,8 @@ def main():
         output_dir=os.path.join(out, "trainer"), max_steps=MAX_STEPS,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=LR,
         lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
-        logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo", save_strategy="no",
+        logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo",
+        save_strategy="steps" if mode else "no", save_steps=SAVE_EVERY,
         seed=7, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
     trainer = FaultyTrainer(model=model, args=args, train_dataset=RandomTokens(256, 16, 64))
     rank = args.process_index
@@ -104,7 +109,7 @@ def main():
                            trace_path=os.path.join(out, "trace.jsonl")).attach(trainer)
     recorder = Recorder(sg)
     trainer.add_callback(recorder)
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=resume)
 
     assert rank == dist.get_rank()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

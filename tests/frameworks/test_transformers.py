@@ -43,7 +43,7 @@ def _kill(proc, out):
     proc.wait()
 
 
-def _run_ranks(out):
+def _run_ranks(out, *mode):
     import stepguard
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(stepguard.__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -55,7 +55,7 @@ def _run_ranks(out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "--max_restarts", "0",
-           os.path.join(HERE, "hf_worker.py"), out, POLICY]
+           os.path.join(HERE, "hf_worker.py"), out, POLICY] + list(mode)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
@@ -184,3 +184,26 @@ def test_trainer_ddp_gloo_two_ranks(tmp_path):
     grad_lines = [l for l in text.splitlines() if line % ranks[0]["grad_step"] in l]
     assert len(grad_lines) == WORLD and all(
         l.endswith("tensors: " + ranks[0]["grad_tensor"]) for l in grad_lines), grad_lines
+
+
+def test_trainer_resume_on_two_ranks_in_new_processes_ends_bitwise_as_the_whole_run(tmp_path):
+    """Two ranks save a Trainer checkpoint at step 6 (after the NaN steps 3 and 5); a new torchrun
+    job resumes from it: steps 7-12 (the loss spike at 8 rolls back) and the end are those of the
+    uninterrupted job, bitwise, the guard's figures included, on both ranks."""
+    whole_dir, resumed_dir = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    os.makedirs(whole_dir)
+    os.makedirs(resumed_dir)
+    whole, _ = _run_ranks(whole_dir, "save")
+    checkpoint = os.path.join(whole_dir, "trainer", "checkpoint-6")
+    assert all(os.path.isfile(os.path.join(checkpoint, "stepguard_rank%d.pt" % r))
+               for r in range(WORLD))
+    resumed, _ = _run_ranks(resumed_dir, "resume", checkpoint)
+    for w, r in zip(whole, resumed):
+        assert torch.equal(w["params"], r["params"]), (
+            [(s["step"], s["outcome"], s["actions"]) for s in w["steps"]],
+            [(s["step"], s["outcome"], s["actions"]) for s in r["steps"]])
+        assert w["totals"] == r["totals"], (w["totals"], r["totals"])
+        assert w["final_lr"] == r["final_lr"]
+        later = [s for s in w["steps"] if s["step"] > 6]
+        assert [(s["step"], s["outcome"]) for s in r["steps"]] == [
+            (s["step"], s["outcome"]) for s in later], r["steps"]

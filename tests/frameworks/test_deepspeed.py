@@ -209,7 +209,13 @@ def _manual_scale(base):
         engine.scale(loss * float("nan") if step == 1 else loss).backward()
         engine.step()
         outcomes.append(guarded.last_report.outcome)
-    return [guarded.last_report.loss, guarded.last_report.loss_given, outcomes]
+    out = [guarded.last_report.loss, guarded.last_report.loss_given, outcomes]
+    # A client state saved without the guard's entry: said, and the guard keeps its state.
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guarded.load_state_dict({})
+    return out + [[str(w.message) for w in caught], guarded.guard.stats().step_count]
 
 
 def _applied_anyway(base):
@@ -315,5 +321,7 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
     assert step == 1 and "DeepSpeed applied step 2, which the guard did not apply" in error, error
     assert "deepspeed 0.18.0 is older than the releases tested (0.19.8)" in \
         refusals["old_release"], refusals["old_release"]
-    loss, given, outcomes = refusals["manual_scale"]
+    loss, given, outcomes, fresh, step_count = refusals["manual_scale"]
     assert given and outcomes == ["applied", "skipped", "applied"], refusals["manual_scale"]
+    assert len(fresh) == 1 and "holds no guard state" in fresh[0] and step_count == 3, fresh
+    assert "keeps the state it has (after its step 3)" in fresh[0], fresh

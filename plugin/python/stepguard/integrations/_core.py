@@ -13,9 +13,9 @@ from packaging.version import InvalidVersion, Version
 
 from .._guard import GuardedOptimizer
 
-__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling", "refuse_bypass",
-           "clip_with_verdict", "finish_step", "SeamGuard", "incident_line", "Figures",
-           "OUTCOME_CODES"]
+__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling",
+           "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
+           "incident_line", "Figures", "OUTCOME_CODES"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -130,27 +130,47 @@ def clip_with_verdict(parameters, max_norm, verdict):
     torch.nn.utils.clip_grads_with_norm_(params, min(targets), torch.tensor(norm))
 
 
-def finish_step(guard, verdict, max_norm=None):
+def finish_step(guard, verdict, max_norm=None, update=None):
     """The second half of a step whose verdict a framework seam took: the update the verdict
-    allows (the framework's clip to ``max_norm`` and the policy's by one factor from the agreed
-    norm, or the policy's alone; the wrapped optimizer's step with the LR factor), then
-    ``settle``. An exception in the update settles the step as not applied and goes on up with
-    its own type."""
+    allows, then ``settle``. The update: ``update()`` when given (the framework's own, which
+    clips from the agreed norm itself and returns whether it applied the step), else the
+    framework's clip to ``max_norm`` and the policy's by one factor from the agreed norm (or the
+    policy's alone) and the wrapped optimizer's step with the LR factor. An exception in the
+    update settles the step as not applied and goes on up with its own type."""
     applied = False
     if verdict.applies:
         try:
-            if max_norm:
-                params = [p for g in guard.param_groups for p in g["params"]]
-                clip_with_verdict(params, max_norm, verdict)
+            if update is not None:
+                applied = bool(update())
             else:
-                guard.clip_gradients(verdict)
-            guard._port.apply(verdict.lr_factor)
-            applied = True
+                if max_norm:
+                    params = [p for g in guard.param_groups for p in g["params"]]
+                    clip_with_verdict(params, max_norm, verdict)
+                else:
+                    guard.clip_gradients(verdict)
+                guard._port.apply(verdict.lr_factor)
+                applied = True
         except BaseException:
             guard._port.failure = None  # raised here as it is: nothing to keep
             guard.settle(verdict, False)
             raise
     return guard.settle(verdict, applied)
+
+
+def load_guard_state(guard, record, where):
+    """Loads the guard's state a framework checkpoint holds (``guard_state_dict()``'s); None,
+    from a checkpoint saved without stepguard: a warning naming ``where`` that the guard starts
+    afresh. Returns whether a state was loaded."""
+    if record is None:
+        step = guard.stats().step_count
+        then = ("the guard starts fresh (step count, totals, detectors, LR factor and data "
+                "position from 0)" if step == 0 else
+                "the guard keeps the state it has (after its step %d)" % step)
+        warnings.warn("stepguard: %s holds no guard state (saved without stepguard): %s"
+                      % (where, then), RuntimeWarning, stacklevel=3)
+        return False
+    guard.load_guard_state_dict(record)
+    return True
 
 
 class SeamGuard(GuardedOptimizer):

@@ -39,7 +39,7 @@ import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import check_version, finish_step, guard_options
+from ._core import check_version, finish_step, guard_options, load_guard_state
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -99,11 +99,14 @@ class EngineGuard:
         return {"stepguard": self.guard.guard_state_dict()}
 
     def load_state_dict(self, client_state):
-        """After ``_, client_state = engine.load_checkpoint(dir)``."""
-        if not isinstance(client_state, dict) or "stepguard" not in client_state:
-            raise ValueError("stepguard: this client state holds no 'stepguard' entry (save it "
-                             "with engine.save_checkpoint(dir, client_state=sg.state_dict()))")
-        self.guard.load_guard_state_dict(client_state["stepguard"])
+        """After ``_, client_state = engine.load_checkpoint(dir)``. A client state without the
+        guard's entry (saved without ``client_state=sg.state_dict()``, or None where DeepSpeed
+        found no checkpoint): the guard starts fresh, with a warning."""
+        if client_state is not None and not isinstance(client_state, dict):
+            raise TypeError("stepguard: load_state_dict takes the client state dict "
+                            "engine.load_checkpoint returned, got %s" % type(client_state).__name__)
+        load_guard_state(self.guard, (client_state or {}).get("stepguard"),
+                         "this DeepSpeed client state")
 
     def _backward(self, loss, *args, **kwargs):
         self.record_loss(loss)

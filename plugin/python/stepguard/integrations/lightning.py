@@ -33,7 +33,8 @@ except ImportError:  # the standalone package of older installs
 
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, check_version, guard_options,
-                    incident_line, refuse_bypass, refuse_own_loss_scaling)
+                    incident_line, load_guard_state, refuse_bypass,
+                    refuse_own_loss_scaling)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -137,9 +138,11 @@ class StepguardCallback(pl.Callback):
             guards.append(optimizer)
         if self._records is not None:
             for guard, record in zip(guards, self._records):
-                guard.load_guard_state_dict(record)
+                load_guard_state(guard, record, "this checkpoint")
                 guard.figures = Figures(guard)  # its counts go on from the checkpoint's
             self._records = None
+        elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
+            load_guard_state(guards[0], None, trainer.ckpt_path)
         trainer.strategy.optimizers = guards  # Lightning wraps each in a fresh LightningOptimizer
         self.guards = guards
         self._hold_schedulers(trainer, pl_module)

@@ -49,14 +49,13 @@ expert and dense parameters), and MoE or multi-token-prediction models (Megatron
 """
 
 import math
-import warnings
 
 import torch
 
 from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import TESTED, check_version, guard_options
+from ._core import TESTED, check_version, finish_step, guard_options, load_guard_state
 
 
 # The oldest and the newest megatron-core release the framework tests ran: the public stages
@@ -134,20 +133,14 @@ class GuardedMegatronOptimizer:
             raise RuntimeError("stepguard: Megatron's prepare_grads() found inf without a scaler")
         loss = torch.stack(self._losses).sum() if self._losses else None
         self._losses = []
-        self._port.result = None
-        verdict = self.guard.verdict(loss)
-        applied = False
-        try:
-            if verdict.applies:
-                self._port.verdict = verdict
-                self._port.apply(verdict.lr_factor)  # Megatron's clip, zero count and update
-                applied = bool(self._port.result[0])
-        except BaseException:
-            self.guard.settle(verdict, False)  # the guard stays consistent; the error goes on
-            raise
+        port = self._port
+        port.result = None
+        port.verdict = verdict = self.guard.verdict(loss)
+        try:  # Megatron's clip from the agreed norm, its zero count and update
+            report = finish_step(self.guard, verdict, update=lambda: port.apply(
+                verdict.lr_factor) or port.result[0])
         finally:
-            self._port.verdict = None
-        report = self.guard.settle(verdict, applied)
+            port.verdict = None
         self.last_report = report
         if not report.applied:
             return False, None, None
@@ -179,10 +172,7 @@ class GuardedMegatronOptimizer:
                             % type(state_dict).__name__)
         entry = state_dict.get(_SHARDED_KEY)
         if entry is None:
-            warnings.warn("stepguard: this optimizer state dict has no 'stepguard' entry (saved "
-                          "without the guard): Megatron's state loads, the guard starts fresh "
-                          "(step count, totals, detectors, LR factor and data position from 0)",
-                          RuntimeWarning, stacklevel=2)
+            load_guard_state(self.guard, None, "this optimizer state dict")
             with torch.no_grad():  # Megatron writes into leaf main parameters in place
                 self._megatron.load_state_dict(state_dict)
             return

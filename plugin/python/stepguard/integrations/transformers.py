@@ -50,7 +50,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, check_version, guard_options, incident_line,
-                    refuse_bypass, refuse_own_loss_scaling)
+                    load_guard_state, refuse_bypass, refuse_own_loss_scaling)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -190,12 +190,8 @@ class StepguardCallback(transformers.TrainerCallback):
         if checkpoint is None:
             return
         path = _state_file(checkpoint, self.guard.stats().rank)
-        if not os.path.isfile(path):
-            logger.warning("stepguard: %s holds no guard state (saved without stepguard): the "
-                           "guard starts afresh (LR factor 1, budgets and counts from 0)",
-                           checkpoint)
-            return
-        self.guard.load_guard_state_dict(torch.load(path, weights_only=True))
+        record = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+        load_guard_state(self.guard, record, checkpoint)
 
     def on_save(self, args, state, control, **kwargs):
         # After the Trainer wrote checkpoint-<global_step> (every rank runs this event): the

@@ -87,6 +87,9 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         ds_norm = engine.get_global_grad_norm()
         flat = _flat_params(engine.module)
         after[report.step] = flat
+        # A step the guard skipped changed no parameter (DeepSpeed did not apply it either).
+        unchanged = (torch.equal(flat, after[report.step - 1])
+                     if report.skipped and report.step - 1 in after else None)
         gathered = [torch.empty_like(flat) for _ in range(world)]
         torch.distributed.all_gather(gathered, flat)
         steps.append({
@@ -98,7 +101,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
             "incident": report.incident, "rolled_back_to": report.rolled_back_to,
             "restored_snapshot": (torch.equal(flat, after[report.rolled_back_to])
                                   if report.rolled_back else None),
-            "finite": bool(torch.isfinite(flat).all()),
+            "finite": bool(torch.isfinite(flat).all()), "unchanged": unchanged,
         })
     # DeepSpeed's own checkpoint carries the guard's decision state as client state.
     engine.save_checkpoint(checkpoint_dir, client_state=guarded.state_dict())
@@ -284,6 +287,7 @@ def _check(ranks, key, world):
             assert s["scheduler_epoch"] == applied, (key, rank, s)
         assert steps[NAN_GRAD]["outcome"] == "skipped", (key, rank, outcomes)
         assert steps[NAN_BATCH]["outcome"] == "skipped", (key, rank, outcomes)
+        assert steps[NAN_GRAD]["unchanged"] and steps[NAN_BATCH]["unchanged"], (key, rank)
         assert steps[NAN_BATCH]["incident"]["ranks"] == [world - 1], (key, steps[NAN_BATCH])
         spike = steps[SPIKE]
         assert spike["outcome"] == "rolled_back", (key, rank, outcomes)

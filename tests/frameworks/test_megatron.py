@@ -103,6 +103,10 @@ def _run(rank, world, precision, distributed_optimizer):
         flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
         main = torch.cat([p.detach().reshape(-1) for p in main_params])
         after[report.step], mains[report.step] = flat, main
+        # A step the guard skipped changed nothing (Megatron did not apply it either).
+        unchanged = (torch.equal(flat, after[report.step - 1])
+                     and torch.equal(main, mains[report.step - 1])
+                     if report.skipped and report.step - 1 in after else None)
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         steps.append({
@@ -112,7 +116,7 @@ def _run(rank, world, precision, distributed_optimizer):
             "loss": report.loss, "micro_loss_mean": float(torch.stack(
                 [d["loss"] for d in losses]).mean()),
             "equal_across_ranks": all(torch.equal(flat, t) for t in gathered),
-            "finite": bool(torch.isfinite(flat).all()),
+            "finite": bool(torch.isfinite(flat).all()), "unchanged": unchanged,
             "restored_snapshot": ((torch.equal(flat, after[report.rolled_back_to])
                                    and torch.equal(main, mains[report.rolled_back_to]))
                                   if report.rolled_back else None),
@@ -176,6 +180,7 @@ def _check(ranks, key, world):
                 assert s["returned"] == [False, None, None], (key, rank, s)
         assert steps[NAN_GRAD]["outcome"] == "skipped", (key, rank, run["steps"])
         assert steps[NAN_LOSS]["outcome"] == "skipped", (key, rank, run["steps"])
+        assert steps[NAN_GRAD]["unchanged"] and steps[NAN_LOSS]["unchanged"], (key, rank)
         assert steps[NAN_LOSS]["incident"]["ranks"] == [world - 1], (key, steps[NAN_LOSS])
         assert steps[SPIKE]["outcome"] == "rolled_back", (key, rank, run["steps"])
         # Main (fp32) and model parameters are both the snapshot's again.

@@ -319,7 +319,10 @@ TEST(GuardedOptimizer, PolicyFileSetsTheLimit) {
     GuardedOptimizer bad(opt, GuardOptions().policy(path));
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(e.msg(), path + ":2:10: unknown key 'max_bad' in 'limits'");
+    EXPECT_EQ(e.msg(), path +
+                           ":2:10: unknown key 'max_bad' in 'limits' (known: "
+                           "max_consecutive_bad_steps, max_skips, max_rollbacks, "
+                           "loss_scale_floor)");
   }
   std::remove(path.c_str());
 }

@@ -109,7 +109,8 @@ TEST(PolicyFile, UnknownKeySuggestsTheClosest) {
             std::vector<std::string>(
                 {"p.yaml:2:1: unknown key 'checkpoints' (did you mean 'checkpoint'?)"}));
   EXPECT_EQ(issues_of("version: 1\npolicy: {}\n"),
-            std::vector<std::string>({"p.yaml:2:1: unknown key 'policy'"}));
+            std::vector<std::string>({"p.yaml:2:1: unknown key 'policy' (known: version, "
+                                      "detectors, rules, limits, loss_scale, checkpoint)"}));
 }
 
 TEST(PolicyFile, WrongTypesAndValuesNameTheKey) {
@@ -395,6 +396,46 @@ TEST(PolicyFile, ExplainSaysTheLadderInWords) {
   EXPECT_NE(text.find("12 bad steps in a row: abort training."), std::string::npos) << text;
   EXPECT_NE(explain_policy(PolicyConfig{}).find("no limit on bad steps in a row"),
             std::string::npos);
+}
+
+TEST(PolicyFile, AWaitWithoutARecoveryIsRefusedNotSilentlyForever) {
+  // recover_over 0 keeps the LR lowered for good, so recover_after alone would wait for nothing.
+  EXPECT_EQ(issues_of("version: 1\nrules:\n  - {on: nonfinite, action: lower_lr, recover_after: "
+                      "200}\n"),
+            std::vector<std::string>({"p.yaml:3:54: 'recover_after' without 'recover_over' "
+                                      "recovers nothing (the LR stays lowered); add "
+                                      "'recover_over: N' to recover over N good steps after it"}));
+  EXPECT_TRUE(issues_of("version: 1\nrules:\n  - {on: nonfinite, action: lower_lr, "
+                        "recover_after: 200, recover_over: 100}\n")
+                  .empty());
+  EXPECT_TRUE(issues_of("version: 1\nrules:\n  - {on: nonfinite, action: lower_lr}\n").empty());
+}
+
+TEST(PolicyFile, AnUnknownKeyGetsTheSchemasWordForIt) {
+  // A whole part of a known key: 'factor' under loss_spike is its early_factor.
+  EXPECT_EQ(issues_of("version: 1\ndetectors:\n  loss_spike: {factor: 5}\n"),
+            std::vector<std::string>({"p.yaml:3:16: unknown key 'factor' in "
+                                      "'detectors.loss_spike' (did you mean 'early_factor'?)"}));
+  // Nothing near: the keys known there.
+  const auto issues = issues_of(
+      "version: 1\nrules:\n  - {on: nonfinite, action: skip_batch, "
+      "steps: 3}\n");
+  ASSERT_EQ(issues.size(), 1u);
+  EXPECT_NE(issues[0].find("unknown key 'steps'"), std::string::npos) << issues[0];
+  EXPECT_NE(issues[0].find("(known: "), std::string::npos) << issues[0];
+  EXPECT_NE(issues[0].find("consecutive"), std::string::npos) << issues[0];
+}
+
+TEST(PolicyFile, ExplainHasWordsForEveryRuleThePresetsUse) {
+  PolicyConfig config;
+  ASSERT_TRUE(parse_policy("version: 1\ncheckpoint: {snapshot_every: 10}\nrules:\n  - {on: "
+                           "replica_divergence, action: rollback}\n",
+                           "p.yaml", &config)
+                  .empty());
+  const std::string text = explain_policy(config);
+  EXPECT_NE(text.find("on a rank whose parameters differ from the other replicas': roll back"),
+            std::string::npos)
+      << text;
 }
 
 }  // namespace

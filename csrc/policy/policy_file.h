@@ -45,10 +45,13 @@ class PolicyFileError : public std::runtime_error {
 std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string& name,
                                       PolicyConfig* config);
 
-/// Reads and parses a policy file; a file that cannot be read is one issue at line 0.
+/// Reads and parses a policy file; a file that cannot be read is one issue at line 0. A `path`
+/// that names no file but a shipped preset (`default`, `megatron`, ...: presets.h) reads the
+/// preset, its issues naming "preset 'NAME'"; a bare name (no '/', no '.') that is neither is
+/// one issue naming the presets.
 std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig* config);
 
-/// Reads a policy file or throws PolicyFileError.
+/// Reads a policy file or preset (as check_policy_file) or throws PolicyFileError.
 PolicyConfig load_policy_file(const std::string& path);
 
 /// The policy's ladder in plain words, one step per line.

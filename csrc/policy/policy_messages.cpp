@@ -43,6 +43,7 @@ std::string signal_words(SignalSet on) {
       {Signal::kLossSpike, "a loss spike"},
       {Signal::kGradNormSpike, "a grad-norm spike"},
       {Signal::kLossRatio, "a loss above the ratio limit"},
+      {Signal::kReplicaDivergence, "a rank whose parameters differ from the other replicas'"},
   };
   for (const auto& [signal, word] : words) {
     if (on & bit(signal)) parts.push_back(word);
@@ -187,10 +188,19 @@ void explain_settings(const PolicyConfig& config, std::ostream& out) {
 namespace detail {
 
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
-  // A word that starts a known one ('skip' -> 'skip_batch') beats a near spelling.
+  // A word that starts a known one ('skip' -> 'skip_batch') beats a near spelling, and one that
+  // is a whole part of a known one ('factor' -> 'early_factor') too.
   if (word.size() >= 3) {
     for (const auto& k : known) {
       if (k.size() > word.size() && k.compare(0, word.size(), word) == 0) {
+        return " (did you mean '" + k + "'?)";
+      }
+    }
+  }
+  if (word.size() >= 4) {
+    for (const auto& k : known) {
+      const std::size_t at = k.find(word);
+      if (k.size() > word.size() && at != std::string::npos && at > 0 && k[at - 1] == '_') {
         return " (did you mean '" + k + "'?)";
       }
     }

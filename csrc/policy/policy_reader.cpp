@@ -393,6 +393,13 @@ class Reader {
         }
         count(node, "recover_after", 0, &spec->recover_after);
         count(node, "recover_over", 0, &spec->recover_over);
+        if (const YAML::Node n = node["recover_after"];
+            n && spec->recover_after > 0 && spec->recover_over == 0) {
+          // recover_over 0 keeps the LR lowered for good: the wait would wait for nothing.
+          check_.issue(n.Mark(),
+                       "'recover_after' without 'recover_over' recovers nothing (the LR stays "
+                       "lowered); add 'recover_over: N' to recover over N good steps after it");
+        }
         break;
       case Action::kClip:
         if (const YAML::Node n = node["z"]; n) check_.number(n, "z", 0, 1e6, true, false, &spec->z);

@@ -106,7 +106,10 @@ void Checker::check_keys(const YAML::Node& map, const std::vector<std::string>& 
       issue(item.first.Mark(), "a key must be a plain word" + where);
       continue;
     }
-    issue(item.first.Mark(), "unknown key '" + key + "'" + where + did_you_mean(key, known));
+    // No near spelling: the keys that are known there, from the schema.
+    std::string hint = did_you_mean(key, known);
+    if (hint.empty() && !known.empty()) hint = " (known: " + join(known) + ")";
+    issue(item.first.Mark(), "unknown key '" + key + "'" + where + hint);
   }
 }
 

@@ -144,7 +144,10 @@ TEST(PolicyCli, ChecksFilesAndNamesEveryProblem) {
   EXPECT_EQ(r.err, bad +
                        ":3:30: 'max_consecutive_bad_steps' must be a whole number in [0, "
                        "1000000000], got 'lots'\n" +
-                       bad + ":4:3: unknown key 'bogus' in 'limits'\n");
+                       bad +
+                       ":4:3: unknown key 'bogus' in 'limits' (known: "
+                       "max_consecutive_bad_steps, max_skips, max_rollbacks, "
+                       "loss_scale_floor)\n");
 
   r = run_stepguard("policy explain '" + shipped + "'");
   EXPECT_EQ(r.status, 0);

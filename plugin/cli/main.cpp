@@ -38,9 +38,11 @@ constexpr const char* kUsage =
     "\n"
     "commands:\n"
     "  demo                     train the demo model under stepguard with injected faults\n"
-    "  policy check FILE...     validate policy files (exit 0 valid, 2 with FILE:LINE:COL lines)\n"
-    "  policy explain FILE      print a policy's ladder in plain words\n"
-    "  replay --policy FILE --trace TRACE.jsonl [--loss-scaling]\n"
+    "  policy check POLICY...   validate policies (exit 0 valid, 2 with FILE:LINE:COL lines)\n"
+    "  policy explain POLICY    print a policy's ladder in plain words\n"
+    "  policy show PRESET       print a shipped preset's YAML\n"
+    "  policy list              name the shipped presets\n"
+    "  replay --policy POLICY --trace TRACE.jsonl [--loss-scaling]\n"
     "                           rerun a policy offline over a recorded trace; prints the per-step\n"
     "                           decisions as JSONL\n"
     "  ckpt ls DIR              list the checkpoints under DIR with their state\n"
@@ -53,18 +55,53 @@ constexpr const char* kUsage =
     "                           matplotlib)\n"
     "  version                  print the version and build facts\n"
     "\n"
-    "Run 'stepguard demo --help' for the demo's flags.\n";
+    "POLICY is a YAML file or a shipped preset's name (default, megatron, ...).\n"
+    "Run 'stepguard COMMAND --help' for a command's usage.\n";
 
-// Prints every issue of `path` to stderr; returns true when the file is valid.
+// -h or --help anywhere among a command's arguments: its usage on stdout, exit 0 (as git does).
+bool wants_help(const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    if (a == "-h" || a == "--help") return true;
+  }
+  return false;
+}
+
+// Prints every issue of `path` (a file or a preset's name) to stderr; true when it is valid.
 bool report_policy_issues(const std::string& path) {
   const auto issues = stepguard::check_policy_file(path);
   for (const auto& issue : issues) std::cerr << issue << "\n";
   return issues.empty();
 }
 
+// What the preset is for: the first sentence of its leading comment, cut to one line.
+std::string preset_summary(const std::string& name) {
+  std::istringstream text(stepguard::policy_preset_text(name));
+  std::string line, comment;
+  while (std::getline(text, line) && line.rfind("#", 0) == 0) {
+    comment += (comment.empty() ? "" : " ") + line.substr(line.rfind("# ", 0) == 0 ? 2 : 1);
+  }
+  const std::size_t end = comment.find(". ");
+  if (end != std::string::npos) comment.resize(end + 1);
+  constexpr std::size_t kWidth = 80;
+  if (comment.size() > kWidth) {
+    comment.resize(comment.rfind(' ', kWidth - 4));
+    comment += " ...";
+  }
+  return comment;
+}
+
 int run_policy_command(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: stepguard policy check FILE... | stepguard policy explain FILE\n";
+      "usage: stepguard policy check POLICY...   validate (exit 0 valid, 2 with FILE:LINE:COL "
+      "lines)\n"
+      "       stepguard policy explain POLICY    the policy's ladder in plain words\n"
+      "       stepguard policy show PRESET       a shipped preset's YAML (to start a file from)\n"
+      "       stepguard policy list              the shipped presets\n"
+      "POLICY is a YAML file or a shipped preset's name (stepguard policy list).\n";
+  if (wants_help(args)) {
+    std::cout << usage;
+    return 0;
+  }
   if (args.empty()) {
     std::cerr << usage;
     return 2;
@@ -86,23 +123,39 @@ int run_policy_command(const std::vector<std::string>& args) {
     std::cout << stepguard::explain_policy_file(files[0]);
     return 0;
   }
-  std::cerr << usage;
+  if (args[0] == "show" && files.size() == 1) {
+    std::cout << stepguard::policy_preset_text(files[0]);  // invalid_argument: exit 2, named
+    return 0;
+  }
+  if (args[0] == "list" && files.empty()) {
+    for (const auto& name : stepguard::policy_preset_names()) {
+      std::printf("%-16s %s\n", name.c_str(), preset_summary(name).c_str());
+    }
+    return 0;
+  }
+  std::cerr << "stepguard policy: unexpected arguments\n" << usage;
   return 2;
 }
 
 int run_replay_command(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: stepguard replay --policy FILE --trace TRACE.jsonl [--loss-scaling]\n";
+      "usage: stepguard replay --policy POLICY --trace TRACE.jsonl [--loss-scaling]\n"
+      "POLICY is a YAML file or a shipped preset's name (stepguard policy list).\n";
+  if (wants_help(args)) {
+    std::cout << usage;
+    return 0;
+  }
   stepguard::ReplayOptions options;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if ((a == "--policy" || a == "--trace") && i + 1 < args.size()) {
+    if (a == "--policy" || a == "--trace") {
+      if (i + 1 == args.size()) {
+        std::cerr << "stepguard replay: " << a << " needs a value\n" << usage;
+        return 2;
+      }
       (a == "--policy" ? options.policy_file : options.trace_file) = args[++i];
     } else if (a == "--loss-scaling") {
       options.loss_scaling = true;
-    } else if (a == "--help" || a == "-h") {
-      std::cout << usage;
-      return 0;
     } else {
       std::cerr << "stepguard replay: unexpected argument '" << a << "'\n" << usage;
       return 2;
@@ -127,7 +180,14 @@ int run_replay_command(const std::vector<std::string>& args) {
 }
 
 int run_ckpt_command(const std::vector<std::string>& args) {
-  const std::string usage = "usage: stepguard ckpt ls DIR | stepguard ckpt verify DIR\n";
+  const std::string usage =
+      "usage: stepguard ckpt ls DIR       list the checkpoints under DIR with their state\n"
+      "       stepguard ckpt verify DIR   check every checkpoint's files (exit 0 all valid, 1 "
+      "naming each bad file)\n";
+  if (wants_help(args)) {
+    std::cout << usage;
+    return 0;
+  }
   if (args.size() != 2 || (args[0] != "ls" && args[0] != "verify")) {
     std::cerr << usage;
     return 2;
@@ -176,8 +236,13 @@ int run_ckpt_command(const std::vector<std::string>& args) {
 }
 
 int run_incident_command(const std::vector<std::string>& args) {
+  const std::string usage = "usage: stepguard incident show FILE   print an incident report\n";
+  if (wants_help(args)) {
+    std::cout << usage;
+    return 0;
+  }
   if (args.size() != 2 || args[0] != "show") {
-    std::cerr << "usage: stepguard incident show FILE\n";
+    std::cerr << usage;
     return 2;
   }
   try {

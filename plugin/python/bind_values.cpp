@@ -2,6 +2,7 @@
 #include "plugin/python/bind_values.h"
 
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,30 @@ std::vector<std::string> action_names(const std::vector<Action>& actions) {
   return out;
 }
 
+// What a person reading a log wants of a report: the outcome, the figures and, on an incident,
+// what and where.
+std::string report_repr(const StepReport& r) {
+  std::ostringstream out;
+  out << "StepReport(step=" << r.step << ", outcome='" << to_string(r.outcome) << "', action='"
+      << to_string(r.action) << "', loss=";
+  if (r.loss_given) {
+    out << r.loss;
+  } else {
+    out << "None";
+  }
+  out << ", grad_norm=" << r.grad_norm << ", nonfinite_count=" << r.nonfinite_count;
+  if (r.loss_scale != 1.0) out << ", loss_scale=" << r.loss_scale;
+  if (r.lr_factor != 1.0) out << ", lr_factor=" << r.lr_factor;
+  if (r.batches_to_skip > 0) out << ", batches_to_skip=" << r.batches_to_skip;
+  if (r.incident) {
+    out << ", incident=" << to_string(r.incident->signal) << "/" << to_string(r.incident->cause);
+    if (!r.incident->tensors.empty()) out << " in " << r.incident->tensors.front();
+    if (r.incident->tensors.size() > 1) out << " (+" << r.incident->tensors.size() - 1 << ")";
+  }
+  out << ")";
+  return out.str();
+}
+
 // GuardOptions as one Python type: every field a property of the C++ struct's name and type,
 // checked strictly (a bool is not a port, a float not a count), so the options are spelled once.
 // `what` names the value in errors ("option metrics_port", "the guard state's 'step'").
@@ -70,10 +95,7 @@ void bind_report(py::module_& m) {
       .def_readonly("lr_factor", &StepReport::lr_factor)
       .def_property_readonly("incident",
                              [](const StepReport& r) { return incident_dict(r.incident); })
-      .def("__repr__", [](const StepReport& r) {
-        return "StepReport(step=" + std::to_string(r.step) + ", outcome='" + to_string(r.outcome) +
-               "')";
-      });
+      .def("__repr__", &report_repr);
 }
 
 void bind_layout(py::module_& m) {

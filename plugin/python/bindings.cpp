@@ -454,7 +454,27 @@ PYBIND11_MODULE(_C, m) {
   stepguard::bind_stats(m);
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));
-  m.def("explain_policy_file", &stepguard::explain_policy_file, py::arg("path"));
+  // An invalid policy is the guard's error (StepguardError), as GuardedOptimizer raises it.
+  m.def(
+      "explain_policy_file",
+      [](const std::string& path) {
+        try {
+          return stepguard::explain_policy_file(path);
+        } catch (const std::invalid_argument& e) {
+          TORCH_CHECK(false, e.what());
+        }
+      },
+      py::arg("path"));
+  m.def(
+      "policy_presets",
+      [] {
+        py::dict out;
+        for (const auto& name : stepguard::policy_preset_names()) {
+          out[py::str(name)] = stepguard::policy_preset_text(name);
+        }
+        return out;
+      },
+      "The shipped policy presets: {name: YAML text}. A name works wherever a policy path does.");
   m.def("attach_incident_picture", &stepguard::attach_incident_picture, py::arg("report_path"),
         py::arg("picture_path"));
   m.def("version", &stepguard::version);

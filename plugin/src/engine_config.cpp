@@ -51,25 +51,14 @@ void check_plain_options(const GuardOptions& o) {
   }
 }
 
-// A preset's text when `policy` names one and no file of that name exists.
-const std::string* preset_of(const std::string& policy) {
-  std::error_code error;
-  if (std::filesystem::exists(policy, error)) return nullptr;
-  return policy::find_policy_preset(policy);
-}
-
 policy::PolicyConfig read_policy(const GuardOptions& o) {
   try {
-    if (const std::string* preset = preset_of(o.policy())) {
-      policy::PolicyConfig config;
-      auto issues = policy::parse_policy(*preset, "preset '" + o.policy() + "'", &config);
-      if (!issues.empty()) throw policy::PolicyFileError(std::move(issues));
-      return config;
-    }
     if (!o.policy().empty()) {
-      // A bare name that is no file was meant as a preset; a path gets the file's own error.
+      // A file, else a shipped preset of that name (load_policy_file reads either); a bare name
+      // that is neither gets this message, a path the file's own error.
       std::error_code error;
       TORCH_CHECK(std::filesystem::exists(o.policy(), error) ||
+                      policy::find_policy_preset(o.policy()) != nullptr ||
                       o.policy().find_first_of("/.") != std::string::npos,
                   "stepguard: policy '", o.policy(),
                   "' is neither a file nor a shipped preset (presets: ",

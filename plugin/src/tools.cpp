@@ -13,6 +13,7 @@
 #include "csrc/common/regular_file.h"
 #include "csrc/forensics/report.h"
 #include "csrc/policy/policy_file.h"
+#include "csrc/policy/presets.h"
 
 namespace stepguard {
 
@@ -27,6 +28,18 @@ std::string explain_policy_file(const std::string& path) {
   const auto issues = policy::check_policy_file(path, &config);
   if (!issues.empty()) throw std::invalid_argument(policy::PolicyFileError(issues).what());
   return policy::explain_policy(config);
+}
+
+std::vector<std::string> policy_preset_names() {
+  std::vector<std::string> out;
+  for (const auto& preset : policy::policy_presets()) out.push_back(preset.first);
+  return out;
+}
+
+std::string policy_preset_text(const std::string& name) {
+  if (const std::string* text = policy::find_policy_preset(name)) return *text;
+  throw std::invalid_argument("no shipped policy preset '" + name +
+                              "' (presets: " + policy::policy_preset_names() + ")");
 }
 
 std::vector<CheckpointStatus> verify_checkpoints(const std::string& root) {

@@ -164,7 +164,9 @@ def test_policy_errors_keep_their_positions():
     with pytest.raises(stepguard.StepguardError) as e:
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    policy_yaml="version: 1\nlimits: {max_bad: 1}\n")
-    assert str(e.value) == "policy_yaml:2:10: unknown key 'max_bad' in 'limits'"
+    assert str(e.value) == ("policy_yaml:2:10: unknown key 'max_bad' in 'limits' (known: "
+                            "max_consecutive_bad_steps, max_skips, max_rollbacks, "
+                            "loss_scale_floor)")
     with pytest.raises(TypeError, match="unknown option"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), trace="x")
 

@@ -194,6 +194,28 @@ def test_a_preset_is_accepted_by_name():
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="defualt")
 
 
+def test_the_policy_tools_take_preset_names_and_print_the_presets(tmp_path):
+    presets = stepguard.policy_presets()
+    assert sorted(presets) == ["debug-strict", "deepspeed-fp16", "default", "megatron",
+                               "palm-rollback"]
+    assert presets["palm-rollback"].startswith("# The PaLM paper's remedy")  # the YAML, commented
+    assert stepguard.check_policy_file("palm-rollback") == []
+    assert "Rules, checked in this order" in stepguard.explain_policy_file("default")
+    # A preset's text is a policy file of one's own to start from.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(presets["megatron"])
+    assert stepguard.check_policy_file(str(mine)) == []
+    # An invalid policy is the guard's error, as GuardedOptimizer raises it (it was ValueError).
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nlimits: {bogus: 1}\n")
+    with pytest.raises(stepguard.StepguardError, match=r"bad.yaml:2:10: unknown key 'bogus'"):
+        stepguard.explain_policy_file(str(bad))
+    with pytest.raises(stepguard.StepguardError,
+                       match=r"defualt:0:0: no policy file of that name and no shipped preset "
+                             r"\(did you mean 'default'\?\)"):
+        stepguard.explain_policy_file("defualt")
+
+
 def test_the_version_names_the_package_and_the_libtorch_it_was_built_against():
     import re
     import subprocess
@@ -257,3 +279,31 @@ def test_a_layout_is_checked_where_it_is_given():
     p = stepguard.Placement.replicated(4)
     assert (p.kind, p.copies, repr(p)) == ("replicated", 4, "Placement.replicated(4)")
     assert stepguard.Placement.shard() == stepguard.Placement.shard(1)
+
+
+def test_parameters_where_named_parameters_go_is_a_clear_type_error():
+    model = make_model(0)
+    with pytest.raises(TypeError, match=r"named_parameters must give \(name, parameter\) pairs, "
+                                        r"as model.named_parameters\(\) does; got a tensor "
+                                        r"\(model.parameters\(\)\?"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.parameters())
+
+
+def test_a_reports_repr_says_what_happened_and_where():
+    model = make_model(0)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    loss = loss_of(model, 0)
+    loss.backward()
+    clean = repr(guard.step(loss))
+    assert clean.startswith("StepReport(step=1, outcome='applied', action='apply', loss="), clean
+    assert "grad_norm=" in clean and "incident" not in clean
+    guard.zero_grad()
+    loss = loss_of(model, 1)
+    loss.backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    bad = repr(guard.step(loss))
+    assert "outcome='skipped', action='skip_batch'" in bad, bad
+    assert "nonfinite_count=1" in bad and "incident=nonfinite_grad/" in bad, bad
+    assert " in 0.weight" in bad, bad

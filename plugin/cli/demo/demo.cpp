@@ -101,10 +101,15 @@ void DemoRun::check_injection_ranks() const {
   }
 }
 
-// Ranks sharing this machine's cores: one thread each unless told otherwise.
+// --threads, else OMP_NUM_THREADS (as torch and torchrun read it), else: ranks sharing this
+// machine's cores one thread each, one rank every CPU.
 void DemoRun::set_threads() const {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const long from_env = omp != nullptr ? std::strtol(omp, nullptr, 10) : 0;
   if (o_.threads > 0) {
     torch::set_num_threads(o_.threads);
+  } else if (from_env > 0 && from_env <= 1024) {
+    torch::set_num_threads(static_cast<int>(from_env));
   } else if (world_.size > 1) {
     torch::set_num_threads(1);
   } else {

@@ -103,8 +103,8 @@ const char* demo_usage() noexcept {
          "                      [--collective-timeout SECONDS] [--metrics-port P] [--linger S]\n"
          "                      [--run-name NAME] [--precision fp32|fp16]\n"
          "                      [--batch-size B] [--context T] [--lr LR] [--threads N]\n"
-         "                      [--policy FILE | --max-bad-steps N] [--log-every N] [--corpus "
-         "DIR]\n"
+         "                      [--policy POLICY | --max-bad-steps N] [--log-every N]\n"
+         "                      [--corpus DIR]\n"
          "                      [--checkpoint-dir DIR] [--checkpoint-every N] [--resume DIR]\n"
          "                      [--incident-dir DIR] [--probe]\n"
          "\n"
@@ -117,12 +117,15 @@ const char* demo_usage() noexcept {
          "With --ranks R > 1, R processes train data-parallel over Gloo on 127.0.0.1;\n"
          "KIND@STEP:RANK injects on one rank only. Under torchrun (RANK and WORLD_SIZE set)\n"
          "each process is one rank.\n"
-         "Without --policy the demo runs configs/policies/default.yaml (built in);\n"
+         "--policy takes a YAML file or a shipped preset's name (stepguard policy list);\n"
+         "without it the demo runs the 'default' preset.\n"
          "--max-bad-steps N runs the plain ladder instead: skip, abort after N in a row.\n"
          "--checkpoint-dir DIR writes a checkpoint every N steps (default 50); --resume DIR\n"
          "continues from the newest valid one there (and keeps writing there).\n"
          "--probe wraps every block's output and the logits in forensics probes: an incident\n"
          "names the first bad block forward and backward (one device read per probe and step).\n"
+         "--threads N: torch threads per rank (default: OMP_NUM_THREADS when set, else\n"
+         "every CPU with one rank and 1 per rank with several).\n"
          "Exit status: 0 trained to the end, 2 bad arguments, 3 the policy aborted, 1 error.\n";
 }
 

@@ -13,11 +13,18 @@
 namespace stepguard {
 
 /// Every problem of the policy file at `path`, one "FILE:LINE:COL: message" each, in file order;
-/// empty when the file is valid.
+/// empty when the file is valid. A `path` that names no file but a shipped preset reads the
+/// preset (as GuardOptions::policy does).
 std::vector<std::string> check_policy_file(const std::string& path);
-/// The policy at `path` in plain words. Throws std::invalid_argument holding the problems, one per
-/// line, when the file is not valid.
+/// The policy at `path` (a file or a preset's name) in plain words. Throws std::invalid_argument
+/// holding the problems, one per line, when it is not valid.
 std::string explain_policy_file(const std::string& path);
+
+/// The shipped policy presets (configs/policies, built in), by name.
+std::vector<std::string> policy_preset_names();
+/// A shipped preset's YAML text, comments included. Throws std::invalid_argument naming the
+/// presets when `name` is none of them.
+std::string policy_preset_text(const std::string& name);
 
 /// What verifying one checkpoint directory found.
 struct CheckpointStatus {

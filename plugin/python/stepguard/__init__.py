@@ -13,13 +13,13 @@ incident reports.
 import torch  # noqa: F401  (loads LibTorch before the extension)
 
 from ._C import (ConsensusError, GuardOptions, Placement, StepguardError, StepReport, Verdict,
-                 check_policy_file, explain_policy_file, version)
+                 check_policy_file, explain_policy_file, policy_presets, version)
 from ._guard import GuardedOptimizer
 from ._port import TorchOptimPort
 
 __all__ = [
     "ConsensusError", "GuardOptions", "GuardedOptimizer", "Placement", "StepReport",
     "StepguardError", "TorchOptimPort", "Verdict", "check_policy_file", "explain_policy_file",
-    "version",
+    "policy_presets", "version",
 ]
 __version__ = version()

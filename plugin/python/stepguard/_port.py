@@ -111,7 +111,15 @@ class TorchOptimPort:
         self.optimizer = optimizer
         self._names_by_id = {}
         if named_parameters is not None:
-            for name, p in named_parameters:
+            for item in named_parameters:
+                if torch.is_tensor(item) or not isinstance(item, (tuple, list)) or len(item) != 2:
+                    # model.parameters() where model.named_parameters() goes.
+                    raise TypeError(
+                        "stepguard: named_parameters must give (name, parameter) pairs, as "
+                        "model.named_parameters() does; got %s (model.parameters()? pass "
+                        "model.named_parameters(), or nothing for param_<i> names)"
+                        % ("a tensor" if torch.is_tensor(item) else type(item).__name__))
+                name, p = item
                 self._names_by_id[id(p)] = check_name(name, "parameter name")
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if params and not any(id(p) in self._names_by_id for p in params):

@@ -87,6 +87,7 @@ TEST(Metrics, CountersAndGaugesFollowTheGuard) {
   // A real scrape over HTTP sees the same.
   const std::string endpoint = guard.stats().metrics_endpoint;
   const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  EXPECT_EQ(endpoint, "http://127.0.0.1:" + std::to_string(port) + "/metrics");  // a URL
   int status = 0;
   const std::string scraped = testing_support::http_get("127.0.0.1", port, "/metrics", &status);
   EXPECT_EQ(status, 200);

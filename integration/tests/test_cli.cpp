@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "integration/tests/demo_support.h"
 
@@ -109,6 +111,33 @@ TEST(Cli, PolicyListNamesThePresetsAndShowPrintsOneThatChecks) {
   EXPECT_NE(r.err.find("no shipped policy preset 'nope' (presets: debug-strict,"),
             std::string::npos)
       << r.err;
+}
+
+TEST(Cli, TheDemoIncidentTableKeepsItsColumnsApart) {
+  // Two ranks: the ranks column holds "1:backward", wider than its header; every column still
+  // starts where its header does.
+  const ProcessResult r = run_stepguard("demo --ranks 2 --steps 8 --inject nan_grad@4:1");
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::istringstream out(r.out);
+  std::string line, header;
+  std::vector<std::string> rows;
+  while (std::getline(out, line)) {
+    if (line.find("    step") == 0) header = line;
+    if (!header.empty() && line != header && line.rfind("    ", 0) == 0 &&
+        line.find("nonfinite_grad") != std::string::npos) {
+      rows.push_back(line);
+    }
+  }
+  ASSERT_FALSE(header.empty()) << r.out;
+  ASSERT_EQ(rows.size(), 1u) << r.out;
+  for (const char* column : {"signal", "action", "cause", "ranks"}) {
+    const std::size_t at = header.find(column);
+    ASSERT_NE(at, std::string::npos) << header;
+    EXPECT_EQ(rows[0][at - 2], ' ') << column << "\n" << header << "\n" << rows[0];
+    EXPECT_EQ(rows[0][at - 1], ' ') << column << "\n" << header << "\n" << rows[0];
+    EXPECT_NE(rows[0][at], ' ') << column << "\n" << header << "\n" << rows[0];
+  }
+  EXPECT_NE(rows[0].find("1:backward"), std::string::npos) << rows[0];
 }
 
 }  // namespace

@@ -113,6 +113,17 @@ py::object option_object(const T& value) {
   }
 }
 
+// The Python type an option takes, for help(GuardOptions).
+template <typename T>
+const char* option_type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  if constexpr (std::is_integral_v<T>) return "int";
+  if constexpr (std::is_same_v<T, std::string>) return "str (or a path)";
+  if constexpr (std::is_same_v<T, std::chrono::milliseconds>) return "seconds or timedelta";
+  if constexpr (std::is_same_v<T, c10::intrusive_ptr<c10d::Store>>) return "Store or None";
+  return "ProcessGroup or None";
+}
+
 // The guard record's totals by name, in the order of its words (StepEngine::guard_record).
 constexpr const char* kTotalNames[] = {"steps",   "applied",   "skipped",   "rolled_back",
                                        "aborted", "incidents", "snapshots", "checkpoints_written"};
@@ -241,11 +252,18 @@ py::dict stats_dict(const GuardStats& g) {
 #define STEPGUARD_BIND_OPTION(cls, field)                                              \
   do {                                                                                 \
     using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>; \
+    const std::string* doc =                                                           \
+        new std::string(/* lives as long as the class */                               \
+                        std::string(option_type_name<Value>()) + ", default " +        \
+                        py::repr(option_object<Value>(GuardOptions().field()))         \
+                            .cast<std::string>() +                                     \
+                        " (the C++ GuardOptions::" #field ", stepguard/options.h)");   \
     cls.def_property(                                                                  \
         #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); }, \
         [](GuardOptions& o, const py::object& v) {                                     \
           o.field(option_value<Value>("option " #field, v));                           \
-        });                                                                            \
+        },                                                                             \
+        doc->c_str());                                                                 \
     fields.append(#field);                                                             \
   } while (0)
 

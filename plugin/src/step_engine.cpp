@@ -463,7 +463,7 @@ GuardStats StepEngine::stats() {
   g.collective_bytes = consensus_->bytes();
   g.step_buffer_bytes = consensus::StepBuffer::bytes();
   g.last_step_seconds = stage_seconds_;
-  g.metrics_endpoint = metrics_ ? metrics_->endpoint() : std::string();
+  g.metrics_endpoint = metrics_ ? "http://" + metrics_->endpoint() + "/metrics" : std::string();
   return g;
 }
 

@@ -307,3 +307,14 @@ def test_a_reports_repr_says_what_happened_and_where():
     assert "outcome='skipped', action='skip_batch'" in bad, bad
     assert "nonfinite_count=1" in bad and "incident=nonfinite_grad/" in bad, bad
     assert " in 0.weight" in bad, bad
+
+
+def test_help_of_guard_options_gives_each_options_type_and_default():
+    docs = {name: getattr(stepguard.GuardOptions, name).__doc__
+            for name in stepguard.GuardOptions.fields}
+    assert docs["policy"].startswith("str (or a path), default ''"), docs["policy"]
+    assert docs["max_consecutive_bad_steps"].startswith("int, default 0")
+    assert docs["loss_scaling"].startswith("bool, default False")
+    assert docs["process_group"].startswith("ProcessGroup or None, default None")
+    assert docs["collective_timeout"].startswith("seconds or timedelta, default ")
+    assert all("default" in d and "GuardOptions::" in d for d in docs.values()), docs

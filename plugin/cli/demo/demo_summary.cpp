@@ -8,8 +8,10 @@
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
 
 #include "csrc/common/json_text.h"
 #include "plugin/cli/demo/demo_run.h"
@@ -70,14 +72,11 @@ RankAgreement agreement_of(const std::vector<std::uint64_t>& hashes,
 }
 
 // The summary table's incident rows: the first tensors blamed, and each origin rank with the
-// cause it found.
+// cause it found. Each column as wide as its widest cell, two spaces apart (as `column -t`).
 void write_incident_rows(std::ostringstream& table, const nlohmann::json& incidents,
                          int world_size) {
-  char line[256];
-  table << "  incidents\n";
-  std::snprintf(line, sizeof line, "    %-6s %-16s %-15s %-18s %-6s %s\n", "step", "signal",
-                "action", "cause", "ranks", "tensors");
-  table << line;
+  std::vector<std::vector<std::string>> rows = {
+      {"step", "signal", "action", "cause", "ranks", "tensors"}};
   for (const auto& inc : incidents) {
     std::string tensors, ranks;
     for (std::size_t i = 0; i < inc["tensors"].size() && i < 2; ++i) {
@@ -94,11 +93,23 @@ void write_incident_rows(std::ostringstream& table, const nlohmann::json& incide
         ranks += ":" + inc["rank_causes"][key].get<std::string>();
       }
     }
-    std::snprintf(line, sizeof line, "    %-6" PRId64 " %-16s %-15s %-18s %-6s %s\n",
-                  inc["step"].get<std::int64_t>(), inc["signal"].get<std::string>().c_str(),
-                  inc["action"].get<std::string>().c_str(), inc["cause"].get<std::string>().c_str(),
-                  ranks.c_str(), tensors.c_str());
-    table << line;
+    rows.push_back({std::to_string(inc["step"].get<std::int64_t>()),
+                    inc["signal"].get<std::string>(), inc["action"].get<std::string>(),
+                    inc["cause"].get<std::string>(), ranks.empty() ? "-" : ranks, tensors});
+  }
+  std::vector<std::size_t> width(rows.front().size(), 0);
+  for (const auto& row : rows) {
+    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  table << "  incidents\n";
+  for (const auto& row : rows) {
+    std::string line = "    ";
+    for (std::size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    table << line << "\n";
   }
 }
 

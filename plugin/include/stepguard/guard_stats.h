@@ -65,7 +65,8 @@ struct GuardStats {
   std::int64_t step_buffer_bytes = 0;
   /// Where the last step()'s time went, stage by stage (zeros before the first step).
   StageSeconds last_step_seconds;
-  /// Where /metrics is served ("127.0.0.1:9464"), or empty when metrics are off.
+  /// The URL of the metrics ("http://127.0.0.1:9464/metrics", what a scrape config or curl
+  /// takes), or empty when metrics are off.
   std::string metrics_endpoint;
 };
 

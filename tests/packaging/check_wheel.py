@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""The wheel installs with pip alone (ctest: wheel_installs_with_pip_alone).
+
+    check_wheel.py BUILD_DIR WORK_DIR
+
+Builds the wheel as a user does (`pip wheel .`, here packaging BUILD_DIR's extension through
+STEPGUARD_CMAKE_BUILD_DIR instead of compiling it a second time), then:
+- every library the wheel's binaries need is in the wheel, is one of torch's (its lib folder
+  and the nvidia packages it depends on) or is the C/C++ runtime a manylinux wheel may assume;
+- the wheel is tagged manylinux (the glibc it needs), not linux_x86_64;
+- in a fresh virtual environment that sees only torch and the packages torch requires (no
+  Debian -dev package, no .venv, no build tree), `pip install --no-index WHEEL` installs it and a
+  guarded step skips a NaN gradient; no yaml-cpp, prometheus-cpp or xxhash library of the
+  system's is loaded (/proc/self/maps), only the wheel's own copies.
+Exit 0 on success; 1 naming what failed.
+"""
+
+import glob
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.dirname(os.path.dirname(HERE))
+# What a manylinux wheel may need from the system (PEP 600's base libraries used here).
+RUNTIME = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2",
+           "libpthread.so.0", "libdl.so.2", "librt.so.1"}
+ENGINE_DEPENDENCIES = ("yaml-cpp", "prometheus", "xxhash", "gloo")
+
+
+def fail(message):
+    print("check_wheel: " + message, file=sys.stderr)
+    sys.exit(1)
+
+
+def run(args, **kw):
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900, **kw)
+    if r.returncode != 0:
+        fail("%s failed (%d):\n%s\n%s" % (" ".join(args), r.returncode, r.stdout, r.stderr))
+    return r.stdout
+
+
+def needed(path):
+    out = run(["readelf", "-d", path])
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def torch_distributions():
+    """torch and every distribution it requires, transitively (markers that hold here)."""
+    from packaging.requirements import Requirement
+
+    seen, todo = {}, ["torch"]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional one that is not installed
+        seen[key] = dist
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+def torch_only_site(root):
+    """A folder holding links to torch's distributions' top-level entries only."""
+    site = os.path.join(root, "torch-only")
+    os.makedirs(site)
+    for dist in torch_distributions():
+        for top in {str(f).split("/")[0] for f in dist.files or []}:
+            source = os.path.join(str(dist.locate_file("")), top)
+            target = os.path.join(site, top)
+            if top.endswith(".pth") or top == ".." or os.path.lexists(target):
+                continue
+            if os.path.exists(source):
+                os.symlink(source, target)
+    return site
+
+
+def check_libraries(wheel, torch_libs):
+    work = wheel + ".unpacked"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(work)
+    inside = {os.path.basename(p) for p in glob.glob(os.path.join(work, "**", "*.so*"),
+                                                     recursive=True)}
+    problems = []
+    for path in glob.glob(os.path.join(work, "**", "*.so*"), recursive=True):
+        for lib in needed(path):
+            if lib in inside or lib in RUNTIME or lib in torch_libs:
+                continue
+            problems.append("%s needs %s, which is neither in the wheel, torch's nor the C/C++ "
+                            "runtime" % (os.path.relpath(path, work), lib))
+    if problems:
+        fail("\n".join(problems))
+    return sorted(inside)
+
+
+def check_build_pins():
+    """pyproject.toml's build requirements are pins of requirements.txt, the one file of pins."""
+    import tomllib
+
+    with open(os.path.join(SOURCE, "pyproject.toml"), "rb") as f:
+        build = tomllib.load(f)["build-system"]["requires"]
+    with open(os.path.join(SOURCE, "requirements.txt")) as f:
+        pins = {line.split(";")[0].strip() for line in f if "==" in line}
+    stray = [r for r in build if r not in pins]
+    if stray:
+        fail("pyproject.toml's build requirements %s are not pins of requirements.txt" % stray)
+
+
+def main():
+    if len(sys.argv) != 3:
+        fail("usage: check_wheel.py BUILD_DIR WORK_DIR")
+    check_build_pins()
+    build, work = (os.path.abspath(a) for a in sys.argv[1:])
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    env = dict(os.environ, STEPGUARD_CMAKE_BUILD_DIR=build)
+    env.pop("PYTHONPATH", None)
+    run([sys.executable, "-m", "pip", "wheel", SOURCE, "--no-build-isolation", "--no-deps",
+         "--no-index", "-w", os.path.join(work, "dist")], env=env, cwd=work)
+    wheels = glob.glob(os.path.join(work, "dist", "stepguard-*.whl"))
+    if len(wheels) != 1:
+        fail("expected one wheel, found %s" % wheels)
+    wheel = wheels[0]
+    if not re.search(r"-manylinux_2_\d+_x86_64\.whl$", wheel):
+        fail("%s is not tagged manylinux (not repaired)" % os.path.basename(wheel))
+
+    import torch
+    torch_dir = os.path.dirname(torch.__file__)
+    site_dir = os.path.dirname(torch_dir)
+    torch_libs = {os.path.basename(p) for p in glob.glob(os.path.join(torch_dir, "lib", "*.so*"))}
+    torch_libs |= {os.path.basename(p) for p in glob.glob(
+        os.path.join(site_dir, "nvidia", "**", "lib", "*.so*"), recursive=True)}
+    carried = check_libraries(wheel, torch_libs)
+
+    venv = os.path.join(work, "venv")
+    base = os.environ.get("STEPGUARD_BASE_PYTHON", "/usr/bin/python3")
+    run([base if os.path.exists(base) else "python3", "-m", "venv", venv])
+    python = os.path.join(venv, "bin", "python")
+    venv_site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                    env={"PATH": os.environ["PATH"]}).strip()
+    with open(os.path.join(venv_site, "torch-only.pth"), "w") as f:
+        f.write(torch_only_site(work) + "\n")
+    clean = {"PATH": os.environ["PATH"], "HOME": work, "OMP_NUM_THREADS": "1"}
+    run([python, "-m", "pip", "install", "--no-index", "--no-deps", "-q", wheel], env=clean)
+    program = textwrap.dedent("""\
+        import os, torch, stepguard
+        assert os.path.dirname(stepguard.__file__).startswith(%r), stepguard.__file__
+        try:
+            import deepspeed  # noqa: F401
+            raise SystemExit("the fresh environment sees more than torch")
+        except ImportError:
+            pass
+        model = torch.nn.Linear(4, 2)
+        guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           model.named_parameters(), policy="default")
+        model(torch.randn(3, 4)).sum().backward()
+        model.weight.grad[0, 0] = float("nan")
+        report = guard.step()
+        assert report.skipped and report.incident["tensors"] == ["weight"], report
+        with open("/proc/self/maps") as f:
+            loaded = {line.split()[-1] for line in f if ".so" in line}
+        ours = [p for p in loaded if any(d in os.path.basename(p) for d in %r)]
+        assert ours and all("/stepguard.libs/" in p for p in ours), sorted(ours)
+        print("ok", stepguard.__version__, sorted(os.path.basename(p) for p in ours))
+        """ % (venv, ENGINE_DEPENDENCIES))
+    out = run([python, "-c", program], env=clean, cwd=work)
+    print("check_wheel: %s installs with pip alone; carries %s; %s"
+          % (os.path.basename(wheel), ", ".join(carried), out.strip()))
+
+
+if __name__ == "__main__":
+    main()

@@ -72,34 +72,14 @@ def _timed_step(engine, width, precision, seed):
 def _counted_step(engine, width, precision):
     """engine.step() of one more step, counting over all of it: all-reduces through
     torch.distributed and calls of DeepSpeed's and torch's gradient-norm functions."""
-    import deepspeed.runtime.engine as ds_engine
-    from deepspeed.runtime.fp16 import unfused_optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from conftest import counted_calls, deepspeed_step_counters
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     x = torch.randn(8, width).to(dtype)
     engine.backward(nn.functional.mse_loss(engine(x).float(), torch.randn(8, 8)))
-    counts = {"all_reduce": 0, "norms": 0}
-    undo = []
-    for owner, name, key in ((torch.distributed, "all_reduce", "all_reduce"),
-                             (torch.nn.utils, "get_total_norm", "norms"),
-                             (torch.nn.utils, "clip_grad_norm_", "norms"),
-                             (ds_engine, "clip_grad_norm_", "norms"),
-                             (unfused_optimizer, "get_weight_norm", "norms"),
-                             (DeepSpeedZeroOptimizer, "get_grad_norm_direct", "norms")):
-        real = getattr(owner, name)
-
-        def counted(*a, _real=real, _key=key, **k):
-            counts[_key] += 1
-            return _real(*a, **k)
-        setattr(owner, name, counted)
-        undo.append((owner, name, real))
-    try:
+    with counted_calls(deepspeed_step_counters()) as counts:
         engine.step()
-    finally:
-        for owner, name, real in reversed(undo):
-            setattr(owner, name, real)
-    return counts
+    return dict(counts)
 
 
 def measure(stage, precision, args):

@@ -115,21 +115,17 @@ std::vector<PolicyIssue> parse_policy(const std::string& text, const std::string
 }
 
 std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig* config) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
+  if (meant_as_preset(path)) {
     if (const std::string* preset = find_policy_preset(path)) {
       return parse_policy(*preset, "preset '" + path + "'", config);
     }
-    // A bare name (no directory, no extension) that is no file was meant as a preset.
-    if (!path.empty() && path.find_first_of("/.") == std::string::npos) {
-      std::vector<std::string> names;
-      for (const auto& preset : policy_presets()) names.push_back(preset.first);
-      return {{path, 0, 0,
-               "no policy file of that name and no shipped preset" +
-                   detail::did_you_mean(path, names) + " (presets: " + policy_preset_names() +
-                   ")"}};
-    }
+    std::vector<std::string> names;
+    for (const auto& preset : policy_presets()) names.push_back(preset.first);
+    return {{path, 0, 0,
+             "no policy file of that name and no shipped preset" +
+                 detail::did_you_mean(path, names) + " (presets: " + detail::join(names) + ")"}};
   }
+  std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     return {{path, 0, 0, "cannot read policy file: it is a directory"}};
   }

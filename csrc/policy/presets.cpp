@@ -1,5 +1,8 @@
 #include "csrc/policy/presets.h"
 
+#include <filesystem>
+#include <system_error>
+
 namespace stepguard {
 namespace policy {
 
@@ -25,6 +28,12 @@ std::string policy_preset_names() {
     out += preset.first;
   }
   return out;
+}
+
+bool meant_as_preset(const std::string& policy) {
+  std::error_code error;
+  return !policy.empty() && policy.find_first_of("/.") == std::string::npos &&
+         !std::filesystem::exists(policy, error);
 }
 
 }  // namespace policy

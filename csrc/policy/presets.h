@@ -21,5 +21,10 @@ const std::string* find_policy_preset(const std::string& name);
 /// The preset names, comma-separated, for messages.
 std::string policy_preset_names();
 
+/// Whether `policy`, as a user gives it (GuardOptions::policy, a CLI argument), was meant as a
+/// preset's name: no file of that name exists and it is a bare word (no '/', no '.'). A path
+/// that names no file is a file's error, not a preset's.
+bool meant_as_preset(const std::string& policy);
+
 }  // namespace policy
 }  // namespace stepguard

@@ -252,18 +252,17 @@ py::dict stats_dict(const GuardStats& g) {
 #define STEPGUARD_BIND_OPTION(cls, field)                                              \
   do {                                                                                 \
     using Value = std::decay_t<decltype(std::declval<const GuardOptions&>().field())>; \
-    const std::string* doc =                                                           \
-        new std::string(/* lives as long as the class */                               \
-                        std::string(option_type_name<Value>()) + ", default " +        \
-                        py::repr(option_object<Value>(GuardOptions().field()))         \
-                            .cast<std::string>() +                                     \
-                        " (the C++ GuardOptions::" #field ", stepguard/options.h)");   \
+    /* pybind11 copies a property's docstring */                                       \
+    const std::string doc =                                                            \
+        std::string(option_type_name<Value>()) + ", default " +                        \
+        py::repr(option_object<Value>(GuardOptions().field())).cast<std::string>() +   \
+        " (the C++ GuardOptions::" #field ", stepguard/options.h)";                    \
     cls.def_property(                                                                  \
         #field, [](const GuardOptions& o) { return option_object<Value>(o.field()); }, \
         [](GuardOptions& o, const py::object& v) {                                     \
           o.field(option_value<Value>("option " #field, v));                           \
         },                                                                             \
-        doc->c_str());                                                                 \
+        doc.c_str());                                                                  \
     fields.append(#field);                                                             \
   } while (0)
 

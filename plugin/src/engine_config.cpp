@@ -4,8 +4,6 @@
 #include <torch/version.h>
 
 #include <cstdio>
-#include <filesystem>
-#include <system_error>
 #include <utility>
 
 #include "csrc/consensus/nccl_probe.h"
@@ -56,13 +54,11 @@ policy::PolicyConfig read_policy(const GuardOptions& o) {
     if (!o.policy().empty()) {
       // A file, else a shipped preset of that name (load_policy_file reads either); a bare name
       // that is neither gets this message, a path the file's own error.
-      std::error_code error;
-      TORCH_CHECK(std::filesystem::exists(o.policy(), error) ||
-                      policy::find_policy_preset(o.policy()) != nullptr ||
-                      o.policy().find_first_of("/.") != std::string::npos,
-                  "stepguard: policy '", o.policy(),
-                  "' is neither a file nor a shipped preset (presets: ",
-                  policy::policy_preset_names(), ")");
+      TORCH_CHECK(
+          !policy::meant_as_preset(o.policy()) || policy::find_policy_preset(o.policy()) != nullptr,
+          "stepguard: policy '", o.policy(),
+          "' is neither a file nor a shipped preset (presets: ", policy::policy_preset_names(),
+          ")");
       return policy::load_policy_file(o.policy());
     }
     policy::PolicyConfig config;

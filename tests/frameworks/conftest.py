@@ -1,6 +1,7 @@
 """pytest setup of the framework tests: each runs a real training framework (DeepSpeed,
 Megatron-core, Lightning, HF Transformers) on CPU with Gloo, its ranks as local processes."""
 
+import contextlib
 import json
 import os
 import socket
@@ -39,3 +40,42 @@ def spawn_ranks(rank_main, world, *args, timeout=300):
             with open(os.path.join(d, "rank%d.json" % r)) as f:
                 out.append(json.load(f))
         return out
+
+
+def deepspeed_step_counters():
+    """What a DeepSpeed optimizer step may call that the guard makes unnecessary, as
+    (owner, attribute, key) for counted_calls: all-reduces through torch.distributed (DeepSpeed's
+    norm and overflow check make them) and DeepSpeed's and torch's gradient-norm functions."""
+    import torch
+    import deepspeed.runtime.engine as ds_engine
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return [(torch.distributed, "all_reduce", "all_reduce"),
+            (torch.nn.utils, "get_total_norm", "norms"),
+            (torch.nn.utils, "clip_grad_norm_", "norms"),
+            (ds_engine, "clip_grad_norm_", "norms"),
+            (unfused_optimizer, "get_weight_norm", "norms"),
+            (DeepSpeedZeroOptimizer, "get_grad_norm_direct", "norms")]
+
+
+@contextlib.contextmanager
+def counted_calls(targets, when=lambda: True):
+    """Counts, by key, the calls of each (owner, attribute, key) of `targets` made inside the
+    block while `when()` holds; every attribute is put back afterwards."""
+    counts = {key: 0 for _, _, key in targets}
+    undo = []
+    try:
+        for owner, name, key in targets:
+            real = getattr(owner, name)
+
+            def counted(*args, _real=real, _key=key, **kwargs):
+                if when():
+                    counts[_key] += 1
+                return _real(*args, **kwargs)
+            setattr(owner, name, counted)
+            undo.append((owner, name, real))
+        yield counts
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)

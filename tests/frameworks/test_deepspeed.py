@@ -14,7 +14,7 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
-from conftest import POLICY, spawn_ranks  # noqa: E402
+from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa: E402
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
@@ -124,45 +124,23 @@ def _count_in_step(engine, guard):
     """engine.step() of a clean step, counting what runs inside the engine's optimizer step (the
     guarded one): all-reduces through torch.distributed (DeepSpeed's norm and overflow check
     make them), DeepSpeed's and torch's norm functions, and the guard's collectives."""
-    from deepspeed.runtime.fp16 import unfused_optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    counts = {"all_reduce": 0, "norms": 0, "inside": False}
-    undo = []
-
-    def count(owner, name, key):
-        real = getattr(owner, name)
-
-        def counted(*args, **kwargs):
-            if counts["inside"]:
-                counts[key] += 1
-            return real(*args, **kwargs)
-        setattr(owner, name, counted)
-        undo.append((owner, name, real))
-
-    count(torch.distributed, "all_reduce", "all_reduce")
-    for owner, name in ((torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grad_norm_"),
-                        (unfused_optimizer, "get_weight_norm"),
-                        (DeepSpeedZeroOptimizer, "get_grad_norm_direct")):
-        count(owner, name, "norms")
+    inside = [False]
     step = engine.optimizer.step
 
     def guarded_step(*args, **kwargs):
-        counts["inside"] = True
+        inside[0] = True
         try:
             return step(*args, **kwargs)
         finally:
-            counts["inside"] = False
+            inside[0] = False
     engine.optimizer.step = guarded_step
     before = guard.stats().collective_calls
     try:
-        engine.step()
+        with counted_calls(deepspeed_step_counters(), when=lambda: inside[0]) as counts:
+            engine.step()
     finally:
         engine.optimizer.step = step
-        for owner, name, real in reversed(undo):
-            setattr(owner, name, real)
-    del counts["inside"]
-    counts["guard"] = guard.stats().collective_calls - before
+    counts = dict(counts, guard=guard.stats().collective_calls - before)
     return counts
 
 

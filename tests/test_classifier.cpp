@@ -24,7 +24,7 @@ Evidence nan_grads() {
 TEST(Classifier, ABatchThatIsFineOnReplayIsAHardwareSuspect) {
   Evidence e = nan_grads();
   e.rerun = ReplayResult::kVanished;
-  e.bad_inputs = {"input 0 holds 3 NaN/Inf values"};  // the rerun decides first
+  e.bad_inputs = {"input 0 holds 3 NaN values"};  // the rerun decides first
   const Diagnosis d = classify(e);
   EXPECT_STREQ(to_string(d.cause), "hardware_suspect");
   EXPECT_EQ(d.evidence[0].rfind("the same batch from the same state gave a finite result", 0), 0u);
@@ -77,6 +77,71 @@ TEST(Classifier, InfOnlyWithAFiniteLossUnderScalingIsPrecisionOverflowWithoutRep
   EXPECT_STREQ(to_string(classify(e).cause), "precision_overflow");
   e.loss_scaling = false;
   EXPECT_STREQ(to_string(classify(e).cause), "backward");
+}
+
+// Real fp16 overflow: thousands of Inf, a few NaN where Inf met Inf. Every step of the streak is
+// an overflow, replayed or not; at the floor it says the scale cannot help; an fp32 replay that
+// reproduced it earlier in the streak rules it out.
+TEST(Classifier, InfWithAFewNanIsStillAnOverflowOnEveryStepOfTheStreak) {
+  Evidence e = nan_grads();
+  e.nan_count = 44;
+  e.inf_count = 24194;
+  e.loss_scaling = true;
+  e.loss_scale = 32768;
+  Diagnosis d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "precision_overflow");
+  EXPECT_EQ(d.evidence[0],
+            "Inf in the gradients (24194 Inf, 44 NaN where Inf met Inf) of a finite loss under "
+            "loss scale 32768: an fp16 overflow");
+  EXPECT_EQ(d.fixes[0], "nothing, if it stops within a few steps: the scale finds its level");
+  e.loss_scale_at_floor = true;
+  d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "precision_overflow");
+  EXPECT_EQ(d.evidence[1], "the loss scale is at its floor: it cannot back off any further");
+  EXPECT_EQ(d.fixes[0], "use bf16 instead of fp16");
+  e.overflow_ruled_out = true;
+  EXPECT_STREQ(to_string(classify(e).cause), "backward");
+}
+
+TEST(Classifier, OneRanksLossSpikeIsThatRanksBatch) {
+  Evidence e;
+  e.loss_spike = true;
+  e.loss = 11.0;
+  e.loss_level = 2.0;
+  e.rank_losses = {2.0, 20.0};
+  e.spike_ranks = {1};
+  const Diagnosis d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "data");
+  EXPECT_EQ(d.evidence[0],
+            "the loss spiked on rank 1 only (20 there, 2 on the other ranks, 2 before): one bad "
+            "batch, not the training");
+  EXPECT_EQ(d.fixes[0].rfind("skip that batch and inspect it", 0), 0u);
+  e.spike_ranks = {0, 1};  // every rank: the training
+  EXPECT_STREQ(to_string(classify(e).cause), "divergence");
+}
+
+TEST(Classifier, ADivergenceThatOutlivedTheCutsIsTheLearningRate) {
+  Evidence e;
+  e.loss_not_recovered = true;
+  e.loss = 2.7;
+  e.loss_level = 0.36;
+  e.grad_norm = 10.0;
+  e.grad_norm_level = 1.0;
+  e.diverging_steps = 60;
+  e.escalations = 2;
+  Diagnosis d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "divergence");
+  EXPECT_EQ(d.evidence[0],
+            "the loss is 2.7 60 steps after the spike, against 0.36 before it: it has not come "
+            "back (raised 2 times)");
+  EXPECT_EQ(d.evidence[1], "learning rate too high (the grad norm grew 10x over 60 steps)");
+  EXPECT_EQ(d.fixes[1], "lengthen the warm-up");
+  // A spike again after a rollback and a cut says the same.
+  e.loss_not_recovered = false;
+  e.loss_spike = true;
+  d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "divergence");
+  EXPECT_EQ(d.evidence[1], "learning rate too high (the grad norm grew 10x over 60 steps)");
 }
 
 TEST(Classifier, LossOrGradNormBlowUpIsDivergence) {

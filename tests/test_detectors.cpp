@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "csrc/policy/detectors.h"
 
@@ -101,7 +103,101 @@ TEST(RatioRule, FiresAboveKTimesTheEarlyMaximum) {
   EXPECT_FALSE(r.observe(std::numeric_limits<double>::infinity()));
 }
 
+// The recent ratio (recent_factor): from the third value on, at any step, against the median of
+// the last values. It catches a 10x spike on a loss that is still falling fast, which the
+// warm-up ratio against the running mean misses (the mean lags above a falling loss).
+EmaZScoreConfig recent(double factor) {
+  EmaZScoreConfig c;
+  c.recent_factor = factor;
+  return c;
+}
+
+TEST(EmaZScore, RecentRatioFiresFromTheThirdValue) {
+  EmaZScore d(recent(5.0));
+  EXPECT_FALSE(d.observe(2.0).spike);
+  EXPECT_FALSE(d.observe(1.9).spike);      // one value is no level: nothing is judged yet
+  const SpikeVerdict v = d.observe(10.5);  // the upper median of {2.0, 1.9} is 2.0; 10.5 > 10
+  EXPECT_TRUE(v.spike);
+  EXPECT_TRUE(v.recent);
+  EXPECT_EQ(v.reference, 2.0);
+  EXPECT_EQ(d.state().recent, (std::vector<double>{2.0, 1.9}));  // the spike is not learnt
+  EXPECT_FALSE(d.observe(9.5).spike);                            // under 5x: accepted
+  EXPECT_EQ(d.state().recent.size(), 3u);
+}
+
+TEST(EmaZScore, RecentRatioCatchesASpikeOnAFallingLossTheWarmUpRatioMisses) {
+  EmaZScore with(recent(5.0));
+  EmaZScore without;  // the defaults: early factor 10 against the running mean
+  double last = 0.0;
+  for (int t = 1; t <= 19; ++t) {
+    last = 8.0 * std::exp(-0.25 * t) + 0.3;  // a loss falling fast, as in the first steps
+    ASSERT_FALSE(with.observe(last).spike) << t;
+    ASSERT_FALSE(without.observe(last).spike) << t;
+  }
+  EXPECT_GT(without.state().mean, last * 1.5);  // the mean lags far above the loss
+  const SpikeVerdict v = with.observe(10.0 * last);
+  EXPECT_TRUE(v.spike);
+  EXPECT_TRUE(v.recent);
+  EXPECT_FALSE(without.observe(10.0 * last).spike);  // 10x the loss, under 10x the mean
+}
+
+TEST(EmaZScore, RecentRatioStaysQuietOnASeriesThatIsNoisyByNature) {
+  // A small, jumpy loss (log-normal, a spread of 30%: small-batch fine-tuning): a value 5x the
+  // median of the last eight is rare but not unheard of; it is judged against the window's own
+  // scatter. (The z-score is off here: on such a series its threshold is the user's to choose.)
+  EmaZScoreConfig c = recent(5.0);
+  c.threshold = 1e6;
+  c.early_factor = 0.0;
+  EmaZScore d(c);
+  std::uint64_t state = 12345;
+  const auto uniform = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<double>(state >> 11) + 0.5) / 9007199254740992.0;
+  };
+  int spikes = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const double gauss =
+        std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform());
+    spikes += d.observe(0.05 * std::exp(0.3 * gauss)).spike ? 1 : 0;
+  }
+  EXPECT_EQ(spikes, 0);
+  EXPECT_TRUE(d.observe(10.0 * recent_median(d.state().recent)).spike);  // a real 10x still is
+}
+
+TEST(EmaZScore, RecentRatioJudgesTheLargestRankLossAndLearnsTheMean) {
+  EmaZScore d(recent(5.0));
+  for (int i = 0; i < 4; ++i) ASSERT_FALSE(d.observe(2.0, 2.0).spike);
+  // Eight ranks, one at 20: the mean 4.25 is only about 2x, the largest rank's 10x.
+  const SpikeVerdict v = d.observe(4.25, 20.0);
+  EXPECT_TRUE(v.spike);
+  EXPECT_EQ(d.state().recent, (std::vector<double>(4, 2.0)));
+  EXPECT_FALSE(d.observe(2.1, 2.3).spike);
+  EXPECT_EQ(d.state().recent.back(), 2.1);  // the mean is what the window holds
+}
+
+TEST(EmaZScore, RecentWindowKeepsItsLength) {
+  EmaZScoreConfig c = recent(5.0);
+  c.recent_window = 3;
+  EmaZScore d(c);
+  for (double x : {5.0, 4.0, 3.0, 2.0, 1.0}) ASSERT_FALSE(d.observe(x).spike);
+  EXPECT_EQ(d.state().recent, (std::vector<double>{3.0, 2.0, 1.0}));
+  EXPECT_TRUE(d.observe(20.0).spike);  // against the window: median 2, scatter log 2 (x 8)
+}
+
+TEST(EmaZScore, RecentRatioOnASeriesBelowZero) {
+  EmaZScore d(recent(5.0));
+  for (double x : {-1.0, -1.1, -0.9, -1.0}) ASSERT_FALSE(d.observe(x).spike);
+  EmaZScore other = d;
+  EXPECT_FALSE(d.observe(2.0).spike);     // a rise of 3 from the median -1: under 4x its size
+  EXPECT_TRUE(other.observe(3.5).spike);  // a rise of 4.5
+}
+
 TEST(Detectors, BadConfigIsRefused) {
+  EmaZScoreConfig bad_recent = recent(1.0);
+  EXPECT_THROW(EmaZScore{bad_recent}, std::invalid_argument);
+  EmaZScoreConfig short_window = recent(5.0);
+  short_window.recent_window = 1;
+  EXPECT_THROW(EmaZScore{short_window}, std::invalid_argument);
   EmaZScoreConfig bad_early;
   bad_early.early_factor = 0.5;
   EXPECT_THROW(EmaZScore{bad_early}, std::invalid_argument);

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <vector>
 
 #include "csrc/consensus/step_buffer.h"
 
@@ -11,7 +13,7 @@ namespace consensus {
 namespace {
 
 TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
-  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 8 + 4 * step_slot::kChunks + 1);
+  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 10 + 4 * step_slot::kChunks + 1);
   EXPECT_LE(StepBuffer::bytes(), 1024);
   for (int world : {1, 2, 4, 16, 16384}) {
     StepBuffer b(0, world, at::kCPU);
@@ -101,6 +103,63 @@ TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   EXPECT_EQ(g.faulty_ranks, std::vector<int>({0, 2}));
   EXPECT_EQ(g.desynced_ranks, std::vector<int>({2}));
   EXPECT_EQ(g.origin_ranks, std::vector<int>({2}));  // the NaN loss was rank 2's own
+  ASSERT_EQ(g.rank_losses.size(), 3u);
+  EXPECT_EQ(g.rank_losses[1], 3.0);
+  EXPECT_TRUE(std::isnan(g.rank_losses[2]));
+}
+
+// Sums the buffers and rows of ranks with `losses` by hand; the agreed statistics, rows named.
+GlobalStats agreed_losses(const std::vector<double>& losses) {
+  at::Tensor sum;
+  std::vector<double> rows;
+  const int world = static_cast<int>(losses.size());
+  for (int r = 0; r < world; ++r) {
+    StepBuffer b(r, world, at::kCPU);
+    b.pack(at::tensor(losses[static_cast<std::size_t>(r)], at::kDouble), 1, LocalEvidence{});
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    for (int i = 0; i < row_slot::kSize; ++i) rows.push_back(b.rank_row()[i].item<double>());
+  }
+  StepBuffer agreed(0, world, at::kCPU);
+  agreed.tensor().copy_(sum);
+  GlobalStats g = agreed.unpack(1);
+  fill_rank_detail(rows, world, &g);
+  return g;
+}
+
+// The sum of the squared losses bounds the largest rank loss (Samuelson), exactly when one rank
+// stands out from ranks that agree: a one-rank spike is seen at any world size.
+TEST(StepBuffer, TheLossSpreadBoundsTheLargestRankLoss) {
+  std::vector<double> eight(8, 2.0);
+  eight[5] = 20.0;
+  GlobalStats g = agreed_losses(eight);
+  EXPECT_DOUBLE_EQ(g.loss, 4.25);
+  EXPECT_NEAR(g.loss_max_bound, 20.0, 1e-9);
+  g = agreed_losses({2.0, 2.2, 1.9, 2.1});
+  EXPECT_GE(g.loss_max_bound, 2.2);
+  EXPECT_LT(g.loss_max_bound, 2.5);
+  EXPECT_EQ(agreed_losses({3.0}).loss_max_bound, 3.0);
+}
+
+TEST(StepBuffer, AnInfLossOnEveryRankIsInfAndAMixIsNan) {
+  const double inf = std::numeric_limits<double>::infinity();
+  GlobalStats g = agreed_losses({inf, inf});
+  EXPECT_EQ(g.loss_nonfinite_ranks, 2);
+  EXPECT_EQ(g.loss, inf);
+  EXPECT_TRUE(std::isnan(g.loss_max_bound));
+  EXPECT_TRUE(std::isnan(agreed_losses({inf, NAN}).loss));
+  EXPECT_EQ(agreed_losses({inf, 1.0}).loss, 1.0);  // the mean of the finite ones
+}
+
+TEST(StepBuffer, ASpikeNamesTheRanksWhoseLossRose) {
+  GlobalStats one = agreed_losses({2.0, 20.0, 2.1, 1.9});
+  name_spike_ranks(2.0, &one);
+  EXPECT_EQ(one.origin_ranks, std::vector<int>({1}));
+  GlobalStats all = agreed_losses({19.0, 20.0, 22.0, 18.0});
+  name_spike_ranks(2.0, &all);
+  EXPECT_EQ(all.origin_ranks, std::vector<int>({0, 1, 2, 3}));
+  GlobalStats none = agreed_losses({1.0, 1.5});
+  name_spike_ranks(2.0, &none);
+  EXPECT_TRUE(none.origin_ranks.empty());
 }
 
 // A rank still writing its disk checkpoint in the background keeps the count below the world

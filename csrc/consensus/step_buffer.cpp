@@ -71,7 +71,10 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   const at::Tensor l = loss.defined() ? loss.detach().reshape({}).to(buffer_.options())
                                       : at::zeros({}, buffer_.options());
   const at::Tensor finite = at::isfinite(l);
-  buffer_.select(0, step_slot::kLossSum).copy_(at::where(finite, l, at::zeros_like(l)));
+  const at::Tensor finite_l = at::where(finite, l, at::zeros_like(l));
+  buffer_.select(0, step_slot::kLossSum).copy_(finite_l);
+  buffer_.select(0, step_slot::kLossSquares).copy_(finite_l * finite_l);
+  buffer_.select(0, step_slot::kLossInf).copy_(at::isposinf(l));
   buffer_.select(0, step_slot::kLossNonfinite).copy_(finite.logical_not());
   buffer_.select(0, step_slot::kLossGiven).fill_(loss.defined() ? 1.0 : 0.0);
   buffer_.select(0, step_slot::kRanksReporting).fill_(1.0);
@@ -99,6 +102,11 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
   row_.select(0, row_slot::kProbeBad).fill_(evidence.probe_bad ? 1.0 : 0.0);
   row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
+  if (loss.defined()) {
+    row_.select(0, row_slot::kLoss).copy_(l);
+  } else {
+    row_.select(0, row_slot::kLoss).fill_(std::numeric_limits<double>::quiet_NaN());
+  }
   if (!fingerprint) return;
   const at::Tensor h = fingerprint->to(buffer_.device());
   for (int c = 0; c < step_slot::kChunks; ++c) {
@@ -135,8 +143,20 @@ GlobalStats StepBuffer::unpack(std::int64_t step) const {
   g.loss_nonfinite_ranks = static_cast<std::int64_t>(s[step_slot::kLossNonfinite]);
   g.loss_given_ranks = static_cast<std::int64_t>(s[step_slot::kLossGiven]);
   const std::int64_t finite_ranks = g.loss_given_ranks - g.loss_nonfinite_ranks;
-  g.loss = finite_ranks > 0 ? s[step_slot::kLossSum] / static_cast<double>(finite_ranks)
-                            : std::numeric_limits<double>::quiet_NaN();
+  const auto inf_ranks = static_cast<std::int64_t>(s[step_slot::kLossInf]);
+  if (finite_ranks > 0) {
+    const auto n = static_cast<double>(finite_ranks);
+    g.loss = s[step_slot::kLossSum] / n;
+    // Samuelson: no value lies more than sd * sqrt(n - 1) above the mean of n values.
+    const double variance = std::max(0.0, s[step_slot::kLossSquares] / n - g.loss * g.loss);
+    g.loss_max_bound = g.loss + std::sqrt(variance * (n - 1.0));
+  } else {
+    // Every given loss is bad: +Inf when each of them is +Inf (an overflow, log(0)), else NaN.
+    g.loss = inf_ranks > 0 && inf_ranks == g.loss_nonfinite_ranks
+                 ? std::numeric_limits<double>::infinity()
+                 : std::numeric_limits<double>::quiet_NaN();
+    g.loss_max_bound = std::numeric_limits<double>::quiet_NaN();
+  }
   g.faulty_rank_count = static_cast<std::int64_t>(s[step_slot::kFaultyRanks]);
   g.input_bad_ranks = static_cast<std::int64_t>(s[step_slot::kInputRanks]);
   g.probe_bad_ranks = static_cast<std::int64_t>(s[step_slot::kProbeRanks]);
@@ -178,7 +198,9 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   g->ranks_named = true;
   g->faulty_ranks.clear();
   g->origin_ranks.clear();
+  g->rank_losses.clear();
   for (int r = 0; r < world; ++r) {
+    g->rank_losses.push_back(at(r, row_slot::kLoss));
     if (at(r, row_slot::kGradFault) > 0 || at(r, row_slot::kLossBad) > 0) {
       g->faulty_ranks.push_back(r);
     }
@@ -194,6 +216,20 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
       g->replica_differs ? outliers(rows, world, row_slot::kFingerprint) : std::vector<int>();
   // A finite step where one replica drifted: the fault is that replica's.
   if (g->origin_ranks.empty()) g->origin_ranks = g->diverged_replicas;
+}
+
+void name_spike_ranks(double level, GlobalStats* g) {
+  double largest = 0.0;
+  for (double loss : g->rank_losses) {
+    if (std::isfinite(loss)) largest = std::max(largest, loss - level);
+  }
+  if (!(largest > 0.0)) return;
+  g->origin_ranks.clear();
+  for (std::size_t r = 0; r < g->rank_losses.size(); ++r) {
+    const double rise = g->rank_losses[r] - level;
+    if (std::isfinite(rise) && rise >= 0.5 * largest)
+      g->origin_ranks.push_back(static_cast<int>(r));
+  }
 }
 
 at::Tensor parameter_fingerprint(const std::vector<at::Tensor>& params) {

@@ -5,7 +5,8 @@
  *
  * The step buffer has a FIXED size, whatever the number of ranks (kSize slots, 8 bytes each):
  *   inspection's block (stepguard::inspect_slot, written through inspection_block()),
- *   the loss sum, the counts of ranks with a non-finite loss, reporting, with non-finite
+ *   the loss sum and the sum of its squares (the spread: an upper bound of the largest rank
+ *   loss), the counts of ranks with a non-finite loss, with an Inf loss, reporting, with non-finite
  *   gradients, with bad inputs (check_inputs) and with a non-finite probe,
  *   the count of ranks whose background checkpoint write has finished,
  *   the guard-state digest and the parameter fingerprint, each split into four 16-bit chunks
@@ -47,7 +48,9 @@ constexpr int kFingerprint = kDigest + 2 * kChunks;  ///< parameters: the same, 
 constexpr int kFingerprintChecked = kFingerprint + 2 * kChunks;  ///< ranks that fingerprinted
 /// Ranks with no disk checkpoint write still running in the background.
 constexpr int kCheckpointWritten = kFingerprintChecked + 1;
-constexpr int kSize = kCheckpointWritten + 1;  ///< slots, at any world size
+constexpr int kLossSquares = kCheckpointWritten + 1;  ///< sum of the finite losses' squares
+constexpr int kLossInf = kLossSquares + 1;            ///< ranks whose loss is +Inf
+constexpr int kSize = kLossInf + 1;                   ///< slots, at any world size
 /// Digests are masked to the integers fp64 holds exactly in a rank row.
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace step_slot
@@ -60,7 +63,8 @@ constexpr int kInputsBad = 2;    ///< this rank's check_inputs() failed
 constexpr int kProbeBad = 3;     ///< a probe on this rank saw a non-finite value or gradient
 constexpr int kDigest = 4;       ///< guard-state digest, masked to 52 bits
 constexpr int kFingerprint = 5;  ///< parameter fingerprint, masked to 52 bits (0 = not taken)
-constexpr int kSize = 6;
+constexpr int kLoss = 6;         ///< this rank's loss as it is (NaN when step() had none)
+constexpr int kSize = 7;
 }  // namespace row_slot
 
 /// What this rank knows on the host before the collective: rank-local evidence that exists
@@ -115,9 +119,14 @@ bool needs_rank_detail(const GlobalStats& g) noexcept;
 std::vector<double> gather_rank_rows(Consensus& consensus, const at::Tensor& row,
                                      std::int64_t step);
 
-/// Names the faulty, desynced, diverged and origin ranks from the gathered rows (row_slot
-/// order). Pure; the same rows give the same lists on every rank.
+/// Names the faulty, desynced, diverged and origin ranks and reads the rank losses from the
+/// gathered rows (row_slot order). Pure; the same rows give the same lists on every rank.
 void fill_rank_detail(const std::vector<double>& rows, int world_size, GlobalStats* g);
+
+/// On a loss-spike step, after fill_rank_detail(): the ranks whose loss rose from `level` by at
+/// least half the largest rank's rise become the origin ranks (one rank's bad batch names that
+/// rank; a spike on every rank names them all). Nothing when no rank's loss rose.
+void name_spike_ranks(double level, GlobalStats* g);
 
 /// Masks a 64-bit state digest to what a rank row carries exactly.
 constexpr std::uint64_t mask_digest(std::uint64_t digest) noexcept {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -47,7 +48,8 @@ struct GlobalStats {
   double sum_squares = 0.0;
   double grad_norm = 0.0;  ///< sqrt(sum_squares), of finite elements only
   bool sum_squares_overflow = false;
-  /// Mean of the finite rank losses; NaN when every given loss is bad or no rank gave one.
+  /// Mean of the finite rank losses; when every given loss is bad: +Inf if each is +Inf, else
+  /// NaN (and NaN when no rank gave one).
   double loss = 0.0;
   std::int64_t loss_nonfinite_ranks = 0;
   std::int64_t loss_given_ranks = 1;  ///< ranks whose step() had a loss (0: gradients alone)
@@ -68,6 +70,16 @@ struct GlobalStats {
   /// Where the fault came from: the ranks with evidence from before the gradient average (a
   /// non-finite loss, bad inputs, a non-finite probe) when any has it, else the faulty ranks.
   std::vector<int> origin_ranks;
+  /// The rank losses' spread, from the sum of their squares: an upper bound of the largest finite
+  /// rank loss (Samuelson: mean + sd * sqrt(n - 1)), equal to it when one rank stands out from
+  /// ranks that agree. The loss detectors' recent ratio judges it, so that one rank's spike is
+  /// not averaged away at any world size. NaN without a finite loss.
+  double loss_max_bound = std::numeric_limits<double>::quiet_NaN();
+  /// The ranks' losses, filled with ranks_named on a loss-spike step (NaN where a rank gave none).
+  std::vector<double> rank_losses;
+  /// Set by the engine: an fp32 replay in this streak of non-finite steps reproduced it (the
+  /// agreed cause was data, forward or backward), so the streak is not an fp16 overflow.
+  bool overflow_ruled_out = false;
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
   /// "This step is non-finite": a NaN/Inf gradient element or loss on some rank. The one
@@ -81,6 +93,12 @@ struct Signals {
   std::int64_t consecutive_bad_steps = 0;  ///< including this one when it is bad
   std::vector<int> desynced_ranks;         ///< with kRankDesync: the ranks that diverged
   std::vector<int> diverged_replicas;      ///< with kReplicaDivergence: whose parameters differ
+  /// With a loss spike or kLossNotRecovered: the level the loss rose from (the recent median, or
+  /// the EMA mean) and, for kLossNotRecovered, the watch that raised it.
+  double loss_level = 0.0;
+  double grad_norm_level = 0.0;      ///< the grad norm's EMA mean before the spike
+  std::int64_t diverging_since = 0;  ///< step of the spike that began the watch
+  std::int64_t escalations = 0;      ///< kLossNotRecovered raised in this watch, this one too
 
   bool has(Signal s) const noexcept {
     for (Signal r : raised) {

@@ -52,6 +52,12 @@ enum class Signal : std::uint8_t {
   kRollbackBudget,     ///< limits.max_rollbacks: too many rollbacks within a window
   kLossScaleFloor,     ///< limits.loss_scale_floor: the loss scale sat at its floor too long
   kReplicaDivergence,  ///< some rank's parameters differ from the majority's (replica check)
+  /// Gradients overflowed under loss scaling while the scale can still come down (finite loss,
+  /// Inf in the gradients): the scaler's business, raised instead of kNonfiniteGrad.
+  kOverflow,
+  /// After a loss spike, the loss did not come back near its level from before the spike within
+  /// the detector's window (detectors.loss_recovery): the divergence was not contained.
+  kLossNotRecovered,
 };
 
 /// The root causes forensics assigns to an incident, in the order they are checked.
@@ -98,7 +104,9 @@ inline constexpr Entry<Signal> kSignals[] = {{Signal::kNonfiniteGrad, "nonfinite
                                              {Signal::kSkipBudget, "skip_budget"},
                                              {Signal::kRollbackBudget, "rollback_budget"},
                                              {Signal::kLossScaleFloor, "loss_scale_floor"},
-                                             {Signal::kReplicaDivergence, "replica_divergence"}};
+                                             {Signal::kReplicaDivergence, "replica_divergence"},
+                                             {Signal::kOverflow, "overflow"},
+                                             {Signal::kLossNotRecovered, "loss_not_recovered"}};
 inline constexpr Entry<ReplayMode> kReplayModes[] = {
     {ReplayMode::kAsIs, "as_is"}, {ReplayMode::kFp32, "fp32"}, {ReplayMode::kAnomaly, "anomaly"}};
 inline constexpr Entry<Cause> kCauses[] = {{Cause::kData, "data"},
@@ -132,10 +140,11 @@ inline constexpr Action kAllActions[] = {
     Action::kApply,   Action::kSkipBatch, Action::kClip,  Action::kDropLossScale,
     Action::kLowerLr, Action::kRollback,  Action::kAbort, Action::kAlert};
 inline constexpr Signal kAllSignals[] = {
-    Signal::kNonfiniteGrad,  Signal::kNonfiniteLoss,    Signal::kConsecutiveLimit,
-    Signal::kRankDesync,     Signal::kLossSpike,        Signal::kGradNormSpike,
-    Signal::kLossRatio,      Signal::kSkipBudget,       Signal::kRollbackBudget,
-    Signal::kLossScaleFloor, Signal::kReplicaDivergence};
+    Signal::kNonfiniteGrad,   Signal::kNonfiniteLoss,     Signal::kConsecutiveLimit,
+    Signal::kRankDesync,      Signal::kLossSpike,         Signal::kGradNormSpike,
+    Signal::kLossRatio,       Signal::kSkipBudget,        Signal::kRollbackBudget,
+    Signal::kLossScaleFloor,  Signal::kReplicaDivergence, Signal::kOverflow,
+    Signal::kLossNotRecovered};
 inline constexpr Cause kAllCauses[] = {
     Cause::kData,       Cause::kForward,         Cause::kBackward, Cause::kPrecisionOverflow,
     Cause::kDivergence, Cause::kHardwareSuspect, Cause::kUnknown};

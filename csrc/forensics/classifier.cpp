@@ -59,6 +59,34 @@ Found bad_data(const Evidence& e) {
                     "filter NaN/Inf values, empty and all-padding sequences in the data loader"});
 }
 
+// 2b. One rank's loss spiked while the others' did not: that rank's batch.
+Found one_rank_spike(const Evidence& e) {
+  if (!e.loss_spike || e.spike_ranks.empty() || e.spike_ranks.size() >= e.rank_losses.size()) {
+    return {};
+  }
+  std::vector<std::string> ranks;
+  std::vector<std::string> spiked;
+  std::vector<double> others;
+  for (int r : e.spike_ranks) {
+    ranks.push_back(std::to_string(r));
+    spiked.push_back(number(e.rank_losses[static_cast<std::size_t>(r)]));
+  }
+  for (std::size_t r = 0; r < e.rank_losses.size(); ++r) {
+    if (std::find(e.spike_ranks.begin(), e.spike_ranks.end(), static_cast<int>(r)) ==
+        e.spike_ranks.end()) {
+      others.push_back(e.rank_losses[r]);
+    }
+  }
+  const std::string who = (ranks.size() > 1 ? "ranks " : "rank ") + join(ranks, 8);
+  return diagnosis(Cause::kData,
+                   {"the loss spiked on " + who + " only (" + join(spiked, 8) + " there, " +
+                    number(median(others)) + " on the other ranks, " + number(e.loss_level) +
+                    " before): one bad batch, not the training"},
+                   {"skip that batch and inspect it: the data shard of " + who +
+                        " at this step (saved with the report when check_inputs is used)",
+                    "look for very long, repeated or mislabeled samples, or a corrupt shard"});
+}
+
 // 3. Weights: a NaN in a parameter makes every forward pass NaN.
 Found broken_weights(const Evidence& e) {
   if (e.nonfinite_params.empty()) return {};
@@ -87,24 +115,39 @@ Found diverged_replica(const Evidence& e) {
                     "Xid errors); drain it if it recurs"});
 }
 
-// 4. Precision: overflow under fp16 loss scaling.
+// 4. Precision: overflow under fp16 loss scaling. Real fp16 overflow is Inf in the gradients of
+// a finite loss, with a few NaN among them where Inf met Inf (Inf - Inf, 0 * Inf): every step
+// of such a streak is an overflow, unless a replay in fp32 reproduced it.
 Found precision_overflow(const Evidence& e) {
-  if (e.grads_nonfinite && e.loss_scaling && e.fp32 == ReplayResult::kVanished) {
-    return diagnosis(Cause::kPrecisionOverflow,
-                     {"the batch is finite when replayed in fp32; with fp16 and loss scale " +
-                      number(e.loss_scale) + " it overflowed"},
-                     {"use bf16 instead of fp16", "lower loss_scale.init_scale or raise hysteresis",
-                      "keep the overflowing layers (" + join(e.blamed_grads, 2) + ") in fp32"});
+  if (!e.grads_nonfinite || !e.loss_scaling || e.overflow_ruled_out ||
+      e.fp32 == ReplayResult::kReproduced) {
+    return {};
   }
-  if (e.grads_nonfinite && !e.loss_nonfinite && e.loss_scaling && e.nan_count == 0 &&
-      e.fp32 == ReplayResult::kNotRun) {
-    return diagnosis(
-        Cause::kPrecisionOverflow,
-        {"only Inf gradients (no NaN) with a finite loss under loss scale " + number(e.loss_scale) +
-         ": an fp16 overflow"},
-        {"use bf16 instead of fp16", "lower loss_scale.init_scale or raise hysteresis"});
+  std::vector<std::string> evidence;
+  if (e.fp32 == ReplayResult::kVanished) {
+    evidence.push_back("the batch is finite when replayed in fp32; with fp16 and loss scale " +
+                       number(e.loss_scale) + " it overflowed");
+  } else if (!e.loss_nonfinite && e.inf_count > 0) {
+    evidence.push_back(
+        "Inf in the gradients (" + std::to_string(e.inf_count) + " Inf" +
+        (e.nan_count > 0 ? ", " + std::to_string(e.nan_count) + " NaN where Inf met Inf" : "") +
+        ") of a finite loss under loss scale " + number(e.loss_scale) + ": an fp16 overflow");
+  } else {
+    return {};
   }
-  return {};
+  std::vector<std::string> fixes;
+  if (e.loss_scale_at_floor) {
+    evidence.push_back("the loss scale is at its floor: it cannot back off any further");
+    fixes = {"use bf16 instead of fp16",
+             "keep the overflowing layers (" + join(e.blamed_grads, 2) + ") in fp32",
+             "lower the learning rate: the values themselves outgrow fp16"};
+  } else {
+    evidence.push_back("the loss scale backs off and the step is skipped, as GradScaler does");
+    fixes = {"nothing, if it stops within a few steps: the scale finds its level",
+             "lower loss_scale.init_scale (or raise hysteresis) if every run starts like this",
+             "use bf16 instead of fp16"};
+  }
+  return diagnosis(Cause::kPrecisionOverflow, std::move(evidence), std::move(fixes));
 }
 
 // 5. Learning rate: values blowing up over the last steps.
@@ -112,6 +155,32 @@ Found divergence(const Evidence& e) {
   const double typical_norm = median(e.recent_grad_norms);
   const bool norm_blowup =
       std::isfinite(typical_norm) && typical_norm > 0 && e.grad_norm > 100 * typical_norm;
+  const std::vector<std::string> lr_fixes = {
+      "lower the learning rate (check the schedule: a peak or a restart that sets it too high)",
+      "lengthen the warm-up",
+      "clip the grad norm (policy action clip, or the framework's clipping)"};
+  // A divergence that outlived a rollback and an LR cut: the LR itself.
+  if (e.loss_not_recovered || (e.loss_spike && e.diverging_steps > 0)) {
+    std::vector<std::string> evidence;
+    if (e.loss_not_recovered) {
+      evidence.push_back("the loss is " + number(e.loss) + " " + std::to_string(e.diverging_steps) +
+                         " steps after the spike, against " + number(e.loss_level) +
+                         " before it: it has not come back (raised " +
+                         std::to_string(e.escalations) + (e.escalations == 1 ? " time" : " times") +
+                         ")");
+    } else {
+      evidence.push_back("the loss spiked again (" + number(e.loss) + ", " + number(e.loss_level) +
+                         " before the first spike " + std::to_string(e.diverging_steps) +
+                         " steps ago) after a rollback and an LR cut");
+    }
+    const double growth = e.grad_norm_level > 0 ? e.grad_norm / e.grad_norm_level : 0.0;
+    evidence.push_back(growth >= 1.5
+                           ? "learning rate too high (the grad norm grew " + number(growth) +
+                                 "x over " + std::to_string(e.diverging_steps) + " steps)"
+                           : "learning rate too high: the loss stays up although the "
+                             "LR was cut");
+    return diagnosis(Cause::kDivergence, std::move(evidence), lr_fixes);
+  }
   if (!(e.loss_spike || e.grad_norm_spike || norm_blowup)) return {};
   std::vector<std::string> evidence;
   if (e.loss_spike) {
@@ -131,12 +200,18 @@ Found divergence(const Evidence& e) {
 // 6. The forward pass made the loss non-finite from finite data and weights.
 Found forward_pass(const Evidence& e) {
   if (!e.loss_nonfinite) return {};
-  std::vector<std::string> evidence = {
-      "the loss is NaN/Inf although the inputs and weights are finite"};
+  const std::string what = std::isinf(e.rank_loss)   ? "Inf"
+                           : std::isnan(e.rank_loss) ? "NaN"
+                                                     : "NaN/Inf";
+  std::vector<std::string> evidence = {"the loss is " + what +
+                                       " although the inputs and weights are finite"};
   if (!e.first_bad_forward.empty()) {
     evidence.push_back("the first non-finite output in forward order: " + e.first_bad_forward);
+  } else if (!e.anomaly_op.empty()) {
+    // For a NaN made in forward, anomaly mode names the backward of the loss op that met it:
+    // worth saying only when nothing named the module.
+    evidence.push_back("anomaly mode names " + e.anomaly_op);
   }
-  if (!e.anomaly_op.empty()) evidence.push_back("anomaly mode names " + e.anomaly_op);
   return diagnosis(Cause::kForward, std::move(evidence),
                    {"add an eps to divisions and normalizations (0/0)",
                     "clamp before log and sqrt (log(0), sqrt of a negative)",
@@ -165,7 +240,7 @@ Found backward_pass(const Evidence& e) {
 Diagnosis classify(const Evidence& e) {
   // The standard debugging order: the first check that explains the evidence names the cause.
   constexpr Found (*kDebuggingOrder[])(const Evidence&) = {
-      not_reproduced,     bad_data,   broken_weights, diverged_replica,
+      not_reproduced,     bad_data,   one_rank_spike, broken_weights, diverged_replica,
       precision_overflow, divergence, forward_pass,   backward_pass};
   for (auto check : kDebuggingOrder) {
     if (Found d = check(e)) return *d;

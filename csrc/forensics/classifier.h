@@ -32,6 +32,16 @@ struct Evidence {
   std::int64_t inf_count = 0;
   bool loss_spike = false;       ///< the loss-spike or loss-ratio detector fired
   bool grad_norm_spike = false;  ///< the grad-norm detector fired
+  double loss_level = 0.0;       ///< with loss_spike or loss_not_recovered: the level before
+  /// With loss_spike under data parallelism: the ranks whose own loss rose, when not all did.
+  std::vector<int> spike_ranks;
+  std::vector<double> rank_losses;  ///< every rank's loss, when the ranks were named
+  double rank_loss = 0.0;           ///< this rank's own loss (0 when unknown)
+  // The recovery watch after a spike (detectors.loss_recovery) raised loss_not_recovered.
+  bool loss_not_recovered = false;
+  std::int64_t diverging_steps = 0;  ///< steps since the spike that began the watch
+  double grad_norm_level = 0.0;      ///< the grad norm's level before that spike
+  std::int64_t escalations = 0;      ///< times loss_not_recovered was raised in this watch
   // Data (from check_inputs on this rank).
   std::vector<std::string> bad_inputs;  ///< e.g. "input 0: 64 NaN/Inf values"
   // Replica check: this rank's parameters differ from the majority of the replicas'.
@@ -43,6 +53,9 @@ struct Evidence {
   // Precision.
   bool loss_scaling = false;
   double loss_scale = 1.0;
+  bool loss_scale_at_floor = false;  ///< the scale cannot back off any further
+  /// An fp32 replay earlier in this streak of non-finite steps reproduced it: not an overflow.
+  bool overflow_ruled_out = false;
   // History of agreed values before this step, oldest first.
   std::vector<double> recent_grad_norms;
   std::vector<double> recent_losses;

@@ -25,7 +25,11 @@ InputCheck check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor&
     // Floating and complex inputs can hold NaN/Inf (a complex one in either part).
     if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) continue;
     out.counted_.push_back(i);
-    counts.push_back((~at::isfinite(t.detach())).sum());
+    // NaN and Inf apart: an Inf says overflow or a division by zero upstream, a NaN 0/0 or a
+    // missing value.
+    const at::Tensor nan = at::isnan(t.detach());
+    counts.push_back(nan.sum());
+    counts.push_back((~at::isfinite(t.detach()) & ~nan).sum());
   }
   if (mask.defined()) {
     out.has_mask_ = true;
@@ -47,13 +51,17 @@ const std::vector<std::string>& InputCheck::problems() const {
     const at::Tensor host = counts_.to(at::kCPU);  // the one read
     const std::int64_t* c = host.data_ptr<std::int64_t>();
     for (std::size_t k = 0; k < counted_.size(); ++k) {
-      if (c[k] > 0) {
-        out.push_back("input " + std::to_string(counted_[k]) + " holds " + std::to_string(c[k]) +
-                      " NaN/Inf value" + (c[k] > 1 ? "s" : ""));
-      }
+      const std::int64_t nan = c[2 * k];
+      const std::int64_t inf = c[2 * k + 1];
+      if (nan + inf == 0) continue;
+      std::string what;
+      if (nan > 0) what = std::to_string(nan) + " NaN";
+      if (inf > 0) what += (what.empty() ? "" : " and ") + std::to_string(inf) + " Inf";
+      out.push_back("input " + std::to_string(counted_[k]) + " holds " + what + " value" +
+                    (nan + inf > 1 ? "s" : ""));
     }
     if (has_mask_) {
-      const std::int64_t empty = c[counted_.size()];
+      const std::int64_t empty = c[2 * counted_.size()];
       if (empty > 0) {
         out.push_back(std::to_string(empty) + " of " + std::to_string(mask_rows_) +
                       " sequences are empty or all padding (every position masked)");

@@ -35,7 +35,7 @@ class InputCheck {
 
  private:
   friend InputCheck check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
-  at::Tensor counts_;  ///< kLong: per counted input its NaN/Inf count, then the empty rows
+  at::Tensor counts_;  ///< kLong: per counted input its NaN then its Inf count, then the empty rows
   at::Tensor any_;
   std::vector<std::size_t> counted_;  ///< input index of each count
   bool has_mask_ = false;

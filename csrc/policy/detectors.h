@@ -8,6 +8,11 @@
  *   once early_after values are in (for a series at or below zero: a rise of (early_factor - 1)
  *   times its magnitude or spread), so a run that blows up in its first steps is not waved
  *   through while the z-score warms up.
+ *   At any step (recent_factor > 0), from the third value on: a spike when x is more than
+ *   recent_factor times the median of the last recent_window accepted values and its rise over
+ *   that median is more than recent_factor times the largest step-to-step rise inside the window.
+ *   The median follows a loss that is still falling fast (a running mean lags above it); the rise
+ *   condition keeps a series that is noisy by nature (a small, jumpy loss) from alarming.
  * - RatioRule (Megatron's check): x > k * the largest value seen in the first N steps.
  * Non-finite values are the non-finite detector's business: they are ignored here.
  *
@@ -15,39 +20,59 @@
  */
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 namespace stepguard {
 namespace policy {
 
 struct EmaZScoreConfig {
   double threshold = 6.0;
-  std::int64_t warmup = 100;     ///< observations before a spike can be reported
-  double decay = 0.99;           ///< EMA decay per observation (alpha = 1 - decay)
-  double early_factor = 10.0;    ///< during the warm-up: a spike above this x the mean; 0: off
-  std::int64_t early_after = 3;  ///< observations before the early ratio applies
+  std::int64_t warmup = 100;       ///< observations before a spike can be reported
+  double decay = 0.99;             ///< EMA decay per observation (alpha = 1 - decay)
+  double early_factor = 10.0;      ///< during the warm-up: a spike above this x the mean; 0: off
+  std::int64_t early_after = 3;    ///< observations before the early ratio applies
+  double recent_factor = 0.0;      ///< at any step: a spike above this x the recent median; 0: off
+  std::int64_t recent_window = 8;  ///< accepted values the recent median is taken over (>= 2)
 };
+
+/// Values a recent-ratio test needs before it applies: the third value is the first it judges.
+constexpr std::size_t kRecentMinimum = 2;
 
 struct EmaZScoreState {
   double mean = 0.0;
   double variance = 0.0;
-  std::int64_t count = 0;  ///< observations folded into the averages
+  std::int64_t count = 0;      ///< observations folded into the averages
+  std::vector<double> recent;  ///< the last recent_window accepted values, newest last
   bool operator==(const EmaZScoreState& o) const noexcept {
-    return mean == o.mean && variance == o.variance && count == o.count;
+    return mean == o.mean && variance == o.variance && count == o.count && recent == o.recent;
   }
 };
 
 struct SpikeVerdict {
   bool spike = false;
-  double z = 0.0;      ///< 0 before the first observation or when the series is constant
-  bool early = false;  ///< caught by the warm-up ratio (x / mean > early_factor), not by z
+  double z = 0.0;          ///< 0 before the first observation or when the series is constant
+  bool early = false;      ///< caught by the warm-up ratio (x / mean > early_factor), not by z
+  bool recent = false;     ///< caught by the recent ratio (x / recent median > recent_factor)
+  double reference = 0.0;  ///< the level x was judged against: the recent median, else the mean
 };
+
+/// The level a series rose from: the upper median of `values` (NaN when empty).
+double recent_median(const std::vector<double>& values);
+/// Whether x rose `factor` times above `reference`: x > factor * reference for a positive
+/// reference; for a reference at or below zero, a rise of (factor - 1) times `scale` (its
+/// magnitude or spread), as a ratio has no meaning there.
+bool rose_above(double x, double reference, double scale, double factor);
 
 class EmaZScore {
  public:
   /// Throws std::invalid_argument naming the field.
   explicit EmaZScore(EmaZScoreConfig config = {});
-  SpikeVerdict observe(double x);
+  /// `largest`: the largest of the values x is the mean of (one rank's loss), judged by the recent
+  /// ratio alone; NaN or below x: x itself.
+  SpikeVerdict observe(double x, double largest = std::numeric_limits<double>::quiet_NaN());
   const EmaZScoreState& state() const noexcept { return state_; }
   void restore(const EmaZScoreState& s) { state_ = s; }
 

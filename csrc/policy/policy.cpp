@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -106,10 +107,48 @@ bool budget_spent(const Budget& budget, std::int64_t step, std::vector<std::int6
   return false;
 }
 
+std::string step_span(std::int64_t step, std::int64_t since) {
+  const std::int64_t n = step - since;
+  return std::to_string(n) + " step" + (n == 1 ? "" : "s");
+}
+
 std::string signal_list(const Signals& signals) {
   std::string out;
   for (Signal s : signals.raised) out += (out.empty() ? "" : ", ") + std::string(to_string(s));
   return out;
+}
+
+// What the raised signals measured, for the decision's reason ("nonfinite_grad (...)").
+void describe_signals(const Signals& signals, const GlobalStats& stats, std::int64_t step,
+                      const RecoveryWatch& watch, std::ostream& detail) {
+  const auto ranks = [&detail](const std::vector<int>& list) {
+    detail << " (rank" << (list.size() > 1 ? "s" : "");
+    for (std::size_t i = 0; i < list.size(); ++i) detail << (i ? ", " : " ") << list[i];
+  };
+  if (signals.has(Signal::kRankDesync)) {
+    ranks(signals.desynced_ranks);
+    detail << " diverged: guard state differs from the other ranks)";
+  }
+  if (signals.has(Signal::kReplicaDivergence)) {
+    ranks(signals.diverged_replicas);
+    detail << ": parameters differ from the other replicas)";
+  }
+  if (signals.has(Signal::kLossSpike) || signals.has(Signal::kLossRatio)) {
+    detail << " (loss " << stats.loss;
+    if (std::isfinite(stats.loss_max_bound) && stats.loss_max_bound > stats.loss * 1.5) {
+      detail << ", one rank's up to " << stats.loss_max_bound;
+    }
+    detail << ", level before " << signals.loss_level << ")";
+  }
+  if (signals.has(Signal::kLossNotRecovered)) {
+    detail << " (the loss is " << watch.loss_now << " " << step_span(step, signals.diverging_since)
+           << " after the spike at step " << signals.diverging_since << ", its level before "
+           << signals.loss_level << "; raised " << signals.escalations << " time"
+           << (signals.escalations > 1 ? "s" : "") << ")";
+  }
+  if (signals.has(Signal::kOverflow)) {
+    detail << " (Inf in the gradients under loss scaling: the scale backs off)";
+  }
 }
 
 // A decision's reason: the signals raised, what they measured, and the rules and limits that
@@ -135,139 +174,6 @@ bool PolicyConfig::uses(Action action) const noexcept {
   return (limits.max_skips.enabled && limits.max_skips.action.type == action) ||
          (limits.max_rollbacks.enabled && limits.max_rollbacks.action.type == action) ||
          (limits.loss_scale_floor_steps > 0 && limits.loss_scale_floor_action.type == action);
-}
-
-std::vector<std::int64_t> EngineState::encode() const {
-  std::vector<std::int64_t> w = {consecutive_bad_steps,
-                                 bad_steps_total,
-                                 bits_of(loss_ema.mean),
-                                 bits_of(loss_ema.variance),
-                                 loss_ema.count,
-                                 bits_of(grad_norm_ema.mean),
-                                 bits_of(grad_norm_ema.variance),
-                                 grad_norm_ema.count,
-                                 bits_of(loss_ratio.reference_max),
-                                 loss_ratio.count,
-                                 static_cast<std::int64_t>(rules.size())};
-  auto list = [&w](const std::vector<std::int64_t>& v) {
-    w.push_back(static_cast<std::int64_t>(v.size()));
-    w.insert(w.end(), v.begin(), v.end());
-  };
-  for (const RuleState& r : rules) {
-    w.push_back(r.streak);
-    w.push_back(r.last_fired);
-    w.push_back(r.fired);
-    list(r.recent);
-  }
-  list(recent_skips);
-  list(recent_rollbacks);
-  return w;
-}
-
-EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count) {
-  std::size_t at = 0;
-  auto next = [&]() -> std::int64_t {
-    if (at >= words.size()) throw std::invalid_argument("stepguard: policy state is truncated");
-    return words[at++];
-  };
-  auto list = [&](std::vector<std::int64_t>* v) {
-    const std::int64_t n = next();
-    if (n < 0 || static_cast<std::size_t>(n) > words.size() - at) {
-      throw std::invalid_argument("stepguard: policy state holds a bad list length");
-    }
-    v->assign(words.begin() + static_cast<std::ptrdiff_t>(at),
-              words.begin() + static_cast<std::ptrdiff_t>(at + static_cast<std::size_t>(n)));
-    at += static_cast<std::size_t>(n);
-  };
-  EngineState s;
-  s.consecutive_bad_steps = next();
-  s.bad_steps_total = next();
-  s.loss_ema.mean = double_of(next());
-  s.loss_ema.variance = double_of(next());
-  s.loss_ema.count = next();
-  s.grad_norm_ema.mean = double_of(next());
-  s.grad_norm_ema.variance = double_of(next());
-  s.grad_norm_ema.count = next();
-  s.loss_ratio.reference_max = double_of(next());
-  s.loss_ratio.count = next();
-  const std::int64_t n = next();
-  if (n != static_cast<std::int64_t>(rule_count)) {
-    throw std::invalid_argument("stepguard: policy state holds " + std::to_string(n) +
-                                " rules, the policy has " + std::to_string(rule_count));
-  }
-  s.rules.resize(rule_count);
-  for (RuleState& r : s.rules) {
-    r.streak = next();
-    r.last_fired = next();
-    r.fired = next();
-    list(&r.recent);
-  }
-  list(&s.recent_skips);
-  list(&s.recent_rollbacks);
-  if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
-  s.check_ranges();
-  return s;
-}
-
-namespace {
-
-// Far beyond any run, far inside int64 and exact in a double: counts and steps stay below it.
-constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
-
-void check_count(const char* what, std::int64_t v) {
-  if (v < 0 || v > kMaxCount) {
-    throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
-                                std::to_string(v) + ", not in [0, 2^52]");
-  }
-}
-
-void check_ema(const char* what, const EmaZScoreState& e) {
-  check_count(what, e.count);
-  if (!std::isfinite(e.mean) || !std::isfinite(e.variance) || e.variance < 0) {
-    throw std::invalid_argument(std::string("stepguard: policy state holds a ") + what +
-                                " average that is not a finite number (mean " +
-                                std::to_string(e.mean) + ", variance " +
-                                std::to_string(e.variance) + ")");
-  }
-}
-
-}  // namespace
-
-void EngineState::check_ranges() const {
-  check_count("consecutive_bad_steps", consecutive_bad_steps);
-  check_count("bad_steps_total", bad_steps_total);
-  check_ema("loss", loss_ema);
-  check_ema("grad_norm", grad_norm_ema);
-  check_count("a loss_ratio count", loss_ratio.count);
-  if (loss_ratio.count > 0 && !std::isfinite(loss_ratio.reference_max)) {
-    throw std::invalid_argument(
-        "stepguard: policy state holds a loss_ratio reference that is not "
-        "a finite number");
-  }
-  for (const RuleState& r : rules) {
-    check_count("a rule streak", r.streak);
-    check_count("a rule's last firing step", r.last_fired);
-    check_count("a rule's firing count", r.fired);
-    for (std::int64_t step : r.recent) check_count("a rule's recent step", step);
-  }
-  for (std::int64_t step : recent_skips) check_count("a recent skip's step", step);
-  for (std::int64_t step : recent_rollbacks) check_count("a recent rollback's step", step);
-}
-
-void EngineState::check_not_after(std::int64_t step) const {
-  const auto after = [step](const char* what, std::int64_t at) {
-    if (at > step) {
-      throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
-                                  std::to_string(at) + ", after its own step " +
-                                  std::to_string(step));
-    }
-  };
-  for (const RuleState& r : rules) {
-    after("a rule's last firing at step", r.last_fired);
-    for (std::int64_t at : r.recent) after("a rule's recent firing at step", at);
-  }
-  for (std::int64_t at : recent_skips) after("a skip at step", at);
-  for (std::int64_t at : recent_rollbacks) after("a rollback at step", at);
 }
 
 PolicyEngine::PolicyEngine(PolicyConfig config)
@@ -307,7 +213,14 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
   const GlobalStats& stats = input.stats;
   // The loss comes first: a non-finite loss makes every gradient non-finite, not the reverse.
   if (stats.loss_nonfinite_ranks > 0) signals->raised.push_back(Signal::kNonfiniteLoss);
-  if (stats.nonfinite_count() > 0) signals->raised.push_back(Signal::kNonfiniteGrad);
+  if (stats.nonfinite_count() > 0) {
+    // Inf in the gradients of a finite loss under loss scaling, with room to back off: an fp16
+    // overflow, whatever share of the Inf became NaN on the way (Inf - Inf, 0 * Inf). Not when a
+    // replay in fp32 reproduced this streak, nor with the scale at its floor: then it escalates.
+    const bool overflow = input.loss_scale_can_drop && stats.inf_count > 0 &&
+                          stats.loss_nonfinite_ranks == 0 && !stats.overflow_ruled_out;
+    signals->raised.push_back(overflow ? Signal::kOverflow : Signal::kNonfiniteGrad);
+  }
   if (!stats.desynced_ranks.empty()) {
     signals->raised.push_back(Signal::kRankDesync);
     signals->desynced_ranks = stats.desynced_ranks;
@@ -322,15 +235,29 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
   // Value detectors see only values that mean something: a finite loss from every rank, and a
   // grad norm over gradients that are all finite.
   const DetectorSettings& d = config_.detectors;
-  if (stats.loss_nonfinite_ranks == 0 && std::isfinite(stats.loss)) {
+  const bool loss_finite = stats.loss_nonfinite_ranks == 0 && std::isfinite(stats.loss);
+  double spike_level = std::numeric_limits<double>::quiet_NaN();  // set on a loss spike
+  const double grad_norm_level = state_.grad_norm_ema.mean;       // before this step's
+  if (loss_finite) {
     if (d.loss_spike.enabled) {
       loss_spike_.restore(state_.loss_ema);
-      if (loss_spike_.observe(stats.loss).spike) signals->raised.push_back(Signal::kLossSpike);
+      // The recent ratio judges the largest rank loss: one rank's spike is not averaged away.
+      const SpikeVerdict v = loss_spike_.observe(stats.loss, stats.loss_max_bound);
+      if (v.spike) {
+        signals->raised.push_back(Signal::kLossSpike);
+        spike_level = v.reference;
+      }
       state_.loss_ema = loss_spike_.state();
     }
     if (d.loss_ratio.enabled) {
       loss_ratio_.restore(state_.loss_ratio);
-      if (loss_ratio_.observe(stats.loss)) signals->raised.push_back(Signal::kLossRatio);
+      if (loss_ratio_.observe(stats.loss)) {
+        signals->raised.push_back(Signal::kLossRatio);
+        if (!std::isfinite(spike_level)) {
+          spike_level =
+              state_.loss_ema.count > 0 ? state_.loss_ema.mean : state_.loss_ratio.reference_max;
+        }
+      }
       state_.loss_ratio = loss_ratio_.state();
     }
   }
@@ -341,6 +268,11 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
       signals->raised.push_back(Signal::kGradNormSpike);
     }
     state_.grad_norm_ema = grad_norm_spike_.state();
+  }
+  if (std::isfinite(spike_level)) signals->loss_level = spike_level;
+  if (d.loss_recovery.enabled) {
+    watch_recovery(input.step, loss_finite ? stats.loss : std::nan(""), spike_level,
+                   grad_norm_level, signals);
   }
   // A bad step cannot be applied as is (non-finite values, diverged replicas). Spikes are the
   // rules' business and do not count here.
@@ -355,6 +287,43 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
       state_.consecutive_bad_steps >= config_.limits.max_consecutive_bad_steps) {
     signals->raised.push_back(Signal::kConsecutiveLimit);
   }
+}
+
+void PolicyEngine::watch_recovery(std::int64_t step, double loss, double level,
+                                  double grad_norm_level, Signals* signals) {
+  RecoveryWatch& w = state_.watch;
+  const DetectorSettings::Recovery& r = config_.detectors.loss_recovery;
+  const auto tell = [&] {
+    signals->loss_level = w.loss_level;
+    signals->grad_norm_level = w.grad_norm_level;
+    signals->diverging_since = w.started;
+    signals->escalations = w.escalations;
+  };
+  if (std::isfinite(level)) {
+    // A spike starts the watch, or restarts the window of one under way (the level stays the
+    // one from before the first spike: a second spike is not the new normal).
+    if (w.started == 0) {
+      w = RecoveryWatch{};
+      w.started = step;
+      w.loss_level = level;
+      w.grad_norm_level = std::isfinite(grad_norm_level) ? grad_norm_level : 0.0;
+    }
+    w.window_start = step;
+    w.loss_now = w.loss_level;
+    tell();
+    return;
+  }
+  if (w.started == 0 || !std::isfinite(loss)) return;
+  w.loss_now += 0.25 * (loss - w.loss_now);
+  if (step - w.window_start < r.within) return;
+  if (!rose_above(w.loss_now, w.loss_level, std::abs(w.loss_level), r.factor)) {
+    w = RecoveryWatch{};  // back near its level: contained
+    return;
+  }
+  ++w.escalations;
+  w.window_start = step;
+  signals->raised.push_back(Signal::kLossNotRecovered);
+  tell();
 }
 
 void PolicyEngine::run_rules(std::int64_t step, const Signals& signals,
@@ -407,22 +376,9 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
   }
   std::ostringstream detail;
   const bool nonfinite = input.stats.nonfinite();
-  if (signals.has(Signal::kRankDesync)) {
-    // Replicas that disagree on the guard's own state cannot be trusted to agree on anything.
-    actions.add(Action::kAbort);
-    detail << " (rank" << (signals.desynced_ranks.size() > 1 ? "s" : "");
-    for (std::size_t i = 0; i < signals.desynced_ranks.size(); ++i) {
-      detail << (i ? ", " : " ") << signals.desynced_ranks[i];
-    }
-    detail << " diverged: guard state differs from the other ranks)";
-  }
-  if (signals.has(Signal::kReplicaDivergence)) {
-    detail << " (rank" << (signals.diverged_replicas.size() > 1 ? "s" : "");
-    for (std::size_t i = 0; i < signals.diverged_replicas.size(); ++i) {
-      detail << (i ? ", " : " ") << signals.diverged_replicas[i];
-    }
-    detail << ": parameters differ from the other replicas)";
-  }
+  // Replicas that disagree on the guard's own state cannot be trusted to agree on anything.
+  if (signals.has(Signal::kRankDesync)) actions.add(Action::kAbort);
+  describe_signals(signals, input.stats, input.step, state_.watch, detail);
   if (signals.has(Signal::kConsecutiveLimit)) {
     actions.add(Action::kAbort);
     names.push_back("limits.max_consecutive_bad_steps");

@@ -58,6 +58,14 @@ struct DetectorSettings {
                                   return c;
                                 }()};
   RatioSettings loss_ratio;
+  /// After a loss spike (loss_spike or loss_ratio), the loss must come back under `factor` x its
+  /// level from before the spike within `within` steps, or loss_not_recovered is raised (and again
+  /// every `within` steps until it does). `detectors.loss_recovery`.
+  struct Recovery {
+    bool enabled = false;
+    std::int64_t within = 30;
+    double factor = 2.0;
+  } loss_recovery;
   /// Replica check: every this many steps (and on the step after every incident) the ranks
   /// compare a fingerprint of their parameters; 0 turns it off. `detectors.replica_divergence`.
   std::int64_t replica_every = 100;
@@ -80,6 +88,8 @@ constexpr SignalSet bit(Signal s) noexcept { return SignalSet{1} << static_cast<
 /// `nonfinite`: a NaN/Inf gradient or loss.
 constexpr SignalSet kNonfiniteSignals = bit(Signal::kNonfiniteGrad) | bit(Signal::kNonfiniteLoss);
 /// `spike`: any of the three value detectors.
+/// Signals that start a recovery watch.
+constexpr SignalSet kLossSpikeSignals = bit(Signal::kLossSpike) | bit(Signal::kLossRatio);
 constexpr SignalSet kSpikeSignals =
     bit(Signal::kLossSpike) | bit(Signal::kGradNormSpike) | bit(Signal::kLossRatio);
 
@@ -149,6 +159,22 @@ struct RuleState {
   }
 };
 
+/// The recovery watch after a loss spike (DetectorSettings::loss_recovery): guard history, like
+/// the budgets, so a rollback leaves it as it is.
+struct RecoveryWatch {
+  std::int64_t started = 0;       ///< step of the spike that began it; 0 = not watching
+  std::int64_t window_start = 0;  ///< the current window began here (the spike or the last raise)
+  double loss_level = 0.0;        ///< the loss's level before the spike
+  double grad_norm_level = 0.0;   ///< the grad norm's EMA mean before the spike
+  double loss_now = 0.0;          ///< the loss over the last few steps (an EMA, alpha 1/4)
+  std::int64_t escalations = 0;   ///< loss_not_recovered raised in this watch
+  bool operator==(const RecoveryWatch& o) const noexcept {
+    return started == o.started && window_start == o.window_start && loss_level == o.loss_level &&
+           grad_norm_level == o.grad_norm_level && loss_now == o.loss_now &&
+           escalations == o.escalations;
+  }
+};
+
 /// The engine's whole state: what a snapshot stores and ranks compare.
 struct EngineState {
   std::int64_t consecutive_bad_steps = 0;
@@ -159,15 +185,18 @@ struct EngineState {
   std::vector<RuleState> rules;
   std::vector<std::int64_t> recent_skips;      ///< steps of recent skips, newest last
   std::vector<std::int64_t> recent_rollbacks;  ///< steps of recent rollbacks, newest last
+  RecoveryWatch watch;
 
   bool operator==(const EngineState& o) const noexcept {
     return consecutive_bad_steps == o.consecutive_bad_steps &&
            bad_steps_total == o.bad_steps_total && loss_ema == o.loss_ema &&
            grad_norm_ema == o.grad_norm_ema && loss_ratio == o.loss_ratio && rules == o.rules &&
-           recent_skips == o.recent_skips && recent_rollbacks == o.recent_rollbacks;
+           recent_skips == o.recent_skips && recent_rollbacks == o.recent_rollbacks &&
+           watch == o.watch;
   }
   /// The state as 64-bit words (doubles by their bits), and back. decode() throws
-  /// std::invalid_argument on words that do not describe a state of `rule_count` rules.
+  /// std::invalid_argument on words that do not describe a state of `rule_count` rules; words of
+  /// an earlier release (without the recent windows and the watch) decode with them empty.
   std::vector<std::int64_t> encode() const;
   static EngineState decode(const std::vector<std::int64_t>& words, std::size_t rule_count);
   /// Throws std::invalid_argument naming the value when a count or step is negative or beyond
@@ -183,6 +212,9 @@ struct StepInput {
   std::int64_t step = 0;  ///< 1-based
   GlobalStats stats;
   std::int64_t loss_scale_steps_at_floor = 0;  ///< from the loss scaler, before this step
+  /// Loss scaling is on and the scale can still come down (above its floor, or no floor): an
+  /// overflow is then the scaler's to handle.
+  bool loss_scale_can_drop = false;
 };
 
 /// What the engine found and decided on one step.
@@ -203,6 +235,8 @@ class PolicyEngine {
 
   const PolicyConfig& config() const noexcept { return config_; }
   const EngineState& state() const noexcept { return state_; }
+  /// A loss spike's recovery is being watched: snapshots taken now are not confirmed.
+  bool watching() const noexcept { return state_.watch.started > 0; }
   void restore(const EngineState& state);
   /// After a rollback: the detectors' averages come back from `state` (they describe the training
   /// being restored); streaks, cooldowns and budgets stay (they describe the guard's history, and a
@@ -211,6 +245,10 @@ class PolicyEngine {
 
  private:
   void detect(const StepInput& input, Signals* signals);
+  /// The recovery watch after a loss spike: starts it, follows the loss, raises
+  /// kLossNotRecovered at the end of a window the loss did not come back in.
+  void watch_recovery(std::int64_t step, double loss, double level, double grad_norm_level,
+                      Signals* signals);
   void run_rules(std::int64_t step, const Signals& signals, std::vector<const Rule*>* fired);
   double clip_target(const ActionSpec& spec) const;
 

@@ -20,6 +20,28 @@ namespace stepguard {
 namespace policy {
 namespace detail {
 
+// Keys of schema version 1, by section.
+inline const std::vector<std::string> kTopKeys = {"version", "detectors",  "rules",
+                                                  "limits",  "loss_scale", "checkpoint"};
+inline const std::vector<std::string> kLossScaleKeys = {
+    "enabled",         "init_scale", "growth_factor", "backoff_factor",
+    "growth_interval", "hysteresis", "min_scale"};
+inline const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps", "max_skips",
+                                                    "max_rollbacks", "loss_scale_floor"};
+inline const std::vector<std::string> kDetectorKeys = {
+    "loss_spike", "grad_norm_spike", "loss_ratio", "replica_divergence", "loss_recovery"};
+inline const std::vector<std::string> kRecoveryKeys = {"enabled", "within", "factor"};
+inline const std::vector<std::string> kReplicaKeys = {"every"};
+inline const std::vector<std::string> kSpikeKeys = {
+    "enabled",      "z",           "warmup",        "decay",
+    "early_factor", "early_after", "recent_factor", "recent_window"};
+inline const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
+inline const std::vector<std::string> kRuleKeys = {
+    "name", "on", "consecutive", "within", "after_step", "cooldown", "action"};
+inline const std::vector<std::string> kWithinKeys = {"steps", "count"};
+inline const std::vector<std::string> kCheckpointKeys = {"snapshot_every", "snapshot_keep",
+                                                         "disk_every", "disk_keep"};
+
 /// Collects the issues of one policy file and reads typed scalars, reporting each value that is
 /// wrong with its key and position. Defined in policy_validation.cpp. Not thread-safe.
 class Checker {

@@ -44,6 +44,8 @@ std::string signal_words(SignalSet on) {
       {Signal::kGradNormSpike, "a grad-norm spike"},
       {Signal::kLossRatio, "a loss above the ratio limit"},
       {Signal::kReplicaDivergence, "a rank whose parameters differ from the other replicas'"},
+      {Signal::kOverflow, "an fp16 overflow the loss scale can still back off from"},
+      {Signal::kLossNotRecovered, "a loss that has not come back after a spike"},
   };
   for (const auto& [signal, word] : words) {
     if (on & bit(signal)) parts.push_back(word);
@@ -105,12 +107,25 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
       out << "    during the warm-up, from step " << s.ema.early_after + 1 << ": a " << what
           << " above " << s.ema.early_factor << "x its running mean\n";
     }
+    if (s.ema.recent_factor > 0) {
+      out << "    at any step from the third: a " << what << " above " << s.ema.recent_factor
+          << "x the median of its last " << s.ema.recent_window
+          << " values (the largest rank's, for the loss), by more than " << s.ema.recent_factor
+          << "x the largest rise inside them\n";
+    }
   };
   if (d.loss_spike.enabled) spike("loss", d.loss_spike);
   if (d.grad_norm_spike.enabled) spike("grad-norm", d.grad_norm_spike);
   if (d.loss_ratio.enabled) {
     out << "  - loss ratio: a loss above " << d.loss_ratio.ratio.factor
         << "x the largest loss of the first " << d.loss_ratio.ratio.reference_steps << " steps\n";
+  }
+  if (d.loss_recovery.enabled) {
+    out << "  - loss recovery: after a loss spike, the loss must come back under "
+        << d.loss_recovery.factor << "x its level from before the spike within "
+        << d.loss_recovery.within << " steps, or loss_not_recovered is raised (again every "
+        << d.loss_recovery.within
+        << " steps until it does); snapshots taken meanwhile are not trusted\n";
   }
 }
 

@@ -20,28 +20,19 @@ using detail::Checker;
 using detail::describe;
 using detail::did_you_mean;
 using detail::join;
+using detail::kCheckpointKeys;
+using detail::kDetectorKeys;
+using detail::kLimitKeys;
+using detail::kLossScaleKeys;
+using detail::kRatioKeys;
+using detail::kRecoveryKeys;
+using detail::kReplicaKeys;
+using detail::kRuleKeys;
+using detail::kSpikeKeys;
+using detail::kTopKeys;
+using detail::kWithinKeys;
 
 namespace {
-
-// Keys of schema version 1, by section.
-const std::vector<std::string> kTopKeys = {"version", "detectors",  "rules",
-                                           "limits",  "loss_scale", "checkpoint"};
-const std::vector<std::string> kLossScaleKeys = {
-    "enabled",         "init_scale", "growth_factor", "backoff_factor",
-    "growth_interval", "hysteresis", "min_scale"};
-const std::vector<std::string> kLimitKeys = {"max_consecutive_bad_steps", "max_skips",
-                                             "max_rollbacks", "loss_scale_floor"};
-const std::vector<std::string> kDetectorKeys = {"loss_spike", "grad_norm_spike", "loss_ratio",
-                                                "replica_divergence"};
-const std::vector<std::string> kReplicaKeys = {"every"};
-const std::vector<std::string> kSpikeKeys = {"enabled",      "z",          "warmup", "decay",
-                                             "early_factor", "early_after"};
-const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
-const std::vector<std::string> kRuleKeys = {"name",       "on",       "consecutive", "within",
-                                            "after_step", "cooldown", "action"};
-const std::vector<std::string> kWithinKeys = {"steps", "count"};
-const std::vector<std::string> kCheckpointKeys = {"snapshot_every", "snapshot_keep", "disk_every",
-                                                  "disk_keep"};
 
 // The actions a rule or limit may take and the parameters each takes (names: vocabulary.h).
 struct ActionInfo {
@@ -66,7 +57,8 @@ const std::vector<std::string> kAllActionParams = {"factor",       "floor", "rec
 std::vector<std::pair<std::string, SignalSet>> on_names() {
   std::vector<std::pair<std::string, SignalSet>> out = {{"nonfinite", kNonfiniteSignals}};
   for (Signal s : {Signal::kNonfiniteGrad, Signal::kNonfiniteLoss, Signal::kLossSpike,
-                   Signal::kGradNormSpike, Signal::kLossRatio, Signal::kReplicaDivergence}) {
+                   Signal::kGradNormSpike, Signal::kLossRatio, Signal::kReplicaDivergence,
+                   Signal::kOverflow, Signal::kLossNotRecovered}) {
     out.push_back({to_string(s), bit(s)});
   }
   out.push_back({"spike", kSpikeSignals});
@@ -141,6 +133,19 @@ class Reader {
       if (check_.map(r, "replica_divergence")) {
         check_.check_keys(r, kReplicaKeys, " in 'detectors.replica_divergence'");
         count(r, "every", 0, &out_.detectors.replica_every);
+      }
+    }
+    if (const YAML::Node r = d["loss_recovery"]; r) {
+      marks_.configured_detectors.push_back("loss_recovery");
+      DetectorSettings::Recovery& s = out_.detectors.loss_recovery;
+      s.enabled = true;
+      if (!r.IsNull() && check_.map(r, "loss_recovery")) {
+        check_.check_keys(r, kRecoveryKeys, " in 'detectors.loss_recovery'");
+        if (const YAML::Node n = r["enabled"]; n) check_.boolean(n, "enabled", &s.enabled);
+        count(r, "within", 1, &s.within);
+        if (const YAML::Node n = r["factor"]; n) {
+          check_.number(n, "factor", 1, 1e12, true, false, &s.factor);
+        }
       }
     }
     if (const YAML::Node r = d["loss_ratio"]; r) {
@@ -249,6 +254,7 @@ class Reader {
       if (name == "loss_spike") out_.detectors.loss_spike.enabled = true;
       if (name == "grad_norm_spike") out_.detectors.grad_norm_spike.enabled = true;
       if (name == "loss_ratio") out_.detectors.loss_ratio.enabled = true;
+      if (name == "loss_recovery") out_.detectors.loss_recovery.enabled = true;
     }
   }
 
@@ -278,18 +284,26 @@ class Reader {
     if (const YAML::Node n = node["decay"]; n) {
       check_.number(n, "decay", 0, 1, true, true, &s->ema.decay);
     }
-    if (const YAML::Node n = node["early_factor"]; n) {
-      double f = 0;
-      if (check_.number(n, "early_factor", 0, 1e6, false, false, &f)) {
-        if (f > 0 && f <= 1) {
-          check_.issue(n.Mark(), "'early_factor' must be 0 (off) or greater than 1, got '" +
-                                     n.Scalar() + "'");
-        } else {
-          s->ema.early_factor = f;
-        }
-      }
-    }
+    factor_or_off(node, "early_factor", &s->ema.early_factor);
     count(node, "early_after", 1, &s->ema.early_after);
+    factor_or_off(node, "recent_factor", &s->ema.recent_factor);
+    if (const YAML::Node n = node["recent_window"]; n) {
+      long long v = 0;
+      if (check_.whole_number(n, "recent_window", 2, 1024, &v)) s->ema.recent_window = v;
+    }
+  }
+
+  // A ratio at map[key]: 0 (off) or a number above 1.
+  void factor_or_off(const YAML::Node& map, const std::string& key, double* out) {
+    const YAML::Node n = map[key];
+    double f = 0;
+    if (!n || !check_.number(n, key, 0, 1e6, false, false, &f)) return;
+    if (f > 0 && f <= 1) {
+      check_.issue(n.Mark(),
+                   "'" + key + "' must be 0 (off) or greater than 1, got '" + n.Scalar() + "'");
+    } else {
+      *out = f;
+    }
   }
 
   void budget(const YAML::Node& node, const std::string& name, Budget* b,
@@ -434,8 +448,9 @@ class Reader {
         if (word != name) continue;
         found = true;
         set |= bits;
-        if (word == "loss_spike" || word == "grad_norm_spike" || word == "loss_ratio") {
-          needs_detector(word, *rule, n.Mark());
+        if (word == "loss_spike" || word == "grad_norm_spike" || word == "loss_ratio" ||
+            word == "loss_not_recovered") {
+          needs_detector(word == "loss_not_recovered" ? "loss_recovery" : word, *rule, n.Mark());
         }
       }
       if (found) continue;

@@ -32,8 +32,18 @@ void check_detector_uses(const PolicyConfig& config, const PolicyMarks& marks, C
     }
     if ((name == "loss_spike" && !d.loss_spike.enabled) ||
         (name == "grad_norm_spike" && !d.grad_norm_spike.enabled) ||
-        (name == "loss_ratio" && !d.loss_ratio.enabled)) {
+        (name == "loss_ratio" && !d.loss_ratio.enabled) ||
+        (name == "loss_recovery" && !d.loss_recovery.enabled)) {
       check->issue(use.mark, use.user + " can never fire: 'detectors." + name + "' is disabled");
+    }
+  }
+  // The recovery watch starts at a loss spike: without a loss detector it never starts.
+  if (d.loss_recovery.enabled && !d.loss_spike.enabled && !d.loss_ratio.enabled) {
+    for (const auto& use : marks.detector_uses) {
+      if (use.detector != "loss_recovery") continue;
+      check->issue(use.mark, use.user +
+                                 " can never fire: 'loss_not_recovered' follows a loss spike, and "
+                                 "neither 'detectors.loss_spike' nor 'detectors.loss_ratio' is on");
     }
   }
 }

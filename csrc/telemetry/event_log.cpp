@@ -108,6 +108,12 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   line["nan"] = stats.nan_count;
   line["inf"] = stats.inf_count;
   line["loss_nonfinite_ranks"] = stats.loss_nonfinite_ranks;
+  // What the decision read beyond the mean loss, so that `stepguard replay` decides the same: the
+  // bound of the largest rank loss (when a rank stands out) and an overflow ruled out.
+  if (std::isfinite(stats.loss_max_bound) && stats.loss_max_bound > stats.loss) {
+    line["loss_max_bound"] = stats.loss_max_bound;
+  }
+  if (stats.overflow_ruled_out) line["overflow_ruled_out"] = true;
   if (!report.loss_given) line["loss_given"] = false;  // step() without a loss: null is not NaN
   line["loss_scale"] = number(report.loss_scale);
   line["lr_factor"] = number(report.lr_factor);

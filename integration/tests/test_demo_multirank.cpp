@@ -37,7 +37,7 @@ TEST(MultiRank, RankLocalFaultsAreSkippedOnEveryRankAndReplicasStayEqual) {
                                                 // one at construction (the ranks' layouts),
                                                 // one a step, two more per incident
                                                 .collectives(1 + 120 + 2 * 2)
-                                                .step_buffer_bytes(232)  // the same at any size
+                                                .step_buffer_bytes(248)  // the same at any size
                                                 .params_finite(true)
                                                 .outcomes_agree(true)
                                                 .param_hashes(4)
@@ -221,7 +221,7 @@ TEST(MultiRank, EveryRanksReportNamesTheOriginAndTheAgreedCause) {
   }
   // The drifted replica was rolled back: the replicas end equal.
   expect_summary(read_json(summary),
-                 SummaryCheck().outcomes_agree(true).replicas_equal().step_buffer_bytes(232));
+                 SummaryCheck().outcomes_agree(true).replicas_equal().step_buffer_bytes(248));
 }
 
 }  // namespace

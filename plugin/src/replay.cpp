@@ -64,6 +64,13 @@ GlobalStats stats_of_line(const nlohmann::json& j, const std::string& file, std:
   if (!j.contains("nan") && !j.contains("inf")) {
     g.nan_count = count_field(j, "nonfinite", 0, file, line);
   }
+  g.loss_max_bound = number_field(j, "loss_max_bound", g.loss, file, line);
+  if (auto it = j.find("overflow_ruled_out"); it != j.end()) {
+    if (!it->is_boolean()) {
+      throw TraceError(file, line, "'overflow_ruled_out' must be true or false, got " + it->dump());
+    }
+    g.overflow_ruled_out = it->get<bool>();
+  }
   g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;
   g.sum_squares = g.grad_norm * g.grad_norm;
   return g;

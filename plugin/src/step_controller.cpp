@@ -36,6 +36,7 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   input.step = step;
   input.stats = stats;
   input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
+  input.loss_scale_can_drop = scaler_ && !scaler_->at_floor();
   policy::Verdict verdict = engine_.evaluate(input);
   StepDecision out;
   update_knobs(stats, &verdict.decision);
@@ -46,7 +47,9 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   out.loss_scale = loss_scale();
   out.signals = std::move(verdict.signals);
   out.decision = std::move(verdict.decision);
-  if (snapshots != nullptr) snapshots->on_step(step, !out.signals.any());
+  // While a loss spike's recovery is watched, the training is suspect: its snapshots are not
+  // confirmed, so a rollback goes back to one from before the spike.
+  if (snapshots != nullptr) snapshots->on_step(step, !out.signals.any() && !engine_.watching());
   if (out.decision.outcome == Outcome::kRolledBack) {
     settle_rollback(step, !stats.diverged_replicas.empty(), snapshots, &out);
   }
@@ -79,7 +82,7 @@ void StepController::settle_rollback(std::int64_t step, bool replicas_diverged,
       snapshots != nullptr ? snapshots->roll_back(step, replicas_diverged) : std::nullopt;
   if (target) {
     const std::int64_t to_step = target->step;
-    rollback_to(target->words, d);
+    rollback_to(target->words, d, step);
     out->loss_scale = loss_scale();
     out->lr_factor = lr_factor();
     out->rolled_back_to = to_step;
@@ -147,18 +150,24 @@ void StepController::decode(const std::vector<std::int64_t>& words) {
   lr_.restore(lr);
 }
 
-void StepController::rollback_to(const std::vector<std::int64_t>& words, const Decision& decision) {
+void StepController::rollback_to(const std::vector<std::int64_t>& words, const Decision& decision,
+                                 std::int64_t step) {
   StepController snapshot(config_, loss_scaling_requested_);
   snapshot.decode(words);
   engine_.restore_detectors(snapshot.engine_.state());
   if (scaler_) scaler_->restore(snapshot.scaler_->state());
-  lr_.restore(snapshot.lr_.state());
+  // A rollback while a loss spike's recovery is watched (a spike before this one did not stay
+  // fixed) keeps the LR factor as this step left it, its own cut included (update_knobs): the
+  // state restored is the one that diverged under the cuts made since.
+  const policy::RecoveryWatch& watch = engine_.state().watch;
+  const bool keep_lr = watch.started > 0 && watch.started < step;
+  if (!keep_lr) lr_.restore(snapshot.lr_.state());
   if (scaler_ && decision.has(Action::kDropLossScale)) {
     // The restored scale is the one that led here: back off from it as this step did.
     scaler_->drop(decision.loss_scale_factor < 1.0 ? decision.loss_scale_factor
                                                    : scaler_->config().backoff_factor);
   }
-  if (decision.has(Action::kLowerLr)) {
+  if (decision.has(Action::kLowerLr) && !keep_lr) {
     lr_.lower(decision.lower_lr.factor, decision.lower_lr.floor, decision.lower_lr.recover_after,
               decision.lower_lr.recover_over);
   }

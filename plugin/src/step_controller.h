@@ -76,10 +76,12 @@ class StepController {
   void update_knobs(const GlobalStats& stats, Decision* d);
   void settle_rollback(std::int64_t step, bool replicas_diverged, SnapshotHolder* snapshots,
                        StepDecision* out);
-  /// After a rollback to a snapshot holding `words`: the detectors, loss scale and LR factor come
-  /// back from the snapshot, the rules' history stays, and the rolled-back step's own loss-scale
-  /// and LR actions apply on top.
-  void rollback_to(const std::vector<std::int64_t>& words, const Decision& decision);
+  /// After a rollback at `step` to a snapshot holding `words`: the detectors, loss scale and LR
+  /// factor come back from the snapshot (the LR factor not while a loss spike's recovery has been
+  /// watched since an earlier step: its cuts stay), the rules' history stays, and the rolled-back
+  /// step's own loss-scale and LR actions apply on top.
+  void rollback_to(const std::vector<std::int64_t>& words, const Decision& decision,
+                   std::int64_t step);
 
   policy::PolicyConfig config_;
   bool loss_scaling_requested_;

@@ -133,10 +133,16 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   stage_seconds_.agree = p.agreed.agree_seconds;
   stage_seconds_.inspect = seconds_since(t) - p.agreed.agree_seconds;
   t = Clock::now();
-  p.decided = decide(step, p.agreed.global);
+  GlobalStats& g = p.agreed.global;
+  g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
+  p.decided = decide(step, g);
   stage_seconds_.decide = seconds_since(t);
   t = Clock::now();
+  name_spike_ranks(&p.agreed, p.decided);
   p.findings = investigate(p.agreed, p.decided);
+  const Cause cause = p.findings.agreed_cause;
+  overflow_ruled_out_ = g.nonfinite() && (g.overflow_ruled_out || cause == Cause::kData ||
+                                          cause == Cause::kForward || cause == Cause::kBackward);
   stage_seconds_.record = seconds_since(t);
   // The figures the report will carry, read off the same decision.
   const StepReport r = make_report(step, p.agreed.global, p.decided);
@@ -289,6 +295,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   try {
     consensus_->all_reduce_sum(buffer.tensor(), step);
     a.global = buffer.unpack(step);
+    a.rank_row = buffer.rank_row();
     // The rare step where a count says a rank saw something or differs: one more collective
     // names the ranks (the steady-state buffer is the same size at any world size).
     if (consensus::needs_rank_detail(a.global)) {

@@ -124,6 +124,7 @@ class StepEngine {
     GlobalStats global;
     LocalStats local;
     inspect::DeferredBlame blame;
+    at::Tensor rank_row;  ///< this rank's row of the step buffer, for a later gather
     double inspect_seconds = 0.0;
     double agree_seconds = 0.0;
   };
@@ -154,6 +155,9 @@ class StepEngine {
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
+  /// On a loss-spike step under data parallelism: one more collective gives every rank every
+  /// rank's loss, and the ranks whose loss rose become the origin ranks.
+  void name_spike_ranks(Agreed* agreed, const StepDecision& decided);
   std::vector<std::string> blame_across_ranks(const std::vector<std::string>& mine,
                                               std::int64_t step);
   void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
@@ -216,6 +220,9 @@ class StepEngine {
   // Forensics.
   forensics::Recompute replay_;
   bool replaying_ = false;
+  /// The agreed cause of a step in the current streak of non-finite steps was data, forward or
+  /// backward (an fp32 replay reproduced it): the streak is not an fp16 overflow.
+  bool overflow_ruled_out_ = false;
   std::optional<double> replay_scale_;  ///< while replaying: scale_loss() uses the step's scale
   double step_loss_scale_ = 1.0;        ///< the scale this step's backward used
   /// The random streams before this step's forward pass (captured after the previous step and
@@ -224,6 +231,9 @@ class StepEngine {
   /// This step's check_inputs(), if it was called (its inputs are saved with a report).
   std::shared_ptr<const forensics::InputCheck> input_check_;
   forensics::Probes probes_;
+  /// What probes saw during a forensic replay (the user's, and the module hooks the Python guard
+  /// attaches for the replay when set_replay() was given the model).
+  forensics::Probes replay_probes_;
   std::deque<forensics::HistoryRow> history_;  ///< the last kHistory steps, oldest first
   static constexpr std::size_t kHistory = 16;
 };

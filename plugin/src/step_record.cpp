@@ -67,6 +67,47 @@ std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::s
   return out;
 }
 
+void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
+  const Signals& s = decided.signals;
+  if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio)) || consensus_->world_size() == 1) {
+    return;
+  }
+  GlobalStats& g = agreed->global;
+  try {
+    if (!g.ranks_named) {
+      consensus::fill_rank_detail(consensus::gather_rank_rows(*consensus_, agreed->rank_row, step_),
+                                  consensus_->world_size(), &g);
+    }
+  } catch (const std::exception& e) {
+    abort_with(e.what());  // as for the step's own collective
+    throw;
+  }
+  if (g.origin_ranks.empty()) consensus::name_spike_ranks(s.loss_level, &g);
+}
+
+namespace {
+
+// What a loss spike and the recovery watch add to the evidence: the ranks' losses, the ranks
+// whose loss rose (when not every rank's did), the level before and the watch's figures.
+void spike_evidence(const GlobalStats& g, const Signals& s, int rank, std::int64_t step,
+                    forensics::Evidence* ev) {
+  ev->loss_level = s.loss_level;
+  ev->rank_losses = g.rank_losses;
+  const auto r = static_cast<std::size_t>(rank);
+  ev->rank_loss = r < g.rank_losses.size() ? g.rank_losses[r] : g.world_size == 1 ? g.loss : 0.0;
+  if (ev->loss_spike && g.ranks_named && !g.origin_ranks.empty() && !g.nonfinite()) {
+    ev->spike_ranks = g.origin_ranks;
+  }
+  ev->loss_not_recovered = s.has(Signal::kLossNotRecovered);
+  if (s.diverging_since > 0) {
+    ev->diverging_steps = step - s.diverging_since;
+    ev->grad_norm_level = s.grad_norm_level;
+    ev->escalations = s.escalations;
+  }
+}
+
+}  // namespace
+
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
   Findings f;
   if (!decided.signals.any()) return f;
@@ -97,6 +138,10 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   ev.loss_spike =
       decided.signals.has(Signal::kLossSpike) || decided.signals.has(Signal::kLossRatio);
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
+  spike_evidence(g, decided.signals, consensus_->rank(), step_, &ev);
+  ev.overflow_ruled_out = g.overflow_ruled_out;
+  ev.loss_scale_at_floor = controller_.loss_scaling() && controller_.loss_scale_floor() > 0 &&
+                           step_loss_scale_ <= controller_.loss_scale_floor();
   if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
@@ -245,6 +290,9 @@ void StepEngine::run_replays(forensics::Evidence* ev) {
         restore_buffers();
       },
       port_.parameters(), controller_.loss_scaling(), ev);
+  // The step's own probes (none, or the user's) come first; else what the replay's saw.
+  if (ev->first_bad_forward.empty() && ev->first_bad_backward.empty()) replay_probes_.fill(ev);
+  replay_probes_.clear();
   replay_scale_.reset();
   replaying_ = false;
   restore_buffers();
@@ -375,7 +423,8 @@ InputVerdict StepEngine::check_inputs(const std::vector<at::Tensor>& inputs,
 }
 
 at::Tensor StepEngine::probe(const std::string& name, const at::Tensor& output) {
-  if (replaying_) return output;  // replays do not add records
+  // A replay's probes are its own: they name the first bad module of the replayed batch.
+  if (replaying_) return replay_probes_.record(name, output);
   return probes_.record(name, output);
 }
 

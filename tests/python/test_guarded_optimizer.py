@@ -221,7 +221,10 @@ def test_check_inputs_names_a_data_cause():
     x[2, 3] = float("nan")
     verdict = guard.check_inputs([x])
     assert not verdict
-    assert verdict.problems == ["input 0 holds 1 NaN/Inf value"]
+    assert verdict.problems == ["input 0 holds 1 NaN value"]
+    x_inf = x.clone()
+    x_inf[0, :2] = float("inf")
+    assert guard.check_inputs([x_inf]).problems == ["input 0 holds 1 NaN and 2 Inf values"]
     assert guard.check_inputs([torch.ones(2)])
     guard.check_inputs([x])  # the verdict of the last call counts, asked or not
     guard.zero_grad()
@@ -229,7 +232,7 @@ def test_check_inputs_names_a_data_cause():
     loss.backward()
     report = guard.step(loss)
     assert report.incident["cause"] == "data"
-    assert any("input 0 holds 1 NaN/Inf value" in line for line in report.incident["evidence"])
+    assert any("input 0 holds 1 NaN value" in line for line in report.incident["evidence"])
 
 
 def test_a_snapshot_that_cannot_be_taken_is_counted_and_training_goes_on(capfd):

@@ -307,9 +307,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
             inputs = [inputs]
         return self._guard.check_inputs(list(inputs), mask)
 
-    def set_replay(self, fn: Optional[Callable[[str], torch.Tensor]]) -> None:
+    def set_replay(self, fn: Optional[Callable[[str], torch.Tensor]],
+                   model: Optional[torch.nn.Module] = None) -> None:
         """``fn(mode)`` recomputes this step's loss from the same batch and runs backward
-        (mode: "as_is", "fp32", "anomaly"); used to classify NaN/Inf incidents. None removes it."""
+        (mode: "as_is", "fp32", "anomaly"); used to classify NaN/Inf incidents. None removes it.
+
+        With ``model``, each replay runs with a probe on every submodule's output (forward hooks,
+        attached for that replay only: nothing is hooked on normal steps), so the report names
+        the first module whose output was non-finite in forward order and the first whose
+        gradient was in backward order, as one would find them by hand with hooks."""
+        if fn is not None and model is not None:
+            fn = _with_module_probes(fn, model, self._guard)
         self._guard.set_replay(fn)
 
     def probe(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -413,6 +421,35 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
+
+
+def _with_module_probes(fn, model, guard):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("stepguard: set_replay(model=...) takes a torch.nn.Module, got %s"
+                        % type(model).__name__)
+    # Names as the parameters have them: a wrapper's own prefix (DDP's "module.") is dropped.
+    inner = getattr(model, "module", model) if isinstance(
+        getattr(model, "module", None), torch.nn.Module) else model
+    modules = [(name, m) for name, m in inner.named_modules() if name]
+
+    def probe_output(name):
+        def hook(_module, _inputs, output):
+            if torch.is_tensor(output) and output.is_floating_point():
+                return guard.probe(name, output)
+            if isinstance(output, tuple) and output and torch.is_tensor(output[0]) \
+                    and output[0].is_floating_point():
+                return (guard.probe(name, output[0]),) + output[1:]
+            return None
+        return hook
+
+    def replay(mode):
+        handles = [m.register_forward_hook(probe_output(name)) for name, m in modules]
+        try:
+            return fn(mode)
+        finally:
+            for h in handles:
+                h.remove()
+    return replay
 
 
 def _init_hook_tables(optimizer):

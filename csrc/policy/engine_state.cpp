@@ -1,0 +1,192 @@
+// The engine's state as 64-bit words (snapshots, checkpoints, the cross-rank digest) and the
+// checks a state read back must pass.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "csrc/common/bits.h"
+#include "csrc/policy/policy.h"
+
+namespace stepguard {
+namespace policy {
+
+std::vector<std::int64_t> EngineState::encode() const {
+  std::vector<std::int64_t> w = {consecutive_bad_steps,
+                                 bad_steps_total,
+                                 bits_of(loss_ema.mean),
+                                 bits_of(loss_ema.variance),
+                                 loss_ema.count,
+                                 bits_of(grad_norm_ema.mean),
+                                 bits_of(grad_norm_ema.variance),
+                                 grad_norm_ema.count,
+                                 bits_of(loss_ratio.reference_max),
+                                 loss_ratio.count,
+                                 static_cast<std::int64_t>(rules.size())};
+  auto list = [&w](const std::vector<std::int64_t>& v) {
+    w.push_back(static_cast<std::int64_t>(v.size()));
+    w.insert(w.end(), v.begin(), v.end());
+  };
+  for (const RuleState& r : rules) {
+    w.push_back(r.streak);
+    w.push_back(r.last_fired);
+    w.push_back(r.fired);
+    list(r.recent);
+  }
+  list(recent_skips);
+  list(recent_rollbacks);
+  // Appended in this release (a state without them decodes with them empty).
+  for (const std::vector<double>* recent : {&loss_ema.recent, &grad_norm_ema.recent}) {
+    w.push_back(static_cast<std::int64_t>(recent->size()));
+    for (double v : *recent) w.push_back(bits_of(v));
+  }
+  for (std::int64_t v :
+       {watch.started, watch.window_start, bits_of(watch.loss_level),
+        bits_of(watch.grad_norm_level), bits_of(watch.loss_now), watch.escalations}) {
+    w.push_back(v);
+  }
+  return w;
+}
+
+EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count) {
+  std::size_t at = 0;
+  auto next = [&]() -> std::int64_t {
+    if (at >= words.size()) throw std::invalid_argument("stepguard: policy state is truncated");
+    return words[at++];
+  };
+  auto list = [&](std::vector<std::int64_t>* v) {
+    const std::int64_t n = next();
+    if (n < 0 || static_cast<std::size_t>(n) > words.size() - at) {
+      throw std::invalid_argument("stepguard: policy state holds a bad list length");
+    }
+    v->assign(words.begin() + static_cast<std::ptrdiff_t>(at),
+              words.begin() + static_cast<std::ptrdiff_t>(at + static_cast<std::size_t>(n)));
+    at += static_cast<std::size_t>(n);
+  };
+  EngineState s;
+  s.consecutive_bad_steps = next();
+  s.bad_steps_total = next();
+  s.loss_ema.mean = double_of(next());
+  s.loss_ema.variance = double_of(next());
+  s.loss_ema.count = next();
+  s.grad_norm_ema.mean = double_of(next());
+  s.grad_norm_ema.variance = double_of(next());
+  s.grad_norm_ema.count = next();
+  s.loss_ratio.reference_max = double_of(next());
+  s.loss_ratio.count = next();
+  const std::int64_t n = next();
+  if (n != static_cast<std::int64_t>(rule_count)) {
+    throw std::invalid_argument("stepguard: policy state holds " + std::to_string(n) +
+                                " rules, the policy has " + std::to_string(rule_count));
+  }
+  s.rules.resize(rule_count);
+  for (RuleState& r : s.rules) {
+    r.streak = next();
+    r.last_fired = next();
+    r.fired = next();
+    list(&r.recent);
+  }
+  list(&s.recent_skips);
+  list(&s.recent_rollbacks);
+  if (at < words.size()) {
+    for (std::vector<double>* recent : {&s.loss_ema.recent, &s.grad_norm_ema.recent}) {
+      std::vector<std::int64_t> bits;
+      list(&bits);
+      for (std::int64_t b : bits) recent->push_back(double_of(b));
+    }
+    s.watch.started = next();
+    s.watch.window_start = next();
+    s.watch.loss_level = double_of(next());
+    s.watch.grad_norm_level = double_of(next());
+    s.watch.loss_now = double_of(next());
+    s.watch.escalations = next();
+  }
+  if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
+  s.check_ranges();
+  return s;
+}
+
+namespace {
+
+// Far beyond any run, far inside int64 and exact in a double: counts and steps stay below it.
+constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+
+void check_count(const char* what, std::int64_t v) {
+  if (v < 0 || v > kMaxCount) {
+    throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
+                                std::to_string(v) + ", not in [0, 2^52]");
+  }
+}
+
+void check_ema(const char* what, const EmaZScoreState& e) {
+  check_count(what, e.count);
+  if (!std::isfinite(e.mean) || !std::isfinite(e.variance) || e.variance < 0) {
+    throw std::invalid_argument(std::string("stepguard: policy state holds a ") + what +
+                                " average that is not a finite number (mean " +
+                                std::to_string(e.mean) + ", variance " +
+                                std::to_string(e.variance) + ")");
+  }
+}
+
+}  // namespace
+
+void EngineState::check_ranges() const {
+  check_count("consecutive_bad_steps", consecutive_bad_steps);
+  for (const std::vector<double>* recent : {&loss_ema.recent, &grad_norm_ema.recent}) {
+    if (recent->size() > 1024) {
+      throw std::invalid_argument("stepguard: policy state holds a recent window of " +
+                                  std::to_string(recent->size()) + " values, more than 1024");
+    }
+    for (double v : *recent) {
+      if (!std::isfinite(v)) {
+        throw std::invalid_argument(
+            "stepguard: policy state holds a recent value that is not a finite number");
+      }
+    }
+  }
+  check_count("a recovery watch's start", watch.started);
+  check_count("a recovery watch's window start", watch.window_start);
+  check_count("a recovery watch's escalations", watch.escalations);
+  if (!std::isfinite(watch.loss_level) || !std::isfinite(watch.grad_norm_level) ||
+      !std::isfinite(watch.loss_now)) {
+    throw std::invalid_argument(
+        "stepguard: policy state holds a recovery watch level that is not a finite number");
+  }
+  check_count("bad_steps_total", bad_steps_total);
+  check_ema("loss", loss_ema);
+  check_ema("grad_norm", grad_norm_ema);
+  check_count("a loss_ratio count", loss_ratio.count);
+  if (loss_ratio.count > 0 && !std::isfinite(loss_ratio.reference_max)) {
+    throw std::invalid_argument(
+        "stepguard: policy state holds a loss_ratio reference that is not "
+        "a finite number");
+  }
+  for (const RuleState& r : rules) {
+    check_count("a rule streak", r.streak);
+    check_count("a rule's last firing step", r.last_fired);
+    check_count("a rule's firing count", r.fired);
+    for (std::int64_t step : r.recent) check_count("a rule's recent step", step);
+  }
+  for (std::int64_t step : recent_skips) check_count("a recent skip's step", step);
+  for (std::int64_t step : recent_rollbacks) check_count("a recent rollback's step", step);
+}
+
+void EngineState::check_not_after(std::int64_t step) const {
+  const auto after = [step](const char* what, std::int64_t at) {
+    if (at > step) {
+      throw std::invalid_argument(std::string("stepguard: policy state holds ") + what + " " +
+                                  std::to_string(at) + ", after its own step " +
+                                  std::to_string(step));
+    }
+  };
+  for (const RuleState& r : rules) {
+    after("a rule's last firing at step", r.last_fired);
+    for (std::int64_t at : r.recent) after("a rule's recent firing at step", at);
+  }
+  for (std::int64_t at : recent_skips) after("a skip at step", at);
+  for (std::int64_t at : recent_rollbacks) after("a rollback at step", at);
+  after("a recovery watch started at step", watch.started);
+  after("a recovery watch window started at step", watch.window_start);
+}
+
+}  // namespace policy
+}  // namespace stepguard

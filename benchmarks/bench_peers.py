@@ -15,6 +15,8 @@ optimizer (benchmarks/peers/tools.py says exactly what each runs), on CPU with G
    ranks stayed equal.
 Prints the Markdown tables and writes one JSON (--json). --smoke: a few iterations per tool and a
 24-step fault schedule (the fault steps scaled down), to check that the benchmark runs.
+--coverage-only: the fault matrix alone (e.g. ``--tools stepguard --coverage-only`` after a change
+of the detectors or the default policy).
 
 Megatron-core runs last in each rank process: its CPU shim (tests/frameworks/megatron_cpu.py) is
 a TorchFunctionMode that stays on for the rest of the process.
@@ -55,7 +57,7 @@ def _tool_results(tool, rank, world, args):
         steps = (faults.SMOKE if args.smoke else faults.FULL)["steps"]
         out["coverage"][fault.name] = _guarded_run(faults.run_fault, tool, fault, args.coverage_size,
                                                    steps, rank, world, group)
-    for precision in ("fp32", "bf16"):
+    for precision in () if args.coverage_only else ("fp32", "bf16"):
         out["cost"][precision] = _guarded_run(cost.measure, tool, args.cost_size, precision, rank,
                                               world, group, args.rounds, args.block)
     return out
@@ -108,6 +110,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--tools", default=",".join(t.name for t in TOOLS))
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--coverage-only", action="store_true",
+                   help="the fault matrix alone (no cost measurement): minutes, not an hour")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per rank count")
     p.add_argument("--require-complete", action="store_true",
                    help="exit 2 unless the JSON holds every tool, fault and cost case (ctest)")

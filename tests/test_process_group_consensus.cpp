@@ -94,6 +94,7 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
     std::vector<Cause> causes;
     std::vector<std::vector<RankCause>> rank_causes;
     std::vector<std::vector<Signal>> signals;
+    std::vector<std::vector<std::string>> tensors;
     std::int64_t collectives = 0, first_step_bytes = 0, step_buffer_bytes = 0;
     std::vector<torch::Tensor> params_at_10;
   };
@@ -146,6 +147,7 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
                                                : std::vector<RankCause>{});
       me.signals.push_back(report.incident ? std::vector<Signal>{report.incident->signal}
                                            : std::vector<Signal>{});
+      me.tensors.push_back(report.incident ? report.incident->tensors : std::vector<std::string>{});
       if (step == 10) {
         for (const auto& p : model->parameters()) me.params_at_10.push_back(p.detach().clone());
       }
@@ -178,9 +180,11 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
     EXPECT_EQ(me.signals[11], std::vector<Signal>({Signal::kReplicaDivergence}));
     EXPECT_EQ(me.ranks[11], std::vector<int>({last}));
     EXPECT_EQ(causes_of(me.rank_causes[11]), (Causes{{last, Cause::kHardwareSuspect}}));
+    // ... and the tensor that drifted (one more collective on that step), on every rank.
+    EXPECT_EQ(me.tensors[11], std::vector<std::string>({"weight"}));
     // One at construction (the ranks' layouts), one per step; two more on each of the five
-    // incident steps.
-    EXPECT_EQ(me.collectives, 1 + steps + 2 * 5);
+    // incident steps, and the tensors' fingerprints on the divergence step.
+    EXPECT_EQ(me.collectives, 1 + steps + 2 * 5 + 1);
     // The step's payload does not grow with the job.
     EXPECT_EQ(me.first_step_bytes, consensus::StepBuffer::bytes());
     EXPECT_EQ(me.step_buffer_bytes, consensus::StepBuffer::bytes());

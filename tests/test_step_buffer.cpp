@@ -150,6 +150,22 @@ TEST(StepBuffer, AnInfLossOnEveryRankIsInfAndAMixIsNan) {
   EXPECT_EQ(agreed_losses({inf, 1.0}).loss, 1.0);  // the mean of the finite ones
 }
 
+TEST(StepBuffer, TheTensorsOfADivergedReplicaAreNamedByTheirOwnFingerprints) {
+  const at::Tensor a = at::linspace(-1, 1, 6);
+  const at::Tensor b = at::ones({2, 2});
+  const at::Tensor drifted = a.clone();
+  drifted[3] = drifted[3] * 1.5;
+  std::vector<double> rows;
+  for (const auto& params : {std::vector<at::Tensor>{a, b}, std::vector<at::Tensor>{a, b},
+                             std::vector<at::Tensor>{drifted, b}}) {
+    const at::Tensor f = tensor_fingerprints(params);
+    ASSERT_EQ(f.numel(), 2);
+    for (int i = 0; i < 2; ++i) rows.push_back(f[i].item<double>());
+  }
+  EXPECT_EQ(diverged_tensors(rows, 3, 2, {2}), (std::vector<std::size_t>{0}));
+  EXPECT_TRUE(diverged_tensors(rows, 3, 2, {}).empty());
+}
+
 TEST(StepBuffer, ASpikeNamesTheRanksWhoseLossRose) {
   GlobalStats one = agreed_losses({2.0, 20.0, 2.1, 1.9});
   name_spike_ranks(2.0, &one);

@@ -262,5 +262,45 @@ at::Tensor parameter_fingerprint(const std::vector<at::Tensor>& params) {
   return (at::stack(sums) * weight).sum();
 }
 
+at::Tensor tensor_fingerprints(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> sums;
+  at::Device device = at::kCPU;
+  for (const at::Tensor& p : params) {
+    if (p.defined()) device = p.device();
+  }
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  for (const at::Tensor& p : params) {
+    const at::Tensor one = p.defined() ? parameter_fingerprint({p}) : at::zeros({}, opts);
+    sums.push_back(one.to(device));
+  }
+  if (sums.empty()) return at::zeros({0}, opts.dtype(at::kDouble));
+  const auto mask = static_cast<std::int64_t>(step_slot::kDigestMask) + 1;
+  return at::remainder(at::stack(sums), mask).to(at::kDouble);
+}
+
+std::vector<std::size_t> diverged_tensors(const std::vector<double>& rows, int world,
+                                          std::size_t count, const std::vector<int>& diverged) {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < count; ++i) {
+    std::map<double, int> votes;
+    for (int r = 0; r < world; ++r) {
+      if (std::find(diverged.begin(), diverged.end(), r) == diverged.end()) {
+        ++votes[rows[static_cast<std::size_t>(r) * count + i]];
+      }
+    }
+    if (votes.empty()) continue;
+    const auto majority = std::max_element(votes.begin(), votes.end(), [](auto& a, auto& b) {
+                            return a.second < b.second;
+                          })->first;
+    for (int r : diverged) {
+      if (rows[static_cast<std::size_t>(r) * count + i] != majority) {
+        out.push_back(i);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace consensus
 }  // namespace stepguard

@@ -139,5 +139,15 @@ constexpr std::uint64_t mask_digest(std::uint64_t digest) noexcept {
 /// parameters; no host read. Undefined and non-floating tensors are left out.
 at::Tensor parameter_fingerprint(const std::vector<at::Tensor>& params);
 
+/// Each tensor's own fingerprint (the integer sum of its bit patterns, masked to 52 bits, as
+/// fp64), in `params` order, on their device; 0 for undefined and non-floating tensors. For the
+/// rare step a replica diverged: gathered from every rank, it names the tensors that differ.
+at::Tensor tensor_fingerprints(const std::vector<at::Tensor>& params);
+
+/// The indices of the tensors whose fingerprint on one of `diverged` ranks differs from the
+/// other ranks' majority, from the gathered rows (world_size x count, rank order).
+std::vector<std::size_t> diverged_tensors(const std::vector<double>& rows, int world_size,
+                                          std::size_t count, const std::vector<int>& diverged);
+
 }  // namespace consensus
 }  // namespace stepguard

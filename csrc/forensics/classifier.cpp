@@ -105,10 +105,13 @@ Found broken_weights(const Evidence& e) {
 // memory corruption or an update this rank missed.
 Found diverged_replica(const Evidence& e) {
   if (!e.diverged_replica) return {};
-  return diagnosis(Cause::kHardwareSuspect,
-                   {"this rank's parameters differ from the other replicas' (replica check), "
-                    "although every rank applies the same averaged update: silent corruption of "
-                    "memory or an update this rank missed"},
+  std::vector<std::string> evidence = {
+      "this rank's parameters differ from the other replicas' (replica check), although every "
+      "rank applies the same averaged update: silent corruption of memory or an update this rank "
+      "missed"};
+  if (!e.blamed_grads.empty())
+    evidence.push_back("the tensors that differ: " + join(e.blamed_grads));
+  return diagnosis(Cause::kHardwareSuspect, std::move(evidence),
                    {"roll back to a snapshot from before the replicas drifted (a policy rule on "
                     "replica_divergence with action rollback)",
                     "run the hardware checks of this node (GPU memory test, ECC counters, dmesg "

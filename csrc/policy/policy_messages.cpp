@@ -110,8 +110,9 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
     if (s.ema.recent_factor > 0) {
       out << "    at any step from the third: a " << what << " above " << s.ema.recent_factor
           << "x the median of its last " << s.ema.recent_window
-          << " values (the largest rank's, for the loss), by more than " << s.ema.recent_factor
-          << "x the largest rise inside them\n";
+          << " values (the largest rank's, for the loss), beyond their own scatter (a rise of more "
+             "than "
+          << s.ema.recent_factor << "x the largest rise inside them, and 3x their log-spread)\n";
     }
   };
   if (d.loss_spike.enabled) spike("loss", d.loss_spike);
@@ -268,8 +269,10 @@ std::string explain_policy(const PolicyConfig& config) {
   explain_detectors(config.detectors, out);
   explain_rules(config, out);
   out << "Always: a clean step is applied; a NaN/Inf step is never applied (it is skipped when no "
-         "rule does more); ranks whose guard state diverged abort training; a signal no rule acts "
-         "on is recorded as an alert.\n";
+         "rule does more); under loss scaling, Inf in the gradients of a finite loss while the "
+         "scale can still back off is an fp16 overflow (signal overflow, which rules on nonfinite "
+         "do not see): skipped, the scale backs off; ranks whose guard state diverged abort "
+         "training; a signal no rule acts on is recorded as an alert.\n";
   out << "Combining: abort wins over everything; rollback replaces skip; a step that is not "
          "applied is not clipped; loss-scale and LR changes apply on top (after a rollback's "
          "restore); of one action from several rules, the strongest parameters win.\n";

@@ -67,6 +67,28 @@ std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::s
   return out;
 }
 
+// On the step a replica check found a diverged replica: one more collective (each tensor's
+// fingerprint, from every rank) names the tensors that differ, the same list on every rank.
+std::vector<std::string> StepEngine::diverged_tensor_names(const GlobalStats& g) {
+  const auto& params = port_.parameters();
+  const at::Tensor mine = consensus::tensor_fingerprints(params);
+  std::vector<double> rows;
+  try {
+    rows = consensus::gather_rank_rows(*consensus_, mine.to(*step_device_), step_);
+  } catch (const std::exception& e) {
+    abort_with(e.what());
+    throw;
+  }
+  std::vector<std::string> out;
+  const auto& names = port_.parameter_names();
+  for (std::size_t i : consensus::diverged_tensors(rows, consensus_->world_size(), params.size(),
+                                                   g.diverged_replicas)) {
+    if (static_cast<std::int64_t>(out.size()) >= options_.max_blamed_tensors()) break;
+    out.push_back(names[i]);
+  }
+  return out;
+}
+
 void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
   const Signals& s = decided.signals;
   if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio)) || consensus_->world_size() == 1) {
@@ -145,6 +167,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
+  if (!g.diverged_replicas.empty() && f.blamed.empty()) f.blamed = diverged_tensor_names(g);
   ev.blamed_grads = f.blamed;
   ev.loss_scaling = controller_.loss_scaling();
   ev.loss_scale = step_loss_scale_;

@@ -265,3 +265,36 @@ def test_a_snapshot_that_cannot_be_taken_is_counted_and_training_goes_on(capfd):
     assert report.outcome == "rolled_back" and report.rolled_back_to == 2, report
     for p, saved in zip(model.parameters(), params_at_2):
         assert torch.equal(p.detach(), saved)
+
+
+def test_a_replay_given_the_model_names_the_first_bad_module_and_hooks_nothing_else():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters())
+    x = torch.randn(5, 8)
+    poison = {"on": False}
+
+    def nan_in_tanh(_module, _inputs, output):
+        if poison["on"]:
+            output = output.clone()
+            output[0, 0] = float("nan")
+        return output
+    model[1].register_forward_hook(nan_in_tanh)
+
+    def replay(mode):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        guard.set_replay(replay, model=object())
+    guard.set_replay(replay, model=model)
+    assert all(not m._forward_hooks for m in (model[0], model[2]))  # nothing on normal steps
+    poison["on"] = True
+    guard.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    report = guard.step(loss)
+    assert report.incident["cause"] == "forward"
+    assert "the first non-finite output in forward order: 1" in report.incident["evidence"]
+    assert all(not m._forward_hooks for m in (model[0], model[2]))

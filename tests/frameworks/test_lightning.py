@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 STEPS = 12
 NAN_AT = 3      # trainer.global_step of the batch whose loss is NaN on rank 1
 SPIKE_AT = 8    # ... of the batch whose loss is 1e4 times larger on both ranks
+SHARDED_STEPS = 6  # the FSDP2 run: up to the NaN step and a few after
 GAMMA = 0.9
 LR = 0.05
 
@@ -122,13 +123,14 @@ def train(out):
 
 
 # --- the test ------------------------------------------------------------------------------
-def run_ranks(out, timeout=150):
+def run_ranks(out, timeout=150, mode=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     for name in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)
     paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)  # the stepguard under test, from any directory
-    proc = subprocess.Popen([sys.executable, __file__, str(out)], env=env, cwd=str(out),
+    proc = subprocess.Popen([sys.executable, __file__, str(out)] + ([mode] if mode else []),
+                            env=env, cwd=str(out),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # rank 1 is rank 0's child: one group
     try:
@@ -221,6 +223,31 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
     (records,) = [v["records"] for k, v in ckpt["callbacks"].items() if "StepguardCallback" in k]
     assert len(records) == 1 and records[0]["step"] == guard_steps
     print("lightning DDP run: %.1f s" % (time.monotonic() - start))
+
+
+def test_lightning_model_parallel_fsdp2_is_guarded_without_being_told(tmp_path):
+    """ModelParallelStrategy (FSDP2) on 2 CPU ranks, the callback as in the DDP run: it sees the
+    DTensors itself (no sharded_gradients=True), sums the shards' norms over ranks, and skips
+    rank 1's NaN on both ranks."""
+    start = time.monotonic()
+    run_ranks(tmp_path, mode="sharded")
+    ranks = [torch.load(tmp_path / ("rank%d.pt" % r), weights_only=False) for r in (0, 1)]
+    expected = ["applied"] * SHARDED_STEPS
+    expected[NAN_AT] = "skipped"
+    for r, got in enumerate(ranks):
+        steps = got["steps"]
+        assert got["finite"], r  # (the run itself: without sharded_gradients it is refused)
+        assert [s["outcome"] for s in steps] == expected, (r, steps)
+        assert got["totals"]["skipped"] == 1 and got["totals"]["applied"] == SHARDED_STEPS - 1
+        for s in steps:
+            if s["outcome"] == "applied":
+                assert s["grad_norm"] == pytest.approx(s["full_norm"], rel=1e-6), (r, s)
+        sums = [s["checksum"] for s in steps]
+        assert sums[NAN_AT] == sums[NAN_AT - 1]
+        (nan,) = got["incidents"]
+        assert nan["ranks"] == [1] and nan["action"] == "skip_batch", nan
+    assert [s["checksum"] for s in ranks[0]["steps"]] == [s["checksum"] for s in ranks[1]["steps"]]
+    print("lightning FSDP2 run: %.1f s" % (time.monotonic() - start))
 
 
 def fit(root, steps, guard=True, ckpt_path=None):
@@ -362,8 +389,70 @@ def test_lightning_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path)
         trainer.fit(Net())
 
 
+class ShardedNet(Net):
+    """The same model under Lightning's ModelParallelStrategy: FSDP2's fully_shard on the data-
+    parallel mesh, so every parameter and gradient is a DTensor holding this rank's shard."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for module in (self.body, self.head):
+            fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class ShardRecorder(pl.Callback):
+    """After each batch: the guard's outcome and grad norm, the norm of the whole gradient put
+    together from the shards (DTensor.full_tensor(), a collective on every rank), and a checksum
+    of the whole parameters."""
+
+    def __init__(self, guard_callback):
+        self.guard_callback = guard_callback
+        self.steps = []
+        self.full_norm = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad.full_tensor() for p in pl_module.parameters() if p.grad is not None]
+        self.full_norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.double()) for g in grads])))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        report = self.guard_callback.guards[0].last_report
+        digest = hashlib.sha256()
+        for p in pl_module.parameters():
+            digest.update(p.full_tensor().detach().numpy().tobytes())
+        self.steps.append({"outcome": report.outcome if report is not None else "dropped",
+                           "grad_norm": report.grad_norm if report is not None else None,
+                           "full_norm": self.full_norm, "checksum": digest.hexdigest()})
+        self.full_norm = None
+
+
+def train_sharded(out):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from stepguard.integrations.lightning import StepguardCallback
+
+    torch.set_num_threads(1)
+    guard_cb = StepguardCallback(policy=str(HERE / "policy.yaml"), collective_timeout=30)
+    recorder = ShardRecorder(guard_cb)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=SHARDED_STEPS, max_epochs=1,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                       process_group_backend="gloo",
+                                       timeout=timedelta(seconds=60)),
+        callbacks=[guard_cb, recorder], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=out)
+    model = ShardedNet()
+    trainer.fit(model)
+    guard = guard_cb.guards[0]
+    torch.save({"steps": recorder.steps, "incidents": guard_cb.incidents,
+                "totals": guard.stats().totals.to_dict(),
+                "finite": all(bool(p.full_tensor().isfinite().all()) for p in model.parameters())},
+               os.path.join(out, "rank%d.pt" % trainer.global_rank))
+
+
 if __name__ == "__main__":
-    train(sys.argv[1])
+    train_sharded(sys.argv[1]) if sys.argv[2:] == ["sharded"] else train(sys.argv[1])
 
 
 def test_lightning_older_than_the_tested_release_is_refused(tmp_path, monkeypatch):

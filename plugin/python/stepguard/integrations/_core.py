@@ -12,6 +12,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from .._guard import GuardedOptimizer
+from .._port import is_dtensor
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling",
            "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
@@ -86,6 +87,18 @@ def guard_options(options, policy=None):
     if policy is not None:
         out["policy"] = policy
     return out
+
+
+def with_sharding(options, optimizer):
+    """``options`` with ``sharded_gradients=True`` when ``optimizer`` steps DTensors (FSDP2's
+    ``fully_shard``, Lightning's ModelParallelStrategy): each rank then holds a shard of every
+    gradient and the guard sums over ranks. Detected from the parameters, not asked of the user;
+    a value the user gave stands."""
+    if "sharded_gradients" in options:
+        return options
+    if any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        return dict(options, sharded_gradients=True)
+    return options
 
 
 def refuse_own_loss_scaling(guard, framework):

@@ -33,8 +33,8 @@ except ImportError:  # the standalone package of older installs
 
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, check_version, guard_options,
-                    incident_line, load_guard_state, refuse_bypass,
-                    refuse_own_loss_scaling)
+                    incident_line, load_guard_state, refuse_bypass, refuse_own_loss_scaling,
+                    with_sharding)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -131,7 +131,7 @@ class StepguardCallback(pl.Callback):
                 raise ValueError("stepguard: configure_optimizers returned a GuardedOptimizer; "
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
-                optimizer = _LightningGuard(optimizer, named, **options)
+                optimizer = _LightningGuard(optimizer, named, **with_sharding(options, optimizer))
                 refuse_own_loss_scaling(optimizer, "Lightning")
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())

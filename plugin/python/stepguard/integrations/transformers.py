@@ -50,7 +50,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, check_version, guard_options, incident_line,
-                    load_guard_state, refuse_bypass, refuse_own_loss_scaling)
+                    load_guard_state, refuse_bypass, refuse_own_loss_scaling, with_sharding)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -172,8 +172,9 @@ class StepguardCallback(transformers.TrainerCallback):
             self._load_guard_state(args)
             self._figures = Figures(self.guard)
             return
-        self.guard = _TrainerGuard(optimizer.optimizer, model.named_parameters(),
-                                   **guard_options(self.guard_options, self.policy))
+        self.guard = _TrainerGuard(
+            optimizer.optimizer, model.named_parameters(),
+            **with_sharding(guard_options(self.guard_options, self.policy), optimizer.optimizer))
         refuse_own_loss_scaling(self.guard, "the HF Trainer")
         refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard

@@ -16,7 +16,8 @@ import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
 from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa: E402
 
-CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
+           (0, "bf16-fused")]  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
 MICRO = 2  # gradient accumulation: micro-batches per optimizer step
 
@@ -38,7 +39,10 @@ def _flat_params(model):
 
 
 def _run(rank, world, stage, precision, checkpoint_dir):
-    """One engine, 12 steps; returns what every rank saw, step by step."""
+    """One engine, 12 steps; returns what every rank saw, step by step. A precision ending in
+    "-fused" leaves out ``torch_adam``: the config's AdamW is then DeepSpeed's FusedAdam."""
+    fused = precision.endswith("-fused")
+    precision = precision.split("-")[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = _model()
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
@@ -46,7 +50,8 @@ def _run(rank, world, stage, precision, checkpoint_dir):
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
                "weight_decay": 0.0}]
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": MICRO,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "optimizer": {"type": "AdamW",
+                            "params": {"lr": 1e-2} if fused else {"lr": 1e-2, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
               "bf16": {"enabled": precision == "bf16"}}
     engine, _, _, scheduler = deepspeed.initialize(
@@ -244,8 +249,10 @@ def _check(ranks, key, world):
     expected_types = {0: ("AdamW", "FP16_UnfusedOptimizer")}
     for rank, result in enumerate(ranks):
         run = result[key]
-        stage, precision = key.split("-")
-        if stage == "0":
+        stage, precision = key.split("-")[:2]
+        if key.endswith("-fused"):
+            assert run["optimizer"] == "FP16_Optimizer", run["optimizer"]
+        elif stage == "0":
             assert run["optimizer"] == expected_types[0][precision == "bf16"], run["optimizer"]
         else:
             assert run["optimizer"] == "DeepSpeedZeroOptimizer", run["optimizer"]

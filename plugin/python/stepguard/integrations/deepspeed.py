@@ -15,8 +15,10 @@ After ``deepspeed.initialize`` add one line; the training loop stays as it is::
 What is guarded, by DeepSpeed optimizer (tested with DeepSpeed 0.19.8 on CPU/Gloo):
 
 - fp32 without ZeRO: the client or config optimizer itself (the model's parameters);
-- bf16 without ZeRO (``FP16_UnfusedOptimizer``): its fp32 master copies, inspected on the bf16
-  gradients DeepSpeed averaged;
+- bf16 without ZeRO: ``FP16_UnfusedOptimizer`` (a client or ``torch_adam`` optimizer) and
+  ``FP16_Optimizer`` (the config's AdamW, DeepSpeed's FusedAdam): their fp32 master copies
+  (the flat masters' pieces, one per model parameter), inspected on the bf16 gradients
+  DeepSpeed averaged;
 - ZeRO stages 1 and 2, fp32 or bf16 (``DeepSpeedZeroOptimizer``): this rank's partition of the
   fp32 master weights and of the averaged gradients, one view per parameter piece (blame names
   the model's parameters); norms and counts are summed over the data-parallel ranks.
@@ -192,11 +194,14 @@ def _layout_of(engine, ds_optimizer):
         return _PlainLayout(engine)
     if kind == "FP16_UnfusedOptimizer":
         return _UnfusedLayout(engine, ds_optimizer)
+    if kind == "FP16_Optimizer":
+        return _FusedLayout(engine, ds_optimizer)
     if kind == "DeepSpeedZeroOptimizer":
         return _ZeroLayout(engine, ds_optimizer)
     raise ValueError(
         "stepguard: the DeepSpeed engine steps a %s, which the integration does not know (it "
-        "guards a torch optimizer without ZeRO, bf16 without ZeRO, and ZeRO stages 1 and 2; "
+        "guards a torch optimizer without ZeRO, bf16 without ZeRO (the config's or a client "
+        "optimizer), and ZeRO stages 1 and 2; "
         "bf16 with fp32 gradient accumulation uses BF16_Optimizer, not guarded yet)" % kind)
 
 
@@ -305,6 +310,71 @@ class _UnfusedLayout:
         with torch.no_grad():
             for model, master in zip(self.model, self.masters):
                 model.copy_(master)
+
+
+class _FusedLayout:
+    """bf16 without ZeRO with a fused optimizer (the config's AdamW: DeepSpeed's FusedAdam) under
+    ``FP16_Optimizer``: one flat fp32 master per parameter group; each model parameter is a
+    piece of it (a view), and its gradient the model's bf16 gradient, flattened."""
+    sharded = False
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        if ds_optimizer.loss_scale_config.cur_scale != 1.0 or ds_optimizer.fused_adam_legacy:
+            raise ValueError("stepguard: the DeepSpeed integration does not guard an "
+                             "FP16_Optimizer with a loss scale or legacy fused Adam")
+        names = _names_by_id(engine)
+        self.model, self.views = [], []
+        for flat, group in zip(ds_optimizer.fp32_groups_flat, ds_optimizer.fp16_groups):
+            offset = 0
+            for p in group:
+                self.model.append(p)
+                self.views.append(flat.narrow(0, offset, p.numel()))
+                offset += p.numel()
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def parameters(self):
+        return self.views, self.names
+
+    def gradients(self):
+        return [None if p.grad is None else p.grad.reshape(-1) for p in self.model]
+
+    def update(self, ds_step):
+        # FP16_Optimizer.step's update without its overflow check and norm (a read of every
+        # gradient and an all-reduce, a second time): the bf16 gradients flattened into the fp32
+        # masters' .grad, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the
+        # fused optimizer's step, the masters back into the model.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        flats = []
+        for i, group in enumerate(ds.fp16_groups):
+            dtype = ds.fp32_groups_flat[i].dtype
+            flats.append(torch._utils._flatten_dense_tensors([
+                torch.zeros(p.size(), dtype=dtype, device=p.device) if p.grad is None
+                else p.grad.to(dtype) for p in group]))
+            ds.fp32_groups_flat[i].grad = flats[i]
+            for p in group:
+                p.grad = None
+        if ds.loss_scale_config.use_grad_scaling:
+            ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
+        ds._global_grad_norm = self.verdict.grad_norm
+        if math.isfinite(norm):
+            ds.unscale_and_clip_grads(flats, norm * ds.loss_scale_config.cur_scale)
+        ds.optimizer.step()
+        for flat in ds.fp32_groups_flat:
+            flat.grad = None
+        self.refresh_model()
+        ds.has_executed_step, ds.overflow = True, False
+
+    def skip(self, ds_step):
+        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        with torch.no_grad():
+            for model, view in zip(self.model, self.views):
+                model.copy_(view.view_as(model))
 
 
 class _ZeroLayout:

@@ -1,0 +1,278 @@
+"""The layouts of DeepSpeed's optimizers as the guard reads them (stepguard.integrations.
+deepspeed): for each optimizer the engine may step, which tensors the guard inspects and
+restores, which gradients it inspects, and the optimizer's update with the agreed verdict."""
+
+import math
+
+import torch
+
+from .._port import check_name
+
+
+def _norm_after(verdict):
+    """The gradients' norm after the policy's clip of ``verdict`` (the agreed norm when the
+    policy did not clip): what the framework's own clip starts from."""
+    norm = verdict.grad_norm
+    if verdict.clip_norm is not None and 0.0 < verdict.clip_norm < norm:
+        return verdict.clip_norm
+    return norm
+
+
+def _names_by_id(engine):
+    return {id(p): check_name(n, "parameter name")
+            for n, p in engine.module.named_parameters()}
+
+
+class _PlainLayout:
+    """No wrapper: DeepSpeed steps the torch optimizer on the model's own parameters."""
+    sharded = False
+
+    def __init__(self, engine):
+        self.optimizer = engine.basic_optimizer
+        # The engine clips fp32 gradients just before this optimizer's step (computing their
+        # norm); the clip moves into the guarded update, from the agreed norm, so that the guard
+        # inspects (and blames) the gradients as they are and the norm is computed once.
+        self.clip = engine.gradient_clipping()
+        if self.clip > 0.0:
+            engine.clip_fp32_gradients = lambda: None
+        names = _names_by_id(engine)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(params)]
+        self.optimizer.overflow = False  # what the engine reads after the step
+
+    def parameters(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]], self.names
+
+    def gradients(self):
+        return None  # the engine reads each parameter's .grad
+
+    def update(self, ds_step):
+        norm = _norm_after(self.verdict)
+        if self.clip > 0.0 and math.isfinite(norm):
+            params = [p for g in self.optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
+        ds_step()
+
+    def skip(self, ds_step):
+        self.optimizer.overflow = True
+
+    def applied(self):
+        self.optimizer.overflow = False
+
+    def refresh_model(self):
+        pass
+
+
+class _UnfusedLayout:
+    """bf16 without ZeRO: fp32 master copies, one per model parameter, stepped by the torch
+    optimizer; DeepSpeed copies them into the bf16 parameters after the step."""
+    sharded = False
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        if ds_optimizer.loss_scale_config.cur_scale != 1.0 or ds_optimizer.fused_lamb_legacy:
+            raise ValueError("stepguard: the DeepSpeed integration does not guard an "
+                             "FP16_UnfusedOptimizer with a loss scale or legacy fused LAMB")
+        names = _names_by_id(engine)
+        self.model = [p for group in ds_optimizer.fp16_groups for p in group]
+        self.masters = [p for group in ds_optimizer.fp32_groups for p in group]
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def parameters(self):
+        return self.masters, self.names
+
+    def gradients(self):
+        return [p.grad for p in self.model]
+
+    def update(self, ds_step):
+        # FP16_UnfusedOptimizer.step's update without its overflow check and norm (both read
+        # every gradient, and all-reduce, a second time): the bf16 gradients into the fp32
+        # masters, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the torch
+        # optimizer's step, the masters back into the model.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        for model, master in zip(self.model, self.masters):
+            master.grad = (torch.zeros_like(master) if model.grad is None
+                           else model.grad.to(master.dtype))
+        if ds.clip_grad > 0.0 and math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.masters, ds.clip_grad, torch.tensor(norm))
+        ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
+        ds.optimizer.step()
+        with torch.no_grad():
+            for model, master in zip(self.model, self.masters):
+                master.grad = None
+                model.copy_(master)
+        ds.overflow, ds._global_grad_norm = False, self.verdict.grad_norm
+
+    def skip(self, ds_step):
+        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        with torch.no_grad():
+            for model, master in zip(self.model, self.masters):
+                model.copy_(master)
+
+
+class _FusedLayout:
+    """bf16 without ZeRO with a fused optimizer (the config's AdamW: DeepSpeed's FusedAdam) under
+    ``FP16_Optimizer``: one flat fp32 master per parameter group; each model parameter is a
+    piece of it (a view), and its gradient the model's bf16 gradient, flattened."""
+    sharded = False
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        if ds_optimizer.loss_scale_config.cur_scale != 1.0 or ds_optimizer.fused_adam_legacy:
+            raise ValueError("stepguard: the DeepSpeed integration does not guard an "
+                             "FP16_Optimizer with a loss scale or legacy fused Adam")
+        names = _names_by_id(engine)
+        self.model, self.views = [], []
+        for flat, group in zip(ds_optimizer.fp32_groups_flat, ds_optimizer.fp16_groups):
+            offset = 0
+            for p in group:
+                self.model.append(p)
+                self.views.append(flat.narrow(0, offset, p.numel()))
+                offset += p.numel()
+        self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def parameters(self):
+        return self.views, self.names
+
+    def gradients(self):
+        return [None if p.grad is None else p.grad.reshape(-1) for p in self.model]
+
+    def update(self, ds_step):
+        # FP16_Optimizer.step's update without its overflow check and norm (a read of every
+        # gradient and an all-reduce, a second time): the bf16 gradients flattened into the fp32
+        # masters' .grad, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the
+        # fused optimizer's step, the masters back into the model.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        flats = []
+        for i, group in enumerate(ds.fp16_groups):
+            dtype = ds.fp32_groups_flat[i].dtype
+            flats.append(torch._utils._flatten_dense_tensors([
+                torch.zeros(p.size(), dtype=dtype, device=p.device) if p.grad is None
+                else p.grad.to(dtype) for p in group]))
+            ds.fp32_groups_flat[i].grad = flats[i]
+            for p in group:
+                p.grad = None
+        if ds.loss_scale_config.use_grad_scaling:
+            ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
+        ds._global_grad_norm = self.verdict.grad_norm
+        if math.isfinite(norm):
+            ds.unscale_and_clip_grads(flats, norm * ds.loss_scale_config.cur_scale)
+        ds.optimizer.step()
+        for flat in ds.fp32_groups_flat:
+            flat.grad = None
+        self.refresh_model()
+        ds.has_executed_step, ds.overflow = True, False
+
+    def skip(self, ds_step):
+        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        with torch.no_grad():
+            for model, view in zip(self.model, self.views):
+                model.copy_(view.view_as(model))
+
+
+class _ZeroLayout:
+    """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
+    (and, at the step, of the averaged gradients). Every model parameter is one piece on every
+    rank, in the same order (the engine's contract for sharded gradients): a view of the fp32
+    partition and of the gradient partition where the parameter overlaps this rank's partition,
+    an empty one where it does not."""
+    sharded = True
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        names = _names_by_id(engine)
+        self.pieces = []  # (group, offset in the partition, length)
+        self.names = []
+        for g, params in enumerate(ds_optimizer.bit16_groups):
+            size = int(ds_optimizer.partition_size[g])
+            rank = torch.distributed.get_rank(group=ds_optimizer.real_dp_process_group[g])
+            lo, hi, start = rank * size, (rank + 1) * size, 0
+            for p in params:
+                end = start + p.numel()
+                first, last = max(start, lo), min(end, hi)
+                self.pieces.append((g, first - lo, last - first) if first < last else (g, 0, 0))
+                self.names.append(names.get(id(p), "param_%d" % len(self.names)))
+                start = end
+            held = [p for p, (_, _, n) in zip(params, self.pieces[-len(params):]) if n > 0]
+            if [id(p) for p in held] != [id(p) for p in ds_optimizer.params_in_partition[g]]:
+                raise ValueError("stepguard: DeepSpeed's partition of parameter group %d is not "
+                                 "laid out as the integration reads it (this DeepSpeed version "
+                                 "is not supported)" % g)
+        masters = ds_optimizer.single_partition_of_fp32_groups
+        self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
+
+    def parameters(self):
+        return self.views, self.names
+
+    def gradients(self):
+        """The averaged gradient of each piece, as DeepSpeed holds it before its step: a list
+        per group, one flat tensor per parameter in the partition (or one for the partition)."""
+        out = []
+        averaged = self.ds.averaged_gradients
+        for g, at, n in self.pieces:
+            grads = averaged.get(g) if isinstance(averaged, dict) else averaged[g]
+            if grads is None or n == 0:
+                out.append(None)
+                continue
+            flat = grads[0] if len(grads) == 1 else None
+            if flat is not None and flat.numel() >= at + n:
+                out.append(flat.reshape(-1).narrow(0, at, n))
+            else:
+                out.append(self._piece_of(grads, g, at, n))
+        return out
+
+    def _piece_of(self, grads, g, at, n):
+        offset = 0
+        for t in grads:
+            if offset == at and t.numel() == n:
+                return t.reshape(-1)
+            offset += t.numel()
+        raise RuntimeError("stepguard: DeepSpeed's averaged gradients of group %d do not match "
+                           "its partition layout (this DeepSpeed version is not supported)" % g)
+
+    def update(self, ds_step):
+        # DeepSpeed's step with what the guard agreed: DeepSpeedZeroOptimizer.step checks for
+        # overflow when `check_grad_overflow` (bf16: a read of every gradient and an
+        # all-reduce; the verdict found none) and takes `scaled_global_grad_norm =
+        # self.scaled_global_norm()` (a norm of every partition and an all-reduce) for its clip
+        # and _global_grad_norm: the agreed norm instead.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        device = ds.single_partition_of_fp32_groups[0].device
+        ds.scaled_global_norm = lambda norm_type=2: torch.tensor(norm * ds.loss_scale,
+                                                                 dtype=torch.float, device=device)
+        saved, ds.check_grad_overflow = ds.check_grad_overflow, False
+        try:
+            ds_step()
+        finally:
+            del ds.scaled_global_norm
+            ds.check_grad_overflow = saved
+
+    def skip(self, ds_step):
+        # DeepSpeed's own overflow path: gradients and buffers released, the scaler told,
+        # overflow set for the engine (skipped_steps, no scheduler step).
+        ds = self.ds
+        saved = ds.check_grad_overflow
+        ds.check_grad_overflow = True
+        ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", True)
+        try:
+            ds_step()
+        finally:
+            del ds.check_overflow
+            ds.check_grad_overflow = saved
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        self.ds.update_lp_params()  # fp32 partitions into the bf16/fp32 model, all-gathered

@@ -17,7 +17,8 @@ import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
 from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa: E402
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
-           (0, "bf16-fused")]  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
+           (0, "bf16-fused"),  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
+           (1, "bf16-fp32accum")]  # fp32 gradient accumulation: BF16_Optimizer
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
 MICRO = 2  # gradient accumulation: micro-batches per optimizer step
 
@@ -42,6 +43,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     """One engine, 12 steps; returns what every rank saw, step by step. A precision ending in
     "-fused" leaves out ``torch_adam``: the config's AdamW is then DeepSpeed's FusedAdam."""
     fused = precision.endswith("-fused")
+    fp32_accum = precision.endswith("-fp32accum")
     precision = precision.split("-")[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = _model()
@@ -54,6 +56,8 @@ def _run(rank, world, stage, precision, checkpoint_dir):
                             "params": {"lr": 1e-2} if fused else {"lr": 1e-2, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
               "bf16": {"enabled": precision == "bf16"}}
+    if fp32_accum:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=groups, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
@@ -252,6 +256,8 @@ def _check(ranks, key, world):
         stage, precision = key.split("-")[:2]
         if key.endswith("-fused"):
             assert run["optimizer"] == "FP16_Optimizer", run["optimizer"]
+        elif key.endswith("-fp32accum"):
+            assert run["optimizer"] == "BF16_Optimizer", run["optimizer"]
         elif stage == "0":
             assert run["optimizer"] == expected_types[0][precision == "bf16"], run["optimizer"]
         else:

@@ -181,6 +181,82 @@ class _FusedLayout:
                 model.copy_(view.view_as(model))
 
 
+def _partition_pieces(engine, groups, sizes, ranks):
+    """Every model parameter as one piece of its group's flat partition on this rank: (group,
+    offset in the partition, length), empty where the parameter lies outside this rank's
+    partition; and the parameters' names. The same count and order on every rank."""
+    names = _names_by_id(engine)
+    pieces, out_names = [], []
+    for g, params in enumerate(groups):
+        lo, hi, start = ranks[g] * sizes[g], (ranks[g] + 1) * sizes[g], 0
+        for p in params:
+            end = start + p.numel()
+            first, last = max(start, lo), min(end, hi)
+            pieces.append((g, first - lo, last - first) if first < last else (g, 0, 0))
+            out_names.append(names.get(id(p), "param_%d" % len(out_names)))
+            start = end
+    return pieces, out_names
+
+
+class _Bf16Layout:
+    """bf16 with fp32 gradient accumulation (``BF16_Optimizer``, ZeRO 1's layout): each rank's
+    partition of every group's flat fp32 masters; the gradients are DeepSpeed's fp32
+    accumulation buffers, averaged over the ranks before the step, read at the same pieces."""
+    sharded = True
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        groups = ds_optimizer.bf16_groups
+        sizes = [int(t.numel()) for t in ds_optimizer.fp32_groups_flat_partition]
+        ranks = [torch.distributed.get_rank(group=pg) for pg in ds_optimizer.real_dp_process_group]
+        self.pieces, self.names = _partition_pieces(engine, groups, sizes, ranks)
+        masters = ds_optimizer.fp32_groups_flat_partition
+        grads = ds_optimizer.fp32_groups_gradient_flat_partition
+        self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
+        self.grads = [grads[g].narrow(0, at, n) for g, at, n in self.pieces]
+
+    def parameters(self):
+        return self.views, self.names
+
+    def gradients(self):
+        return self.grads
+
+    def update(self, ds_step):
+        # BF16_Optimizer.step with the agreed norm instead of its own (a norm of every gradient
+        # and an all-reduce): DeepSpeed's clip, the partitions' gradients, the optimizer step,
+        # the bf16 parameters all-gathered from the masters.
+        ds, norm = self.ds, _norm_after(self.verdict)
+        ds.overflow = False
+        ds._global_grad_norm = self.verdict.grad_norm
+        if ds.clip_grad > 0.0 and math.isfinite(norm):
+            from deepspeed.runtime.utils import clip_tensors_by_global_norm
+            clip_tensors_by_global_norm(input_tensors=ds.get_grads_for_norm(for_clipping=True),
+                                        max_norm=ds.clip_grad, global_norm=norm, mpu=ds.mpu)
+        for master, grad in zip(ds.fp32_groups_flat_partition,
+                                ds.fp32_groups_gradient_flat_partition):
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        ds.optimizer.step()
+        if ds.grad_acc_dtype is not torch.float32:
+            for master in ds.fp32_groups_flat_partition:
+                master.grad = None
+        ds._lazy_init_hp_params_optimizer_state()
+        ds.update_lp_params()
+        ds.clear_hp_grads()
+
+    def skip(self, ds_step):
+        # BF16_Optimizer's own path for a step it does not apply (an invalid norm).
+        ds = self.ds
+        ds.overflow, ds._global_grad_norm = True, float("inf")
+        ds.clear_hp_grads()
+        ds.clear_lp_grads()
+
+    def applied(self):
+        pass
+
+    def refresh_model(self):
+        self.ds.update_lp_params()  # the masters' partitions into the bf16 model, all-gathered
+
+
 class _ZeroLayout:
     """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
     (and, at the step, of the averaged gradients). Every model parameter is one piece on every
@@ -191,20 +267,13 @@ class _ZeroLayout:
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
-        names = _names_by_id(engine)
-        self.pieces = []  # (group, offset in the partition, length)
-        self.names = []
-        for g, params in enumerate(ds_optimizer.bit16_groups):
-            size = int(ds_optimizer.partition_size[g])
-            rank = torch.distributed.get_rank(group=ds_optimizer.real_dp_process_group[g])
-            lo, hi, start = rank * size, (rank + 1) * size, 0
-            for p in params:
-                end = start + p.numel()
-                first, last = max(start, lo), min(end, hi)
-                self.pieces.append((g, first - lo, last - first) if first < last else (g, 0, 0))
-                self.names.append(names.get(id(p), "param_%d" % len(self.names)))
-                start = end
-            held = [p for p, (_, _, n) in zip(params, self.pieces[-len(params):]) if n > 0]
+        groups = ds_optimizer.bit16_groups
+        self.pieces, self.names = _partition_pieces(
+            engine, groups, [int(n) for n in ds_optimizer.partition_size],
+            [torch.distributed.get_rank(group=pg) for pg in ds_optimizer.real_dp_process_group])
+        for g, params in enumerate(groups):
+            pieces = self.pieces[sum(len(p) for p in groups[:g]):][:len(params)]
+            held = [p for p, (_, _, n) in zip(params, pieces) if n > 0]
             if [id(p) for p in held] != [id(p) for p in ds_optimizer.params_in_partition[g]]:
                 raise ValueError("stepguard: DeepSpeed's partition of parameter group %d is not "
                                  "laid out as the integration reads it (this DeepSpeed version "

@@ -21,7 +21,9 @@ What is guarded, by DeepSpeed optimizer (tested with DeepSpeed 0.19.8 on CPU/Glo
   DeepSpeed averaged;
 - ZeRO stages 1 and 2, fp32 or bf16 (``DeepSpeedZeroOptimizer``): this rank's partition of the
   fp32 master weights and of the averaged gradients, one view per parameter piece (blame names
-  the model's parameters); norms and counts are summed over the data-parallel ranks.
+  the model's parameters); norms and counts are summed over the data-parallel ranks;
+- bf16 with fp32 gradient accumulation (``BF16_Optimizer``, ``"data_types": {"grad_accum_dtype":
+  "fp32"}``): the same, over its fp32 master partitions and its averaged fp32 gradient buffers.
 
 The guard decides before DeepSpeed's own step: an applied step is DeepSpeed's step, unchanged
 (its clipping, its grad norm, its copy of the master weights into the model); a step the guard
@@ -30,8 +32,7 @@ engine does not step its LR scheduler. A rollback restores the fp32 master weigh
 optimizer state (each rank its own partition) and copies them into the model's bf16 weights
 (ZeRO: DeepSpeed's ``update_lp_params``, an all-gather every rank makes together). The guard's
 LR factor scales the optimizer's groups for the step. Refused, with a message: fp16 (DeepSpeed's
-dynamic loss scaler owns the scale), ZeRO stage 3, CPU offload, ``BF16_Optimizer`` (bf16 with
-fp32 gradient accumulation) and pipeline engines.
+dynamic loss scaler owns the scale), ZeRO stage 3, CPU offload and pipeline engines.
 """
 
 import warnings
@@ -41,7 +42,8 @@ import torch
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._core import check_version, finish_step, guard_options, load_guard_state
-from ._deepspeed_layouts import _FusedLayout, _PlainLayout, _UnfusedLayout, _ZeroLayout
+from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
+                                 _ZeroLayout)
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -196,13 +198,14 @@ def _layout_of(engine, ds_optimizer):
         return _UnfusedLayout(engine, ds_optimizer)
     if kind == "FP16_Optimizer":
         return _FusedLayout(engine, ds_optimizer)
+    if kind == "BF16_Optimizer":
+        return _Bf16Layout(engine, ds_optimizer)
     if kind == "DeepSpeedZeroOptimizer":
         return _ZeroLayout(engine, ds_optimizer)
     raise ValueError(
         "stepguard: the DeepSpeed engine steps a %s, which the integration does not know (it "
         "guards a torch optimizer without ZeRO, bf16 without ZeRO (the config's or a client "
-        "optimizer), and ZeRO stages 1 and 2; "
-        "bf16 with fp32 gradient accumulation uses BF16_Optimizer, not guarded yet)" % kind)
+        "optimizer), ZeRO stages 1 and 2, and BF16_Optimizer)" % kind)
 
 
 class _DeepSpeedPort(TorchOptimPort):

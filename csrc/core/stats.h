@@ -80,6 +80,10 @@ struct GlobalStats {
   /// Set by the engine: an fp32 replay in this streak of non-finite steps reproduced it (the
   /// agreed cause was data, forward or backward), so the streak is not an fp16 overflow.
   bool overflow_ruled_out = false;
+  /// Set by the engine when the framework's scaler owns the loss scale (DeepSpeed fp16): its scale
+  /// and floor at this step (0: none). The policy reads them as it reads the guard's own scaler.
+  double framework_loss_scale = 0.0;
+  double framework_min_scale = 0.0;
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
   /// "This step is non-finite": a NaN/Inf gradient element or loss on some rank. The one

@@ -135,6 +135,13 @@ Found precision_overflow(const Evidence& e) {
         "Inf in the gradients (" + std::to_string(e.inf_count) + " Inf" +
         (e.nan_count > 0 ? ", " + std::to_string(e.nan_count) + " NaN where Inf met Inf" : "") +
         ") of a finite loss under loss scale " + number(e.loss_scale) + ": an fp16 overflow");
+  } else if (!e.loss_nonfinite && e.nan_count > 0 && !e.loss_scale_at_floor) {
+    // Overflowed gradients averaged over ranks: Inf + (-Inf) leaves NaN and no Inf.
+    evidence.push_back("NaN in the gradients (" + std::to_string(e.nan_count) +
+                       ") of a finite loss under loss scale " + number(e.loss_scale) +
+                       ": an fp16 overflow whose Inf met Inf (in the gradient average), as the "
+                       "scaler takes it; a replay in fp32 (set_replay) tells it from a NaN of "
+                       "the backward");
   } else {
     return {};
   }

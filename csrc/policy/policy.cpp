@@ -214,11 +214,12 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
   // The loss comes first: a non-finite loss makes every gradient non-finite, not the reverse.
   if (stats.loss_nonfinite_ranks > 0) signals->raised.push_back(Signal::kNonfiniteLoss);
   if (stats.nonfinite_count() > 0) {
-    // Inf in the gradients of a finite loss under loss scaling, with room to back off: an fp16
-    // overflow, whatever share of the Inf became NaN on the way (Inf - Inf, 0 * Inf). Not when a
-    // replay in fp32 reproduced this streak, nor with the scale at its floor: then it escalates.
-    const bool overflow = input.loss_scale_can_drop && stats.inf_count > 0 &&
-                          stats.loss_nonfinite_ranks == 0 && !stats.overflow_ruled_out;
+    // NaN/Inf in the gradients of a finite loss under loss scaling, with room to back off: an fp16
+    // overflow, as GradScaler and DeepSpeed's scaler take it, whatever share of the Inf became
+    // NaN on the way (Inf - Inf in a gradient average, 0 * Inf). Not when a replay in fp32
+    // reproduced this streak, nor with the scale at its floor: then it escalates.
+    const bool overflow = input.loss_scale_can_drop && stats.loss_nonfinite_ranks == 0 &&
+                          !stats.overflow_ruled_out;
     signals->raised.push_back(overflow ? Signal::kOverflow : Signal::kNonfiniteGrad);
   }
   if (!stats.desynced_ranks.empty()) {

@@ -114,6 +114,10 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
     line["loss_max_bound"] = stats.loss_max_bound;
   }
   if (stats.overflow_ruled_out) line["overflow_ruled_out"] = true;
+  if (stats.framework_loss_scale > 0) {
+    line["framework_loss_scale"] = stats.framework_loss_scale;
+    line["framework_min_scale"] = stats.framework_min_scale;
+  }
   if (!report.loss_given) line["loss_given"] = false;  // step() without a loss: null is not NaN
   line["loss_scale"] = number(report.loss_scale);
   line["lr_factor"] = number(report.lr_factor);

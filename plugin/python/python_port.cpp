@@ -1,6 +1,11 @@
 #include "plugin/python/python_port.h"
 
 #include <c10/util/Exception.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <optional>
+#include <utility>
 
 namespace stepguard {
 
@@ -54,6 +59,7 @@ PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   has_gradients_ = py::hasattr(port_, "gradients") && !port_.attr("gradients").is_none();
   has_sharded_state_ = py::hasattr(port_, "sharded_state");
   has_layout_ = py::hasattr(port_, "layout");
+  has_framework_scale_ = py::hasattr(port_, "framework_loss_scale");
   refresh();
 }
 
@@ -139,6 +145,19 @@ void PythonPort::load_state_bytes(const std::string& bytes, const std::vector<Na
 
 void PythonPort::after_restore() {
   with_gil("after_restore", [&] { port_.attr("after_restore")(); });
+}
+
+std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scale() const {
+  if (!has_framework_scale_) return std::nullopt;
+  return with_gil("framework_loss_scale", [&]() -> std::optional<FrameworkLossScale> {
+    const py::object got = port_.attr("framework_loss_scale")();
+    if (got.is_none()) return std::nullopt;
+    const auto pair = got.cast<std::pair<double, double>>();
+    TORCH_CHECK(pair.first > 0 && std::isfinite(pair.first) && pair.second >= 0,
+                "stepguard: the port's framework_loss_scale() gave (", pair.first, ", ",
+                pair.second, "); a scale > 0 and a floor >= 0 were expected");
+    return FrameworkLossScale{pair.first, pair.second};
+  });
 }
 
 bool PythonPort::sharded_state() const {

@@ -7,8 +7,9 @@
  * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
  * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved, settings) with saved a list of
  * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
- * sharded_state() -> bool and layout() -> list of stepguard.Placement (one per parameter, read
- * when the parameter list is first seen and whenever its length changes) or None.
+ * sharded_state() -> bool, layout() -> list of stepguard.Placement (one per parameter, read
+ * when the parameter list is first seen and whenever its length changes) or None, and
+ * framework_loss_scale() -> (scale, floor) or None (read every step).
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -42,6 +43,7 @@ class PythonPort final : public OptimizerPort {
                         bool settings) override;
   void after_restore() override;
   bool sharded_state() const override;
+  std::optional<FrameworkLossScale> framework_loss_scale() const override;
   std::vector<Placement> layout() const override { return layout_; }
 
   const pybind11::object& object() const noexcept { return port_; }
@@ -51,6 +53,7 @@ class PythonPort final : public OptimizerPort {
   bool has_gradients_ = false;
   bool has_sharded_state_ = false;
   bool has_layout_ = false;
+  bool has_framework_scale_ = false;
   bool layout_read_ = false;
   std::vector<Placement> layout_;  ///< the port's layout() when the parameter list last changed
   std::vector<at::Tensor> params_;

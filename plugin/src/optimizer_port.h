@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,16 @@ class OptimizerPort {
   /// True when each rank holds only its own shard of the optimizer state (ZeRO), so a checkpoint
   /// cannot move to another number of ranks; used in the message that refuses it.
   virtual bool sharded_state() const { return false; }
+  /// The framework's loss scale when the framework's own scaler owns it (DeepSpeed's fp16 under
+  /// ZeRO): the gradients arrive multiplied by `scale`; the guard inspects them unscaled (not in
+  /// place: the framework unscales them in its step), reports that scale, and treats an overflow
+  /// as the scaler's while `scale` is above `min_scale`. Nothing when the framework scales
+  /// nothing (or the guard's own loss scaling is used).
+  struct FrameworkLossScale {
+    double scale = 1.0;
+    double min_scale = 0.0;
+  };
+  virtual std::optional<FrameworkLossScale> framework_loss_scale() const { return std::nullopt; }
 };
 
 }  // namespace stepguard

@@ -71,6 +71,8 @@ GlobalStats stats_of_line(const nlohmann::json& j, const std::string& file, std:
     }
     g.overflow_ruled_out = it->get<bool>();
   }
+  g.framework_loss_scale = number_field(j, "framework_loss_scale", 0.0, file, line);
+  g.framework_min_scale = number_field(j, "framework_min_scale", 0.0, file, line);
   g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;
   g.sum_squares = g.grad_norm * g.grad_norm;
   return g;

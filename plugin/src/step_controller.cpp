@@ -36,7 +36,8 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   input.step = step;
   input.stats = stats;
   input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
-  input.loss_scale_can_drop = scaler_ && !scaler_->at_floor();
+  input.loss_scale_can_drop =
+      scaler_ ? !scaler_->at_floor() : stats.framework_loss_scale > stats.framework_min_scale;
   policy::Verdict verdict = engine_.evaluate(input);
   StepDecision out;
   update_knobs(stats, &verdict.decision);
@@ -44,7 +45,10 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   if (!verdict.decision.has(Action::kLowerLr)) {
     lr_.on_step(verdict.decision.outcome == Outcome::kApplied && !verdict.signals.any());
   }
-  out.loss_scale = loss_scale();
+  // The framework's scale when its scaler owns it (the one this step's backward used; the
+  // framework backs it off or grows it in its own step).
+  out.loss_scale =
+      !scaler_ && stats.framework_loss_scale > 0 ? stats.framework_loss_scale : loss_scale();
   out.signals = std::move(verdict.signals);
   out.decision = std::move(verdict.decision);
   // While a loss spike's recovery is watched, the training is suspect: its snapshots are not
@@ -83,7 +87,7 @@ void StepController::settle_rollback(std::int64_t step, bool replicas_diverged,
   if (target) {
     const std::int64_t to_step = target->step;
     rollback_to(target->words, d, step);
-    out->loss_scale = loss_scale();
+    if (scaler_) out->loss_scale = loss_scale();  // a framework's scale is the framework's
     out->lr_factor = lr_factor();
     out->rolled_back_to = to_step;
     d.reason += " (rolled back to step " + std::to_string(to_step) + ")";

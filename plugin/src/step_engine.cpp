@@ -127,6 +127,12 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   stage_seconds_.snapshot = seconds_since(t);  // the wait for the last step's copy
   t = Clock::now();
   check_can_step(loss);
+  framework_scale_ = port_.framework_loss_scale();
+  TORCH_CHECK(
+      !(framework_scale_ && controller_.loss_scaling()),
+      "stepguard: the framework's own loss scaler is on, and so is the guard's (loss_scaling "
+      "or a policy with a loss_scale section): one scaler owns the scale; leave the guard's "
+      "off");
   const std::int64_t step = step_ + 1;
   Pending p;
   p.agreed = inspect_and_agree(loss, step);
@@ -135,6 +141,10 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   t = Clock::now();
   GlobalStats& g = p.agreed.global;
   g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
+  if (framework_scale_) {
+    g.framework_loss_scale = framework_scale_->scale;
+    g.framework_min_scale = framework_scale_->min_scale;
+  }
   p.decided = decide(step, g);
   stage_seconds_.decide = seconds_since(t);
   t = Clock::now();
@@ -267,6 +277,10 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     // The fused pass unscales in place: the optimizer then sees true gradients.
     inspect_options.inv_scale = controller_.inv_loss_scale();
     inspect_options.unscale_in_place = true;
+  } else if (framework_scale_) {
+    // The framework unscales in its own step: the guard reads the gradients unscaled, in place
+    // nothing changes.
+    inspect_options.inv_scale = 1.0 / framework_scale_->scale;
   }
   if (!step_device_) {
     // No gradient and no loss: the buffer goes where the parameters are.
@@ -317,7 +331,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
 
 // 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
 StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
-  step_loss_scale_ = controller_.loss_scale();
+  step_loss_scale_ = framework_scale_ ? framework_scale_->scale : controller_.loss_scale();
   try {
     // Recovery owns the snapshots: it confirms them and agrees on a rollback target.
     return controller_.decide(step, global, &recovery_);

@@ -225,6 +225,8 @@ class StepEngine {
   /// The agreed cause of a step in the current streak of non-finite steps was data, forward or
   /// backward (an fp32 replay reproduced it): the streak is not an fp16 overflow.
   bool overflow_ruled_out_ = false;
+  /// The framework's loss scale at this step, when its scaler owns it (the port says).
+  std::optional<OptimizerPort::FrameworkLossScale> framework_scale_;
   std::optional<double> replay_scale_;  ///< while replaying: scale_loss() uses the step's scale
   double step_loss_scale_ = 1.0;        ///< the scale this step's backward used
   /// The random streams before this step's forward pass (captured after the previous step and

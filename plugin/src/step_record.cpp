@@ -162,14 +162,16 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
   spike_evidence(g, decided.signals, consensus_->rank(), step_, &ev);
   ev.overflow_ruled_out = g.overflow_ruled_out;
-  ev.loss_scale_at_floor = controller_.loss_scaling() && controller_.loss_scale_floor() > 0 &&
-                           step_loss_scale_ <= controller_.loss_scale_floor();
+  const double floor =
+      framework_scale_ ? framework_scale_->min_scale : controller_.loss_scale_floor();
+  ev.loss_scale_at_floor = (controller_.loss_scaling() || framework_scale_.has_value()) &&
+                           floor > 0 && step_loss_scale_ <= floor;
   if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
   if (!g.diverged_replicas.empty() && f.blamed.empty()) f.blamed = diverged_tensor_names(g);
   ev.blamed_grads = f.blamed;
-  ev.loss_scaling = controller_.loss_scaling();
+  ev.loss_scaling = controller_.loss_scaling() || framework_scale_.has_value();
   ev.loss_scale = step_loss_scale_;
   ev.grad_norm = g.grad_norm;
   ev.loss = g.loss;

@@ -1,5 +1,6 @@
 """stepguard inside the real DeepSpeed engine on CPU (DS_ACCELERATOR=cpu) with Gloo: ZeRO stages
-0, 1 and 2, fp32 and bf16, on 2 ranks (and one configuration on 1 rank). Each configuration
+0, 1 and 2, fp32 and bf16, the config's fused AdamW and BF16_Optimizer, on 2 ranks (and one
+configuration on 1 rank); and ZeRO 2 fp16 with DeepSpeed's loss scaler beside an unguarded twin. Each configuration
 trains a small model for 12 steps of 2 accumulated micro-batches with three faults: a NaN gradient of one parameter on the last rank
 (step 3), a NaN in its batch (step 5) and a loss spike on every rank (step 8)."""
 
@@ -127,6 +128,92 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
             "counts": counts}
+
+
+FP16_STEPS, FP16_NAN = 24, 18
+
+
+def _fp16_run(rank, world, guarded):
+    """ZeRO 2 fp16 with DeepSpeed's DynamicLossScaler (initial scale 2^24: far too high, the first
+    steps overflow), 24 steps, a NaN gradient on the last rank at step 18; guarded or not. No
+    clipping, so that the applied update does not depend on the norm and the twins can be
+    compared bit for bit (with clipping DeepSpeed takes the guard's norm, equal to its own within
+    1e-6: the other tests)."""
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+              "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 2,
+                       "loss_scale_window": 4, "min_loss_scale": 1}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    sg = sg_deepspeed.guard_engine(engine, policy="default", collective_timeout=60) \
+        if guarded else None
+    target = dict(engine.module.named_parameters())["2.weight"]
+    rows = []
+    for step in range(1, FP16_STEPS + 1):
+        hook = None
+        if step == FP16_NAN and rank == world - 1:
+            hook = target.register_hook(lambda g: g * float("nan"))
+        scale_before = float(engine.optimizer.loss_scale)
+        x, y = _batch(step, rank, torch.float16)
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+        engine.step()
+        if hook is not None:
+            hook.remove()
+        row = {"scale_before": scale_before, "scale": float(engine.optimizer.loss_scale),
+               "skipped_steps": engine.skipped_steps, "params": _flat_params(engine.module)}
+        if sg is not None:
+            r = sg.last_report
+            row.update(outcome=r.outcome, loss_scale=r.loss_scale, grad_norm=r.grad_norm,
+                       ds_norm=float(engine.get_global_grad_norm()),
+                       signal=r.incident["signal"] if r.incident else None,
+                       cause=r.incident["cause"] if r.incident else None)
+        rows.append(row)
+    return rows
+
+
+def _fp16_main(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    plain, guarded = _fp16_run(rank, world, False), _fp16_run(rank, world, True)
+    same = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain, guarded)]
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump({"plain": plain, "guarded": guarded, "same_params": same}, f, default=str)
+    torch.distributed.destroy_process_group()
+
+
+def test_fp16_zero_two_follows_deepspeeds_scaler_as_an_unguarded_twin():
+    """The guard inside DeepSpeed fp16 (ZeRO 2, 2 ranks): DeepSpeed's scaler owns the scale. The
+    startup overflow streak is `overflow` / `precision_overflow` on every step, skipped by
+    DeepSpeed's own overflow path, and the scale backs off as without the guard (hysteresis 2):
+    the same scale, skipped count and parameters, step for step, as an unguarded twin; the
+    reports carry DeepSpeed's scale; a NaN gradient later is skipped as DeepSpeed would."""
+    ranks = spawn_ranks(_fp16_main, 2)
+    for rank, got in enumerate(ranks):
+        plain, guarded = got["plain"], got["guarded"]
+        assert [r["scale"] for r in guarded] == [r["scale"] for r in plain], (rank, guarded)
+        assert [r["skipped_steps"] for r in guarded] == [r["skipped_steps"] for r in plain]
+        assert all(got["same_params"]), (rank, got["same_params"])
+        # The startup streak: the first steps, skipped until the scale fits. Every step of it,
+        # those whose averaged gradients hold only NaN (Inf met -Inf) included, is an overflow;
+        # so is every later skip (the scale grown too far again, the NaN gradient at step 18).
+        streak = next(i for i, r in enumerate(guarded) if r["outcome"] == "applied")
+        assert streak >= 3, guarded[:4]
+        for r in guarded:
+            if r["outcome"] == "skipped":
+                assert r["signal"] == "overflow" and r["cause"] == "precision_overflow", r
+        assert plain[-1]["scale"] < 2 ** 24  # the scale came down
+        for r in guarded:
+            assert r["loss_scale"] == r["scale_before"], r  # DeepSpeed's, at this step
+            if r["outcome"] == "applied":
+                assert r["grad_norm"] == pytest.approx(float(r["ds_norm"]), rel=1e-5), r
+        # A NaN gradient while the scale can back off is skipped as DeepSpeed skips it (its scaler
+        # backs off): the overflow path.
+        assert guarded[FP16_NAN - 1]["outcome"] == "skipped", guarded[FP16_NAN - 1]
+        assert guarded[-1]["outcome"] == "applied"
 
 
 def _count_in_step(engine, guard):

@@ -40,6 +40,9 @@ class _PlainLayout:
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(params)]
         self.optimizer.overflow = False  # what the engine reads after the step
 
+    def framework_loss_scale(self):
+        return None  # no loss scale in fp32 and bf16
+
     def parameters(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]], self.names
 
@@ -78,6 +81,9 @@ class _UnfusedLayout:
         self.model = [p for group in ds_optimizer.fp16_groups for p in group]
         self.masters = [p for group in ds_optimizer.fp32_groups for p in group]
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def framework_loss_scale(self):
+        return None  # no loss scale in fp32 and bf16
 
     def parameters(self):
         return self.masters, self.names
@@ -136,6 +142,9 @@ class _FusedLayout:
                 self.views.append(flat.narrow(0, offset, p.numel()))
                 offset += p.numel()
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
+
+    def framework_loss_scale(self):
+        return None  # no loss scale in fp32 and bf16
 
     def parameters(self):
         return self.views, self.names
@@ -215,6 +224,9 @@ class _Bf16Layout:
         self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
         self.grads = [grads[g].narrow(0, at, n) for g, at, n in self.pieces]
 
+    def framework_loss_scale(self):
+        return None  # no loss scale in fp32 and bf16
+
     def parameters(self):
         return self.views, self.names
 
@@ -280,6 +292,15 @@ class _ZeroLayout:
                                  "is not supported)" % g)
         masters = ds_optimizer.single_partition_of_fp32_groups
         self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
+        # fp16: DeepSpeed's DynamicLossScaler owns the scale; the guard inspects the scaled
+        # gradients unscaled, and DeepSpeed's own overflow path (a skip) backs the scale off.
+        self.fp16 = engine.fp16_enabled()
+
+    def framework_loss_scale(self):
+        if not self.fp16:
+            return None
+        scaler = self.ds.loss_scaler
+        return float(self.ds.loss_scale), float(getattr(scaler, "min_scale", self.ds.loss_scale))
 
     def parameters(self):
         return self.views, self.names

@@ -31,8 +31,12 @@ does not apply takes DeepSpeed's own overflow path, so ``engine.skipped_steps`` 
 engine does not step its LR scheduler. A rollback restores the fp32 master weights and the
 optimizer state (each rank its own partition) and copies them into the model's bf16 weights
 (ZeRO: DeepSpeed's ``update_lp_params``, an all-gather every rank makes together). The guard's
-LR factor scales the optimizer's groups for the step. Refused, with a message: fp16 (DeepSpeed's
-dynamic loss scaler owns the scale), ZeRO stage 3, CPU offload and pipeline engines.
+LR factor scales the optimizer's groups for the step. fp16 under ZeRO 1 and 2: DeepSpeed's
+DynamicLossScaler owns the scale; the guard inspects the scaled gradients unscaled, an overflow
+while the scale can back off is the `overflow` signal (skipped by DeepSpeed's own overflow path,
+the scale backing off by DeepSpeed's rules, hysteresis included), the reports carry DeepSpeed's
+scale. Refused, with a message: fp16 without ZeRO 1 or 2, ZeRO stage 3, CPU offload and pipeline
+engines.
 """
 
 import warnings
@@ -79,6 +83,12 @@ class EngineGuard:
         port = _DeepSpeedPort(engine.basic_optimizer, layout, self._ds_step)
         self.guard = GuardedOptimizer(engine.basic_optimizer, port=port, policy=policy,
                                       policy_yaml=policy_yaml, **options)
+        if layout.framework_loss_scale() is not None and self.guard.stats().loss_scale != 1.0:
+            raise ValueError(
+                "stepguard: DeepSpeed's fp16 loss scaler owns the loss scale here; the guard's own "
+                "(loss_scaling=True or a policy with a loss_scale section, such as the "
+                "deepspeed-fp16 preset) would be a second one: use a policy without loss_scale "
+                "(the default preset)")
         self._layout = layout
         self._losses = []
         self.last_report = None
@@ -177,9 +187,10 @@ def _check_engine(engine):
     refuse = None
     if getattr(engine, "optimizer", None) is None:
         refuse = "an engine without an optimizer (deepspeed.initialize got none)"
-    elif engine.fp16_enabled():
-        refuse = ("fp16: DeepSpeed's dynamic loss scaler owns the loss scale and skips overflow "
-                  "steps itself; use bf16 or fp32")
+    elif engine.fp16_enabled() and engine.zero_optimization_stage() not in (1, 2):
+        refuse = ("fp16 without ZeRO 1 or 2 (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
+                  "apply the loss scale in engine.backward() while their step divides by it; "
+                  "upstream PR #8393); use ZeRO 1 or 2, bf16 or fp32")
     elif engine.zero_optimization_stage() > 2:
         refuse = "ZeRO stage 3 (its partitioned parameters are gathered per layer); use 0, 1 or 2"
     elif engine.zero_optimization() and engine.zero_cpu_offload():
@@ -228,6 +239,11 @@ class _DeepSpeedPort(TorchOptimPort):
 
     def gradients(self):
         return self.partition.gradients()
+
+    def framework_loss_scale(self):
+        """DeepSpeed's loss scale and its floor under fp16 (its scaler owns them; a static scale
+        cannot back off: its floor is itself), None otherwise."""
+        return self.partition.framework_loss_scale()
 
     def sharded_state(self):
         return self.partition.sharded

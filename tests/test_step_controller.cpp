@@ -98,9 +98,10 @@ TEST(StepController, HysteresisDelaysTheBackoff) {
 }
 
 TEST(StepController, RuleDropComesOnTopOfTheBackoff) {
-  StepController c(parse("version: 1\nloss_scale: {init_scale: 64}\nrules:\n"
-                         "  - {on: [overflow, nonfinite], action: drop_loss_scale, factor: 0.25}\n"),
-                   false);
+  StepController c(
+      parse("version: 1\nloss_scale: {init_scale: 64}\nrules:\n"
+            "  - {on: [overflow, nonfinite], action: drop_loss_scale, factor: 0.25}\n"),
+      false);
   // 64 x 0.5 (backoff) x 0.25 (rule) = 8.
   EXPECT_EQ(c.decide(1, stats_for('n', 1)).loss_scale, 8);
 }

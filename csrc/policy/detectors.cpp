@@ -52,9 +52,8 @@ bool early_jump(double x, const EmaZScoreState& s, double factor) {
 // The recent ratio: x above factor times the recent median, and beyond the window's own scatter,
 // so that a series noisy by nature does not alarm: its rise over the median is more than factor
 // times the largest rise between neighbours in the window (0 for a series that only fell), and
-// for a positive series its log-ratio to the median is more than kScatter times the window's
-// largest log-deviation from the median.
-constexpr double kScatter = 3.0;
+// for a positive series its log-ratio to the median is more than kRecentScatter times the
+// window's largest log-deviation from the median.
 
 bool recent_jump(double x, const std::vector<double>& recent, double factor, double* reference) {
   if (recent.size() < kRecentMinimum) return false;
@@ -71,7 +70,7 @@ bool recent_jump(double x, const std::vector<double>& recent, double factor, dou
     return false;
   if (median > 0 && lo > 0) {
     const double scatter = std::max(std::log(hi / median), std::log(median / lo));
-    if (!(std::log(x / median) > kScatter * scatter)) return false;
+    if (!(std::log(x / median) > kRecentScatter * scatter)) return false;
   }
   *reference = median;
   return true;

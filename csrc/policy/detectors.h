@@ -40,6 +40,9 @@ struct EmaZScoreConfig {
 
 /// Values a recent-ratio test needs before it applies: the third value is the first it judges.
 constexpr std::size_t kRecentMinimum = 2;
+/// A recent spike's log-ratio to the median must exceed this many times the window's largest
+/// log-deviation from its median (the window's own scatter).
+constexpr double kRecentScatter = 3.0;
 
 struct EmaZScoreState {
   double mean = 0.0;

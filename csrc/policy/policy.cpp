@@ -1,7 +1,5 @@
 #include "csrc/policy/policy.h"
 
-#include "csrc/common/bits.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -218,8 +216,8 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
     // overflow, as GradScaler and DeepSpeed's scaler take it, whatever share of the Inf became
     // NaN on the way (Inf - Inf in a gradient average, 0 * Inf). Not when a replay in fp32
     // reproduced this streak, nor with the scale at its floor: then it escalates.
-    const bool overflow = input.loss_scale_can_drop && stats.loss_nonfinite_ranks == 0 &&
-                          !stats.overflow_ruled_out;
+    const bool overflow =
+        input.loss_scale_can_drop && stats.loss_nonfinite_ranks == 0 && !stats.overflow_ruled_out;
     signals->raised.push_back(overflow ? Signal::kOverflow : Signal::kNonfiniteGrad);
   }
   if (!stats.desynced_ranks.empty()) {

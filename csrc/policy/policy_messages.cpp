@@ -112,7 +112,8 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
           << "x the median of its last " << s.ema.recent_window
           << " values (the largest rank's, for the loss), beyond their own scatter (a rise of more "
              "than "
-          << s.ema.recent_factor << "x the largest rise inside them, and 3x their log-spread)\n";
+          << s.ema.recent_factor << "x the largest rise inside them, and " << kRecentScatter
+          << "x their log-spread)\n";
     }
   };
   if (d.loss_spike.enabled) spike("loss", d.loss_spike);

@@ -158,6 +158,8 @@ class StepEngine {
   /// On a loss-spike step under data parallelism: one more collective gives every rank every
   /// rank's loss, and the ranks whose loss rose become the origin ranks.
   void name_spike_ranks(Agreed* agreed, const StepDecision& decided);
+  /// gather_rank_rows() of `row` for this step; aborts training when the collective fails.
+  std::vector<double> gather_or_abort(const at::Tensor& row);
   /// On a replica-divergence step: the tensors whose bits differ on the diverged replicas.
   std::vector<std::string> diverged_tensor_names(const GlobalStats& g);
   std::vector<std::string> blame_across_ranks(const std::vector<std::string>& mine,

@@ -67,18 +67,23 @@ std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::s
   return out;
 }
 
+// Every rank's `row` (gather_rank_rows) in a decision's collective: a rank that cannot join it
+// may not train on alone, as for the step's own collective.
+std::vector<double> StepEngine::gather_or_abort(const at::Tensor& row) {
+  try {
+    return consensus::gather_rank_rows(*consensus_, row, step_);
+  } catch (const std::exception& e) {
+    abort_with(e.what());
+    throw;
+  }
+}
+
 // On the step a replica check found a diverged replica: one more collective (each tensor's
 // fingerprint, from every rank) names the tensors that differ, the same list on every rank.
 std::vector<std::string> StepEngine::diverged_tensor_names(const GlobalStats& g) {
   const auto& params = port_.parameters();
   const at::Tensor mine = consensus::tensor_fingerprints(params);
-  std::vector<double> rows;
-  try {
-    rows = consensus::gather_rank_rows(*consensus_, mine.to(*step_device_), step_);
-  } catch (const std::exception& e) {
-    abort_with(e.what());
-    throw;
-  }
+  const std::vector<double> rows = gather_or_abort(mine.to(*step_device_));
   std::vector<std::string> out;
   const auto& names = port_.parameter_names();
   for (std::size_t i : consensus::diverged_tensors(rows, consensus_->world_size(), params.size(),
@@ -95,14 +100,8 @@ void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
     return;
   }
   GlobalStats& g = agreed->global;
-  try {
-    if (!g.ranks_named) {
-      consensus::fill_rank_detail(consensus::gather_rank_rows(*consensus_, agreed->rank_row, step_),
-                                  consensus_->world_size(), &g);
-    }
-  } catch (const std::exception& e) {
-    abort_with(e.what());  // as for the step's own collective
-    throw;
+  if (!g.ranks_named) {
+    consensus::fill_rank_detail(gather_or_abort(agreed->rank_row), consensus_->world_size(), &g);
   }
   if (g.origin_ranks.empty()) consensus::name_spike_ranks(s.loss_level, &g);
 }
@@ -162,16 +161,15 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
   spike_evidence(g, decided.signals, consensus_->rank(), step_, &ev);
   ev.overflow_ruled_out = g.overflow_ruled_out;
+  ev.loss_scaling = controller_.loss_scaling() || framework_scale_.has_value();
   const double floor =
       framework_scale_ ? framework_scale_->min_scale : controller_.loss_scale_floor();
-  ev.loss_scale_at_floor = (controller_.loss_scaling() || framework_scale_.has_value()) &&
-                           floor > 0 && step_loss_scale_ <= floor;
+  ev.loss_scale_at_floor = ev.loss_scaling && floor > 0 && step_loss_scale_ <= floor;
   if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
   if (!g.diverged_replicas.empty() && f.blamed.empty()) f.blamed = diverged_tensor_names(g);
   ev.blamed_grads = f.blamed;
-  ev.loss_scaling = controller_.loss_scaling() || framework_scale_.has_value();
   ev.loss_scale = step_loss_scale_;
   ev.grad_norm = g.grad_norm;
   ev.loss = g.loss;

@@ -23,9 +23,20 @@ def _names_by_id(engine):
             for n, p in engine.module.named_parameters()}
 
 
-class _PlainLayout:
-    """No wrapper: DeepSpeed steps the torch optimizer on the model's own parameters."""
+class _Layout:
+    """What every layout answers the same unless it says otherwise: replicated gradients, no
+    loss scale of the framework's (fp32 and bf16), nothing to do after an applied step."""
     sharded = False
+
+    def framework_loss_scale(self):
+        return None
+
+    def applied(self):
+        pass
+
+
+class _PlainLayout(_Layout):
+    """No wrapper: DeepSpeed steps the torch optimizer on the model's own parameters."""
 
     def __init__(self, engine):
         self.optimizer = engine.basic_optimizer
@@ -39,9 +50,6 @@ class _PlainLayout:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(params)]
         self.optimizer.overflow = False  # what the engine reads after the step
-
-    def framework_loss_scale(self):
-        return None  # no loss scale in fp32 and bf16
 
     def parameters(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]], self.names
@@ -67,10 +75,26 @@ class _PlainLayout:
         pass
 
 
-class _UnfusedLayout:
-    """bf16 without ZeRO: fp32 master copies, one per model parameter, stepped by the torch
-    optimizer; DeepSpeed copies them into the bf16 parameters after the step."""
-    sharded = False
+class _MasterCopies(_Layout):
+    """bf16 without ZeRO: fp32 master copies (``masters``, one per model parameter in ``model``:
+    a tensor of its own or a piece of a flat one) that the optimizer steps and DeepSpeed copies
+    into the bf16 parameters after the step."""
+
+    def parameters(self):
+        return self.masters, self.names
+
+    def skip(self, ds_step):
+        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
+
+    def refresh_model(self):
+        with torch.no_grad():
+            for model, master in zip(self.model, self.masters):
+                model.copy_(master.view_as(model))
+
+
+class _UnfusedLayout(_MasterCopies):
+    """``FP16_UnfusedOptimizer`` (a client or ``torch_adam`` optimizer): one fp32 tensor per
+    parameter."""
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
@@ -81,12 +105,6 @@ class _UnfusedLayout:
         self.model = [p for group in ds_optimizer.fp16_groups for p in group]
         self.masters = [p for group in ds_optimizer.fp32_groups for p in group]
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
-
-    def framework_loss_scale(self):
-        return None  # no loss scale in fp32 and bf16
-
-    def parameters(self):
-        return self.masters, self.names
 
     def gradients(self):
         return [p.grad for p in self.model]
@@ -104,29 +122,16 @@ class _UnfusedLayout:
             torch.nn.utils.clip_grads_with_norm_(self.masters, ds.clip_grad, torch.tensor(norm))
         ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
         ds.optimizer.step()
-        with torch.no_grad():
-            for model, master in zip(self.model, self.masters):
-                master.grad = None
-                model.copy_(master)
+        for master in self.masters:
+            master.grad = None
+        self.refresh_model()
         ds.overflow, ds._global_grad_norm = False, self.verdict.grad_norm
 
-    def skip(self, ds_step):
-        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
 
-    def applied(self):
-        pass
-
-    def refresh_model(self):
-        with torch.no_grad():
-            for model, master in zip(self.model, self.masters):
-                model.copy_(master)
-
-
-class _FusedLayout:
-    """bf16 without ZeRO with a fused optimizer (the config's AdamW: DeepSpeed's FusedAdam) under
-    ``FP16_Optimizer``: one flat fp32 master per parameter group; each model parameter is a
-    piece of it (a view), and its gradient the model's bf16 gradient, flattened."""
-    sharded = False
+class _FusedLayout(_MasterCopies):
+    """``FP16_Optimizer`` (the config's AdamW: DeepSpeed's FusedAdam): one flat fp32 master per
+    parameter group; each model parameter's master is a piece of it (a view), and its gradient
+    the model's bf16 gradient, flattened."""
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
@@ -134,20 +139,14 @@ class _FusedLayout:
             raise ValueError("stepguard: the DeepSpeed integration does not guard an "
                              "FP16_Optimizer with a loss scale or legacy fused Adam")
         names = _names_by_id(engine)
-        self.model, self.views = [], []
+        self.model, self.masters = [], []
         for flat, group in zip(ds_optimizer.fp32_groups_flat, ds_optimizer.fp16_groups):
             offset = 0
             for p in group:
                 self.model.append(p)
-                self.views.append(flat.narrow(0, offset, p.numel()))
+                self.masters.append(flat.narrow(0, offset, p.numel()))
                 offset += p.numel()
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(self.model)]
-
-    def framework_loss_scale(self):
-        return None  # no loss scale in fp32 and bf16
-
-    def parameters(self):
-        return self.views, self.names
 
     def gradients(self):
         return [None if p.grad is None else p.grad.reshape(-1) for p in self.model]
@@ -178,17 +177,6 @@ class _FusedLayout:
         self.refresh_model()
         ds.has_executed_step, ds.overflow = True, False
 
-    def skip(self, ds_step):
-        self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
-
-    def applied(self):
-        pass
-
-    def refresh_model(self):
-        with torch.no_grad():
-            for model, view in zip(self.model, self.views):
-                model.copy_(view.view_as(model))
-
 
 def _partition_pieces(engine, groups, sizes, ranks):
     """Every model parameter as one piece of its group's flat partition on this rank: (group,
@@ -207,11 +195,23 @@ def _partition_pieces(engine, groups, sizes, ranks):
     return pieces, out_names
 
 
-class _Bf16Layout:
+class _Partitioned(_Layout):
+    """Each rank holds a partition of every group's flat fp32 masters (``views``: one piece per
+    model parameter, empty where it lies outside this rank's partition); a restore all-gathers
+    the model's parameters from them, every rank together."""
+    sharded = True
+
+    def parameters(self):
+        return self.views, self.names
+
+    def refresh_model(self):
+        self.ds.update_lp_params()  # the masters' partitions into the model, all-gathered
+
+
+class _Bf16Layout(_Partitioned):
     """bf16 with fp32 gradient accumulation (``BF16_Optimizer``, ZeRO 1's layout): each rank's
     partition of every group's flat fp32 masters; the gradients are DeepSpeed's fp32
     accumulation buffers, averaged over the ranks before the step, read at the same pieces."""
-    sharded = True
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
@@ -223,12 +223,6 @@ class _Bf16Layout:
         grads = ds_optimizer.fp32_groups_gradient_flat_partition
         self.views = [masters[g].narrow(0, at, n) for g, at, n in self.pieces]
         self.grads = [grads[g].narrow(0, at, n) for g, at, n in self.pieces]
-
-    def framework_loss_scale(self):
-        return None  # no loss scale in fp32 and bf16
-
-    def parameters(self):
-        return self.views, self.names
 
     def gradients(self):
         return self.grads
@@ -262,20 +256,13 @@ class _Bf16Layout:
         ds.clear_hp_grads()
         ds.clear_lp_grads()
 
-    def applied(self):
-        pass
 
-    def refresh_model(self):
-        self.ds.update_lp_params()  # the masters' partitions into the bf16 model, all-gathered
-
-
-class _ZeroLayout:
+class _ZeroLayout(_Partitioned):
     """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
     (and, at the step, of the averaged gradients). Every model parameter is one piece on every
     rank, in the same order (the engine's contract for sharded gradients): a view of the fp32
     partition and of the gradient partition where the parameter overlaps this rank's partition,
     an empty one where it does not."""
-    sharded = True
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
@@ -301,9 +288,6 @@ class _ZeroLayout:
             return None
         scaler = self.ds.loss_scaler
         return float(self.ds.loss_scale), float(getattr(scaler, "min_scale", self.ds.loss_scale))
-
-    def parameters(self):
-        return self.views, self.names
 
     def gradients(self):
         """The averaged gradient of each piece, as DeepSpeed holds it before its step: a list
@@ -360,9 +344,3 @@ class _ZeroLayout:
         finally:
             del ds.check_overflow
             ds.check_grad_overflow = saved
-
-    def applied(self):
-        pass
-
-    def refresh_model(self):
-        self.ds.update_lp_params()  # fp32 partitions into the bf16/fp32 model, all-gathered

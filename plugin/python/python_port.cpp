@@ -152,11 +152,16 @@ std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scal
   return with_gil("framework_loss_scale", [&]() -> std::optional<FrameworkLossScale> {
     const py::object got = port_.attr("framework_loss_scale")();
     if (got.is_none()) return std::nullopt;
-    const auto pair = got.cast<std::pair<double, double>>();
-    TORCH_CHECK(pair.first > 0 && std::isfinite(pair.first) && pair.second >= 0,
-                "stepguard: the port's framework_loss_scale() gave (", pair.first, ", ",
-                pair.second, "); a scale > 0 and a floor >= 0 were expected");
-    return FrameworkLossScale{pair.first, pair.second};
+    const auto items = got.cast<py::tuple>();
+    TORCH_CHECK(items.size() == 2 || items.size() == 3,
+                "stepguard: the port's framework_loss_scale() gave ", items.size(),
+                " items; (scale, floor) or (scale, floor, gradients_scaled) was expected");
+    FrameworkLossScale out{items[0].cast<double>(), items[1].cast<double>(),
+                           items.size() == 2 || items[2].cast<bool>()};
+    TORCH_CHECK(out.scale > 0 && std::isfinite(out.scale) && out.min_scale >= 0,
+                "stepguard: the port's framework_loss_scale() gave (", out.scale, ", ",
+                out.min_scale, "); a scale > 0 and a floor >= 0 were expected");
+    return out;
   });
 }
 

@@ -9,7 +9,8 @@
  * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
  * sharded_state() -> bool, layout() -> list of stepguard.Placement (one per parameter, read
  * when the parameter list is first seen and whenever its length changes) or None, and
- * framework_loss_scale() -> (scale, floor) or None (read every step).
+ * framework_loss_scale() -> (scale, floor) or (scale, floor, gradients_scaled) or None (read
+ * every step; gradients_scaled defaults to True).
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */

@@ -71,14 +71,18 @@ class OptimizerPort {
   /// True when each rank holds only its own shard of the optimizer state (ZeRO), so a checkpoint
   /// cannot move to another number of ranks; used in the message that refuses it.
   virtual bool sharded_state() const { return false; }
-  /// The framework's loss scale when the framework's own scaler owns it (DeepSpeed's fp16 under
-  /// ZeRO): the gradients arrive multiplied by `scale`; the guard inspects them unscaled (not in
-  /// place: the framework unscales them in its step), reports that scale, and treats an overflow
-  /// as the scaler's while `scale` is above `min_scale`. Nothing when the framework scales
-  /// nothing (or the guard's own loss scaling is used).
+  /// The framework's loss scale when the framework's own scaler owns it (DeepSpeed's and
+  /// Megatron's fp16, torch's GradScaler under Lightning and HF): `scale` is the one this step's
+  /// backward used. With `gradients_scaled` the gradients arrive multiplied by it and the guard
+  /// inspects them unscaled (not in place: the framework unscales them in its step); without,
+  /// the framework has unscaled them already (GradScaler's unscale_, Megatron's prepare_grads).
+  /// The guard reports that scale and treats an overflow as the scaler's while `scale` is above
+  /// `min_scale`. Nothing when the framework scales nothing (or the guard's own loss scaling is
+  /// used).
   struct FrameworkLossScale {
     double scale = 1.0;
     double min_scale = 0.0;
+    bool gradients_scaled = true;
   };
   virtual std::optional<FrameworkLossScale> framework_loss_scale() const { return std::nullopt; }
 };

@@ -277,7 +277,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     // The fused pass unscales in place: the optimizer then sees true gradients.
     inspect_options.inv_scale = controller_.inv_loss_scale();
     inspect_options.unscale_in_place = true;
-  } else if (framework_scale_) {
+  } else if (framework_scale_ && framework_scale_->gradients_scaled) {
     // The framework unscales in its own step: the guard reads the gradients unscaled, in place
     // nothing changes.
     inspect_options.inv_scale = 1.0 / framework_scale_->scale;

@@ -6,10 +6,14 @@ element of rank 1's gradient of GRAD_TENSOR is NaN at GRAD_STEP (in backward, be
 it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times too large at
 SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
 
-usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT]
-(save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...))
+usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT | fp16 |
+fp16-twin]
+(save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...);
+fp16: TrainingArguments(fp16=True) with accelerate's GradScaler (see fp16_on_cpu), the schedule
+FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard)
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -28,6 +32,18 @@ SPIKE_STEP, SPIKE_RANK = 8, 0
 LR = 1e-3
 MAX_GRAD_NORM = 0.3  # below every clean norm here: the Trainer clips each step
 SAVE_EVERY = 6
+# fp16: the scaler's startup overflow streak comes first (INIT_SCALE is far too high), so the
+# faults come later; the spike is in the loss's value only (a 1e4 times larger fp16 gradient
+# would be one more overflow, the scaler's); no clip, so that the updates do not depend on who
+# computed the norm (the twin is compared bit for bit).
+# The LR is constant there: with the Trainer's default fused AdamW, accelerate's scaler calls
+# the optimizer on an overflow step too (it skips inside) and the twin's schedule would move on
+# its overflow steps; the scheduler's step count is compared instead.
+FP16_SCHEDULE = {"MAX_STEPS": 20, "NAN_STEP": 11, "GRAD_STEP": 13, "SPIKE_STEP": 16,
+                 "MAX_GRAD_NORM": 0.0, "LR_SCHEDULE": "constant"}
+LR_SCHEDULE = "linear"
+INIT_SCALE = 2.0 ** 24
+GROWTH_INTERVAL = 3
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -51,34 +67,62 @@ class FaultyTrainer(Trainer):
         if step == NAN_STEP and rank == NAN_RANK:
             loss = loss * float("nan")
         if step == SPIKE_STEP and rank == SPIKE_RANK:
-            loss = loss * 1e4
+            loss = loss + 1e4 * loss.detach() if self.args.fp16 else loss * 1e4
         return loss
+
+
+def fp16_on_cpu(trainer):
+    """The one mapping of the fp16 runs: what accelerate sets up for fp16=True on a GPU (native
+    AMP: fp16 autocast around the model's forward, and torch.amp.GradScaler('cuda') in the
+    Trainer's backward and optimizer step), for device 'cpu'. On CPU accelerate sets up neither
+    (fp16 there trains in fp32). Before train(), which prepares the model and optimizer."""
+    accelerator = trainer.accelerator
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE,
+                                              growth_interval=GROWTH_INTERVAL)
 
 
 class Recorder(TrainerCallback):
     """What the guard reported each step, and the gradients the optimizer stepped with."""
 
-    def __init__(self, guard_callback):
+    def __init__(self, guard_callback, trainer=None):
         self.sg = guard_callback
+        self.trainer = trainer  # fp16: its scaler's scale after each step
         self.steps = []
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        r = self.sg.last_report
+        fp16 = {}
+        if self.trainer is not None:
+            digest = hashlib.sha256()
+            for p in model.parameters():
+                digest.update(p.detach().numpy().tobytes())
+            fp16 = {"scale": self.trainer.accelerator.scaler.get_scale(),
+                    "checksum": digest.hexdigest(), "trainer_step": state.global_step + 1,
+                    "skipped_by_trainer": self.trainer.accelerator.optimizer_step_was_skipped}
+        r = self.sg.last_report if self.sg is not None else None
+        if r is None:
+            self.steps.append(fp16)
+            return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         stepped = float(torch.nn.utils.get_total_norm(grads)) if grads else None
-        self.steps.append({
+        self.steps.append(dict(fp16, **{
             "trainer_step": state.global_step + 1, "step": r.step, "outcome": r.outcome,
             "applied": r.applied, "loss": r.loss, "grad_norm": r.grad_norm,
             "actions": list(r.actions), "incident": r.incident and {
                 k: r.incident[k] for k in ("step", "signal", "action", "cause", "ranks",
                                            "tensors")},
-            "grad_norm_after_step": stepped})
+            "grad_norm_after_step": stepped,
+            "loss_scale": r.loss_scale, "rolled_back_to": r.rolled_back_to}))
 
 
 def main():
     out, policy = sys.argv[1], sys.argv[2]
     mode = sys.argv[3] if len(sys.argv) > 3 else None
     resume = sys.argv[4] if mode == "resume" else None
+    fp16 = mode in ("fp16", "fp16-twin")
+    if fp16:
+        globals().update(FP16_SCHEDULE)
     # torchrun starts each worker in a session of its own: the test kills these on a timeout.
     with open(os.path.join(out, "pid%s" % os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
@@ -90,12 +134,15 @@ def main():
     args = TrainingArguments(
         output_dir=os.path.join(out, "trainer"), max_steps=MAX_STEPS,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=LR,
-        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
+        lr_scheduler_type=LR_SCHEDULE, warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
         logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo",
-        save_strategy="steps" if mode else "no", save_steps=SAVE_EVERY,
+        save_strategy="steps" if mode in ("save", "resume") else "no", save_steps=SAVE_EVERY,
+        fp16=fp16,
         seed=7, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
     trainer = FaultyTrainer(model=model, args=args, train_dataset=RandomTokens(256, 16, 64))
     rank = args.process_index
+    if fp16:
+        fp16_on_cpu(trainer)
 
     def nan_gradient(grad):
         if trainer.state.global_step + 1 == GRAD_STEP and rank == GRAD_RANK:
@@ -105,9 +152,11 @@ def main():
 
     dict(model.named_parameters())[GRAD_TENSOR].register_hook(nan_gradient)
     # One trace_path for both ranks: rank 0 writes it, rank 1 trace.jsonl.rank1.
-    sg = StepguardCallback(policy=policy, collective_timeout=60,
-                           trace_path=os.path.join(out, "trace.jsonl")).attach(trainer)
-    recorder = Recorder(sg)
+    sg = None
+    if mode != "fp16-twin":
+        sg = StepguardCallback(policy=policy, collective_timeout=60,
+                               trace_path=os.path.join(out, "trace.jsonl")).attach(trainer)
+    recorder = Recorder(sg, trainer if fp16 else None)
     trainer.add_callback(recorder)
     result = trainer.train(resume_from_checkpoint=resume)
 
@@ -119,11 +168,12 @@ def main():
         "transformers": transformers.__version__,
         "global_step": trainer.state.global_step, "result_step": result.global_step,
         "final_lr": trainer.lr_scheduler.get_last_lr()[0], "lr": LR, "max_steps": MAX_STEPS,
+        "scheduler_steps": trainer.lr_scheduler.last_epoch,
         "nan_step": NAN_STEP, "nan_rank": NAN_RANK,
         "grad_step": GRAD_STEP, "grad_rank": GRAD_RANK, "grad_tensor": GRAD_TENSOR,
         "spike_step": SPIKE_STEP, "spike_rank": SPIKE_RANK, "max_grad_norm": MAX_GRAD_NORM,
-        "totals": sg.guard.stats().totals.to_dict(), "callback_order": [type(c).__name__ for c in
-                                                      trainer.callback_handler.callbacks],
+        "totals": sg.guard.stats().totals.to_dict() if sg else None,
+        "callback_order": [type(c).__name__ for c in trainer.callback_handler.callbacks],
         "steps": recorder.steps, "log_history": trainer.state.log_history,
     }
     with open(os.path.join(out, "rank%d.json" % rank), "w") as f:

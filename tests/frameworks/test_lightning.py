@@ -123,13 +123,13 @@ def train(out):
 
 
 # --- the test ------------------------------------------------------------------------------
-def run_ranks(out, timeout=150, mode=None):
+def run_ranks(out, timeout=150, mode=None, script=__file__):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     for name in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)
     paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)  # the stepguard under test, from any directory
-    proc = subprocess.Popen([sys.executable, __file__, str(out)] + ([mode] if mode else []),
+    proc = subprocess.Popen([sys.executable, script, str(out)] + ([mode] if mode else []),
                             env=env, cwd=str(out),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # rank 1 is rank 0's child: one group

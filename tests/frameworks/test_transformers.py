@@ -207,3 +207,70 @@ def test_trainer_resume_on_two_ranks_in_new_processes_ends_bitwise_as_the_whole_
         later = [s for s in w["steps"] if s["step"] > 6]
         assert [(s["step"], s["outcome"]) for s in r["steps"]] == [
             (s["step"], s["outcome"]) for s in later], r["steps"]
+
+
+def test_trainer_fp16_follows_accelerates_grad_scaler_as_an_unguarded_twin(tmp_path):
+    """TrainingArguments(fp16=True) on 2 ranks (accelerate's fp16 set up for CPU: see
+    hf_worker.fp16_on_cpu), beside an unguarded twin on the same overflow schedule: the scaler's
+    startup streak is skipped by the scaler's own path with the same scale trajectory and the
+    same parameters bit for bit; the NaN loss (rank 1) and the NaN gradient element are skipped
+    and blamed; the value spike is rolled back bit for bit; the LR scheduler steps on applied
+    steps only (the twin's on every step: accelerate's scaler calls the fused AdamW on an
+    overflow too); the guard's norm and loss are the Trainer's."""
+    guarded_dir, twin_dir = str(tmp_path / "guarded"), str(tmp_path / "twin")
+    os.makedirs(guarded_dir)
+    os.makedirs(twin_dir)
+    guarded, _ = _run_ranks(guarded_dir, "fp16")
+    twin, _ = _run_ranks(twin_dir, "fp16-twin")
+    assert torch.equal(guarded[0]["params"], guarded[1]["params"]), "the replicas parted"
+    r0 = guarded[0]
+    max_steps, nan_step, grad_step, spike_step = (r0["max_steps"], r0["nan_step"],
+                                                  r0["grad_step"], r0["spike_step"])
+    init = 2.0 ** 24
+    scales = [init] + [s["scale"] for s in twin[0]["steps"]]
+    overflow = [t for t in range(1, max_steps + 1) if scales[t] < scales[t - 1]]
+    streak = next(t for t in range(1, max_steps + 1) if t not in overflow) - 1
+    # The schedule the test needs: a streak first, the NaN steps overflows for the scaler, the
+    # value spike not, the scaler growing in between.
+    assert streak >= 3 and {nan_step, grad_step} <= set(overflow), (scales, overflow)
+    assert spike_step not in overflow and any(
+        scales[t] > scales[t - 1] for t in range(1, spike_step)), scales
+    own = [t for t in range(1, max_steps + 1)
+           if guarded[0]["steps"][t - 1]["scale"] < ([init] + [s["scale"] for s in
+                                                                guarded[0]["steps"]])[t - 1]]
+    assert [t for t in own if t < spike_step] == [t for t in overflow if t < spike_step]
+    for r, plain in zip(guarded, twin):
+        rank, steps, logs = r["rank"], r["steps"], r["log_history"]
+        assert [s["trainer_step"] for s in steps] == list(range(1, max_steps + 1)), rank
+        expected = {t: "skipped" for t in own}
+        expected[spike_step] = "rolled_back"
+        assert [s["outcome"] for s in steps] == [expected.get(t, "applied")
+                                                 for t in range(1, max_steps + 1)], rank
+        assert [s["skipped_by_trainer"] for s in steps] == [not s["applied"] for s in steps]
+        for t in range(1, spike_step):
+            s, p = steps[t - 1], plain["steps"][t - 1]
+            assert (s["scale"], s["checksum"]) == (p["scale"], p["checksum"]), (rank, t)
+            assert s["loss_scale"] == scales[t - 1], (rank, t, s)
+        # The streak: the scaler's overflow; the faults: the policy's skips, blamed.
+        for t in range(1, streak + 1):
+            incident = steps[t - 1]["incident"]
+            assert (incident["signal"], incident["cause"]) == ("overflow", "precision_overflow")
+        nan = steps[nan_step - 1]["incident"]
+        assert nan["signal"] == "nonfinite_loss" and nan["ranks"] == [r["nan_rank"]], nan
+        grad = steps[grad_step - 1]["incident"]
+        assert grad["signal"] == "overflow" and grad["tensors"] == [r["grad_tensor"]], grad
+        spike = steps[spike_step - 1]
+        assert spike["incident"]["signal"] == "loss_spike", spike
+        back = spike["rolled_back_to"]  # a guard step is a Trainer step here
+        assert 0 < back < spike_step and spike["checksum"] == steps[back - 1]["checksum"], spike
+        # The LR schedule moved on applied steps only; the norm and loss are the Trainer's.
+        applied = sum(s["applied"] for s in steps)
+        assert r["totals"]["applied"] == applied and r["totals"]["rolled_back"] == 1
+        assert r["scheduler_steps"] == applied and plain["scheduler_steps"] == max_steps
+        train_logs = {e["step"]: e for e in logs if "loss" in e and "train_runtime" not in e}
+        for t in range(1, max_steps + 1):
+            if steps[t - 1]["applied"]:
+                assert _close(steps[t - 1]["grad_norm"], train_logs[t]["grad_norm"], 1e-6)
+                assert _close(steps[t - 1]["loss"], train_logs[t]["loss"], 1e-6), (rank, t)
+            assert train_logs[t]["stepguard/loss_scale"] == steps[t - 1]["loss_scale"]
+    assert twin[0]["totals"] is None

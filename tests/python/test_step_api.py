@@ -11,6 +11,7 @@ import torch
 
 import stepguard
 from conftest import loss_of, make_model
+from stepguard._port import TorchOptimPort
 
 
 def _pair(seed=1, lr=1e-2):
@@ -318,3 +319,54 @@ def test_help_of_guard_options_gives_each_options_type_and_default():
     assert docs["process_group"].startswith("ProcessGroup or None, default None")
     assert docs["collective_timeout"].startswith("seconds or timedelta, default ")
     assert all("default" in d and "GuardOptions::" in d for d in docs.values()), docs
+
+
+class _FrameworkScaled(TorchOptimPort):
+    """A port whose framework owns a loss scale: ``given`` is what framework_loss_scale()
+    returns each step."""
+
+    given = None
+
+    def framework_loss_scale(self):
+        return self.given
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_frameworks_scale_unscales_the_gradients_it_says_are_scaled_and_makes_inf_overflow(
+        scaled):
+    """framework_loss_scale() -> (scale, floor) or (scale, floor, gradients_scaled): with
+    gradients_scaled (the default, DeepSpeed's) the guard reads the gradients divided by the
+    scale; without (GradScaler's unscale_, Megatron's prepare_grads ran) as they are. Either way
+    the report's loss_scale is the framework's, an Inf gradient of a finite loss is an overflow
+    while the scale is above its floor (only skipped), and one at the floor goes by the
+    policy."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    port = _FrameworkScaled(opt, model.named_parameters())
+    guard = stepguard.GuardedOptimizer(opt, port=port, policy="default")
+    model.weight.grad = torch.full((1, 4), 3.0 * (1024.0 if scaled else 1.0))
+    port.given = (1024.0, 1.0) if scaled else (1024.0, 1.0, False)
+    report = guard.step(torch.tensor(0.5))
+    assert report.applied and report.loss_scale == 1024.0
+    assert report.grad_norm == pytest.approx(6.0)  # |(3, 3, 3, 3)|, unscaled
+    model.weight.grad = torch.tensor([[float("inf"), 1.0, 1.0, 1.0]])
+    report = guard.step(torch.tensor(0.5))
+    assert report.outcome == "skipped" and report.incident["signal"] == "overflow", report
+    port.given = (1.0, 1.0, False)  # at the floor: the scale cannot fix it
+    model.weight.grad = torch.tensor([[float("inf"), 1.0, 1.0, 1.0]])
+    report = guard.step(torch.tensor(0.5))
+    assert report.incident["signal"] == "nonfinite_grad", report
+
+
+@pytest.mark.parametrize("bad", [(1.0,), (1.0, 1.0, True, 4), (0.0, 1.0), (float("inf"), 1.0)])
+def test_a_ports_framework_scale_that_is_not_one_is_a_clear_error(bad):
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    port = _FrameworkScaled(opt, model.named_parameters())
+    port.given = bad
+    guard = stepguard.GuardedOptimizer(opt, port=port, policy="default")
+    model.weight.grad = torch.ones(1, 4)
+    before = model.weight.detach().clone()
+    with pytest.raises(Exception, match="framework_loss_scale"):
+        guard.step(torch.tensor(0.5))
+    assert torch.equal(model.weight, before)

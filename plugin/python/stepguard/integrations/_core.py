@@ -12,11 +12,12 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from .._guard import GuardedOptimizer
-from .._port import is_dtensor
+from .._port import TorchOptimPort, is_dtensor
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling",
            "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
-           "incident_line", "Figures", "OUTCOME_CODES"]
+           "incident_line", "Figures", "OUTCOME_CODES", "GradScalerPort",
+           "GRAD_SCALER_FLOOR"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -186,6 +187,37 @@ def load_guard_state(guard, record, where):
     return True
 
 
+#: torch's GradScaler halves its scale on every overflow with no floor of its own; at or below
+#: this scale the guard takes an overflow for one the scale cannot fix (fp16 gradients beyond
+#: 65504 unscaled) and escalates by the policy, as at DeepSpeed's and Megatron's min_scale.
+GRAD_SCALER_FLOOR = 1.0
+
+
+class GradScalerPort(TorchOptimPort):
+    """A torch optimizer stepped under torch's ``GradScaler`` (Lightning's '16-mixed', HF and
+    accelerate's fp16): the scaler owns the scale. Its ``unscale_`` has run when the guard reads
+    the gradients, so they arrive unscaled; the scale given to the guard is the one this step's
+    backward used (the scaler's ``update()`` comes after the step). A scaler built with
+    ``enabled=False`` scales nothing: no framework scale."""
+
+    def __init__(self, optimizer, named_parameters, scaler):
+        super().__init__(optimizer, named_parameters)
+        self.scaler = scaler
+
+    def framework_loss_scale(self):
+        if not self.scaler.is_enabled():
+            return None
+        return float(self.scaler.get_scale()), GRAD_SCALER_FLOOR, False
+
+
+def scaled_loss_unscaled(loss, scaler):
+    """``loss`` as the step's loss for the guard: divided by ``scaler``'s scale when the
+    framework hands over the loss it scaled for backward (Lightning's on_before_backward)."""
+    if scaler is None or not scaler.is_enabled():
+        return loss
+    return loss.detach().float() / scaler.get_scale()
+
+
 class SeamGuard(GuardedOptimizer):
     """The guard a framework steps, whose verdict a seam of that framework takes after backward
     and before the framework's clip (``take_verdict``, once per step). The framework's
@@ -202,6 +234,8 @@ class SeamGuard(GuardedOptimizer):
         self.pending = None   # the verdict the seam took this step
         self.max_norm = None  # the framework's clip of this step, done from the agreed norm
         self.loss = None      # this step's micro-batch losses, summed (the step's mean loss)
+        self.calls = 0        # step() calls: a framework's GradScaler may leave one out
+        self._unapplied = False
 
     def add_loss(self, loss):
         loss = loss.detach().float().reshape(())
@@ -220,8 +254,21 @@ class SeamGuard(GuardedOptimizer):
         if verdict is not None:
             self.settle(verdict, False)
 
+    def step_the_scaler_skipped(self):
+        """The step a framework's GradScaler did not call (it found Inf or NaN in the gradients
+        on this rank): the guard's decision is carried out all the same, never as an applied
+        update: a skip, or the rollback or abort the policy chose (a NaN loss). The verdict is
+        the one the seam took, or is taken now on the unscaled gradients. torch's step hooks
+        fire around it as around any guarded step; returns the step's report."""
+        self._unapplied = True
+        try:
+            return self.step()
+        finally:
+            self._unapplied = False
+
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure=None):
+        self.calls += 1
         loss = closure
         if callable(closure) and not torch.is_tensor(closure):
             try:
@@ -238,6 +285,10 @@ class SeamGuard(GuardedOptimizer):
         return self.last_report
 
     def _run(self, verdict, max_norm, loss):
+        if self._unapplied:
+            verdict = verdict if verdict is not None else self.take_verdict()
+            self.pending = None
+            return finish_step(self, verdict, update=lambda: False)
         if verdict is None:  # no seam call this step (a strategy or loop that steps otherwise)
             given, self.loss = self.loss, None
             return GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)

@@ -32,9 +32,9 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import (OUTCOME_CODES, Figures, SeamGuard, check_version, guard_options,
-                    incident_line, load_guard_state, refuse_bypass, refuse_own_loss_scaling,
-                    with_sharding)
+from ._core import (OUTCOME_CODES, Figures, GradScalerPort, SeamGuard, check_version,
+                    guard_options, incident_line, load_guard_state, refuse_bypass,
+                    refuse_own_loss_scaling, scaled_loss_unscaled, with_sharding)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -96,8 +96,12 @@ class StepguardCallback(pl.Callback):
     After ``fit``: ``guards`` (e.g. ``guards[0].stats().totals``) and ``incidents`` (each incident's
     dict, on every rank). An aborted step stops the trainer (``should_stop``). Under manual
     optimization ``opt.step()`` returns the ``StepReport``; step your schedulers when
-    ``report.applied``. Precision '32-true' or 'bf16-mixed': '16-mixed' (a GradScaler) and the
-    guard's own loss scaling are refused. The guard judges the gradients as backward left them
+    ``report.applied``. Precision '32-true', 'bf16-mixed' or '16-mixed'. Under '16-mixed'
+    Lightning's GradScaler owns the loss scale: the guard judges the unscaled gradients with the
+    scaler's scale (its report's ``loss_scale``), an overflow is skipped by the scaler's own path
+    and the scale backs off and grows by the scaler's rules; what the scale cannot fix (a NaN
+    loss, the scale down to ``GRAD_SCALER_FLOOR``) goes by the policy (rollback, LR, abort).
+    The guard's own loss scaling is refused. The guard judges the gradients as backward left them
     (in ``on_before_optimizer_step``), before Lightning's gradient clip; the clip by norm
     (``gradient_clip_val``, or ``self.clip_gradients`` in ``configure_gradient_clipping``) then
     uses the guard's agreed norm instead of computing it again, and runs only on steps the guard
@@ -115,13 +119,12 @@ class StepguardCallback(pl.Callback):
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
         self._patched: Optional[pl.LightningModule] = None
         self._plugin: Any = None  # the precision plugin whose clip goes by the agreed norm
+        self._scaled_plugin: Any = None  # ... whose GradScaler steps go through the guard
         self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         check_version("lightning", pl.__version__)
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            raise ValueError("stepguard: precision='16-mixed' runs a GradScaler that skips steps "
-                             "behind the guard; use '32-true' or 'bf16-mixed'")
+        scaler = self._scaler(trainer)
         options = guard_options(self.guard_options, self.policy)
         named = list(pl_module.named_parameters())  # the module's names, not DDP's "module."
         guards = []
@@ -131,7 +134,9 @@ class StepguardCallback(pl.Callback):
                 raise ValueError("stepguard: configure_optimizers returned a GuardedOptimizer; "
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
-                optimizer = _LightningGuard(optimizer, named, **with_sharding(options, optimizer))
+                port = None if scaler is None else GradScalerPort(optimizer, named, scaler)
+                optimizer = _LightningGuard(optimizer, named, port=port,
+                                            **with_sharding(options, optimizer))
                 refuse_own_loss_scaling(optimizer, "Lightning")
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
@@ -147,7 +152,26 @@ class StepguardCallback(pl.Callback):
         self.guards = guards
         self._hold_schedulers(trainer, pl_module)
         self._clip_from_verdict(trainer)
+        if scaler is not None:
+            self._step_what_the_scaler_skips(trainer)
 
+    @staticmethod
+    def _scaler(trainer: "pl.Trainer") -> Any:
+        """The precision plugin's GradScaler ('16-mixed'), or None. A plugin that keeps a
+        scaler elsewhere than Lightning's MixedPrecision does is refused: its overflow steps
+        would pass the guard by."""
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is None:
+            return None
+        if not isinstance(plugin, pl.plugins.precision.MixedPrecision):
+            raise ValueError("stepguard: the precision plugin %s runs a GradScaler the "
+                             "integration does not know; use MixedPrecision ('16-mixed'), "
+                             "'bf16-mixed' or '32-true'" % type(plugin).__name__)
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError("stepguard: precision='16-mixed' with a %s; the integration "
+                             "follows torch.amp.GradScaler" % type(scaler).__name__)
+        return scaler
     def _guard_of(self, optimizer: Any) -> Optional[_LightningGuard]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
         for guard in self.guards:
@@ -161,6 +185,8 @@ class StepguardCallback(pl.Callback):
         # micro-batches of a step, the step's mean loss.
         if not torch.is_tensor(loss) or loss.numel() != 1:
             return
+        # Under '16-mixed' Lightning hands over the loss its GradScaler scaled for backward.
+        loss = scaled_loss_unscaled(loss, getattr(trainer.precision_plugin, "scaler", None))
         for guard in self.guards:
             guard.add_loss(loss)
 
@@ -190,6 +216,27 @@ class StepguardCallback(pl.Callback):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
         self._plugin = plugin
+
+    def _step_what_the_scaler_skips(self, trainer: "pl.Trainer") -> None:
+        # Under '16-mixed' the plugin's optimizer_step runs the closure, unscales, takes the
+        # verdict (on_before_optimizer_step) and calls scaler.step(guard), which leaves the
+        # guard's step out when this rank's gradients hold Inf or NaN, then scaler.update()
+        # backs the scale off. The guard's decision on that step is carried out after it: a
+        # skip, or the policy's rollback or abort. Growth and backoff stay the scaler's.
+        plugin = trainer.precision_plugin
+        plugin.__dict__.pop("optimizer_step", None)  # left by a fit that failed
+        original = plugin.optimizer_step
+
+        def optimizer_step(optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+            guard = self._guard_of(optimizer)
+            calls = guard.calls if guard is not None else 0
+            out = original(optimizer, model=model, closure=closure, **kwargs)
+            if guard is not None and guard.calls == calls:
+                guard.step_the_scaler_skipped()
+            return out
+
+        plugin.optimizer_step = optimizer_step
+        self._scaled_plugin = plugin
 
     def _hold_schedulers(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Lightning steps schedulers by calling the module's lr_scheduler_step hook (the user's
@@ -248,6 +295,9 @@ class StepguardCallback(pl.Callback):
         if self._plugin is not None:
             self._plugin.__dict__.pop("clip_grad_by_norm", None)
             self._plugin = None
+        if self._scaled_plugin is not None:
+            self._scaled_plugin.__dict__.pop("optimizer_step", None)
+            self._scaled_plugin = None
         for handle in self._watches:
             handle.remove()
         self._watches = []

@@ -40,10 +40,14 @@ Megatron's ``grad_scale_func`` records each micro-batch's loss (Megatron divides
 of micro-batches: the step's loss is their sum; under pipeline parallelism the last stage's).
 Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
 ``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
-(``FP32Optimizer``), bf16 (``Float16OptimizerWithFloat16Params``) and the distributed optimizer,
-one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks share one:
-their parameters are named ``model0.``, ``model1.``, ... in reports). Refused with a message: fp16
-(Megatron's grad scaler owns the loss scale), a ``ChainedOptimizer`` of several optimizers (MoE's
+(``FP32Optimizer``), bf16 and fp16 (``Float16OptimizerWithFloat16Params``) and the distributed
+optimizer, one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks
+share one: their parameters are named ``model0.``, ``model1.``, ... in reports). fp16: Megatron's
+grad scaler owns the loss scale. ``prepare_grads()`` unscales the main gradients and updates the
+scaler (backoff with its hysteresis, growth) as without the guard; the guard judges them with the
+scale of the step's backward (the report's ``loss_scale``), an overflow is skipped as Megatron
+skips it, and what the scale cannot fix (a NaN loss, the scale at ``min_loss_scale``) goes by the
+policy. Refused with a message: a ``ChainedOptimizer`` of several optimizers (MoE's
 expert and dense parameters), and MoE or multi-token-prediction models (Megatron calls
 ``grad_scale_func`` for their auxiliary losses' scale too).
 """
@@ -129,16 +133,29 @@ class GuardedMegatronOptimizer:
 
     @torch.no_grad()
     def step(self):
-        if self._megatron.prepare_grads():  # only a grad scaler finds inf; refused above
+        port = self._port
+        # fp16: the scale this step's backward used, read before prepare_grads() unscales the
+        # main gradients by it and Megatron's grad scaler backs it off (an overflow) or grows it.
+        port.scale = _scale_of(getattr(self._inner, "grad_scaler", None))
+        found_inf = self._megatron.prepare_grads()
+        if found_inf and port.scale is None:  # only a grad scaler finds inf
             raise RuntimeError("stepguard: Megatron's prepare_grads() found inf without a scaler")
         loss = torch.stack(self._losses).sum() if self._losses else None
         self._losses = []
-        port = self._port
         port.result = None
         port.verdict = verdict = self.guard.verdict(loss)
-        try:  # Megatron's clip from the agreed norm, its zero count and update
-            report = finish_step(self.guard, verdict, update=lambda: port.apply(
-                verdict.lr_factor) or port.result[0])
+
+        def update():  # Megatron's clip from the agreed norm, its zero count and update
+            if found_inf:
+                # The guard counts every gradient Megatron checks: it cannot have applied a
+                # step Megatron found Inf or NaN in on this rank.
+                raise RuntimeError("stepguard: step %d: Megatron's grad scaler found Inf or NaN "
+                                   "that the guard did not" % verdict.step)
+            port.apply(verdict.lr_factor)
+            return port.result[0]
+
+        try:
+            report = finish_step(self.guard, verdict, update=update)
         finally:
             port.verdict = None
         self.last_report = report
@@ -206,8 +223,8 @@ _SHARDED_FORMAT = "stepguard-megatron-1"
 
 def _refuse_unguarded(inner, chunks):
     """Refuses what the guarded step cannot guard yet, naming why: a second caller of
-    grad_scale_func (MoE, MTP, an attention variant with a loss), Megatron's own norm-threshold
-    skip (which the guarded step bypasses), and fp16 (Megatron's grad scaler)."""
+    grad_scale_func (MoE, MTP, an attention variant with a loss) and Megatron's own
+    norm-threshold skip (which the guarded step bypasses)."""
     for chunk in chunks:
         config = getattr(chunk, "config", None)
         if (getattr(config, "num_moe_experts", None) is not None
@@ -226,9 +243,17 @@ def _refuse_unguarded(inner, chunks):
         raise ValueError("stepguard: OptimizerConfig.grad_norm_skip_threshold=%r is Megatron's "
                          "own skip, which this guarded step would bypass: leave it at its "
                          "default (inf) and let the policy skip" % threshold)
-    if getattr(inner, "grad_scaler", None) is not None:
-        raise ValueError("stepguard: this Megatron optimizer has a grad scaler (fp16); its "
-                         "dynamic loss scale would fight the guard's. Guard bf16 or fp32")
+
+
+def _scale_of(grad_scaler):
+    """(scale, floor, gradients_scaled=False) of Megatron's grad scaler (fp16), or None: a
+    DynamicGradScaler backs off to its min_scale; a ConstantGradScaler never backs off (its
+    floor is its scale). Megatron's prepare_grads() unscales the main gradients."""
+    if grad_scaler is None:
+        return None
+    scale = float(grad_scaler.scale)
+    floor = getattr(grad_scaler, "min_scale", None)
+    return scale, scale if floor is None else float(floor), False
 
 
 def _single_optimizer(megatron_optimizer):
@@ -289,6 +314,7 @@ class _MegatronPort(TorchOptimPort):
         self.inner = inner
         self.result = None
         self.verdict = None
+        self.scale = None  # this step's framework_loss_scale() (fp16), set by step()
         self._aligned_names = [n for n, _, _ in aligned]
         self._aligned = [m if m is not None else torch.empty(0) for _, m, _ in aligned]
         world = torch.distributed.get_world_size(process_group) if process_group is not None \
@@ -304,6 +330,9 @@ class _MegatronPort(TorchOptimPort):
 
     def sharded_state(self):
         return type(self.inner).__name__ == "DistributedOptimizer"
+
+    def framework_loss_scale(self):
+        return self.scale
 
     def update(self):
         """Runs between the guard's verdict (``self.verdict``, set by ``step()``) and settle."""

@@ -35,8 +35,13 @@ The guard's state (``guard_state_dict()``) is saved in every Trainer checkpoint 
 several ranks, ``trace_path`` names rank 0's file; rank r writes ``<trace_path>.rank<r>``. The
 guard's own loss scaling is refused (the Trainer never scales the loss by the guard's scale).
 
-Not covered: fp16 with accelerate's GradScaler (refused: use bf16 or fp32), DeepSpeed and FSDP
-through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data iterator is out of
+fp16 (``TrainingArguments(fp16=True)``): accelerate's GradScaler owns the loss scale. The guard
+judges the gradients the scaler unscaled, with the scaler's scale (the report's ``loss_scale``);
+a step whose gradients overflow is skipped by the scaler's own path and the scale backs off and
+grows by the scaler's rules; what the scale cannot fix (a NaN loss, the scale down to
+``GRAD_SCALER_FLOOR``) goes by the policy.
+
+Not covered: DeepSpeed and FSDP through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data iterator is out of
 reach; the batch of the bad step itself is dropped, and the callback says so once per run).
 """
 
@@ -44,13 +49,14 @@ import os
 
 import torch
 import transformers
-from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .._port import is_dtensor
-from ._core import (Figures, SeamGuard, check_version, guard_options, incident_line,
-                    load_guard_state, refuse_bypass, refuse_own_loss_scaling, with_sharding)
+from ._core import (Figures, GradScalerPort, SeamGuard, check_version, guard_options,
+                    incident_line, load_guard_state, refuse_bypass, refuse_own_loss_scaling,
+                    with_sharding)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -91,6 +97,7 @@ class StepguardCallback(transformers.TrainerCallback):
         self._resume_from = None  # the checkpoint folder train() resumes from
         self._figures = None
         self._told_skip = False
+        self._optimizer = None    # the Trainer's AcceleratedOptimizer
 
     def attach(self, trainer):
         """Adds the callback to ``trainer`` (first, so that reporters see its log entries) and
@@ -138,7 +145,7 @@ class StepguardCallback(transformers.TrainerCallback):
                 if (guard is None or norm_type != 2
                         or any(is_dtensor(p.grad) for p in parameters if p.grad is not None)):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
-                verdict = guard.take_verdict()
+                verdict = self._take_verdict()
                 guard.max_norm = max_norm
                 return torch.tensor(verdict.grad_norm)
 
@@ -161,10 +168,7 @@ class StepguardCallback(transformers.TrainerCallback):
                 "stepguard: this accelerate's AcceleratedOptimizer has no step_was_skipped / "
                 "_is_overflow (accelerate 1.15 has them): the Trainer could not be told that a "
                 "step was not applied, and its LR schedule would move on skipped steps")
-        if optimizer.scaler is not None:
-            raise ValueError(
-                "stepguard: fp16 with accelerate's GradScaler is not supported: its scaler skips "
-                "overflowing steps before the guard sees them; train in bf16 or fp32")
+        self._optimizer = optimizer
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
             self.guard.drop_pending()
@@ -172,12 +176,24 @@ class StepguardCallback(transformers.TrainerCallback):
             self._load_guard_state(args)
             self._figures = Figures(self.guard)
             return
+        scaler = optimizer.scaler
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError("stepguard: fp16 with a %s; the integration follows accelerate's "
+                             "torch.amp.GradScaler" % type(scaler).__name__)
+        named = list(model.named_parameters())
+        port = None if scaler is None else GradScalerPort(optimizer.optimizer, named, scaler)
         self.guard = _TrainerGuard(
-            optimizer.optimizer, model.named_parameters(),
+            optimizer.optimizer, named, port=port,
             **with_sharding(guard_options(self.guard_options, self.policy), optimizer.optimizer))
         refuse_own_loss_scaling(self.guard, "the HF Trainer")
         refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard
+        if scaler is not None:
+            # fp16: the AcceleratedOptimizer steps through scaler.step() the step method it took
+            # at setup (the wrapped optimizer's); the guard's instead.
+            optimizer._optimizer_original_step_method = self.guard.step
+            optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer,
+                                                                            self.guard.step)
         self._load_guard_state(args)
         self._figures = Figures(self.guard)
         if not self._attached:
@@ -207,14 +223,31 @@ class StepguardCallback(transformers.TrainerCallback):
         torch.save(self.guard.guard_state_dict(), tmp)
         os.replace(tmp, path)
 
+    def _take_verdict(self):
+        """The step's verdict, taken once, on the gradients unscaled: under fp16 accelerate's
+        GradScaler unscales them first (as accelerate's clip_grad_norm_ does)."""
+        guard = self.guard
+        if guard.pending is None and self._optimizer.scaler is not None:
+            self._optimizer.scaler.unscale_(guard)
+        return guard.take_verdict()
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.guard is not None:
             self.guard.last_report = None
+            if self._optimizer.scaler is not None:
+                # fp16: the scaler calls the guard's step on finite gradients only; the verdict
+                # is taken here when the clip did not take it.
+                self._take_verdict()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.guard is None:
             return
         report, self.guard.last_report = self.guard.last_report, None
+        if report is None and self.guard.pending is not None:
+            # fp16: accelerate's GradScaler found Inf or NaN on this rank and left the guard's
+            # step out (it backed the scale off); the guard's decision is carried out now.
+            report = self.guard.step_the_scaler_skipped()
+            self.guard.last_report = None
         if report is None:  # the AcceleratedOptimizer did not step
             return
         self.last_report = report

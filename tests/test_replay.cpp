@@ -50,6 +50,21 @@ TEST(Replay, HandWrittenTraceGivesTheDocumentedDecisions) {
   EXPECT_EQ(s.loss_scale, 64);
 }
 
+TEST(Replay, AFrameworkIntegrationsTraceRunsWithoutTheGuardsScaler) {
+  // The same trace as a framework integration's (--framework-scale): the policy's loss_scale
+  // section turns no scaler on, so the scale is 1 throughout and the same steps are skipped,
+  // with no scale drop (the trace carries no framework scale: bf16 or fp32).
+  std::ostringstream out;
+  ReplayOptions options{kData + "policy.yaml", kData + "trace.jsonl", false};
+  options.framework_scale = true;
+  const ReplaySummary s = replay_trace(options, out);
+  EXPECT_EQ(s.steps, 14);
+  EXPECT_EQ(s.skipped, 6);
+  EXPECT_TRUE(s.aborted);
+  EXPECT_EQ(s.loss_scale, 1);
+  for (const auto& line : lines_of(out.str())) EXPECT_EQ(line["loss_scale"], 1) << line;
+}
+
 std::string replay_error(const std::string& trace_text) {
   const std::string path = ::testing::TempDir() + "/sg_replay_trace.jsonl";
   std::ofstream(path) << trace_text;

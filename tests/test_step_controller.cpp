@@ -189,6 +189,34 @@ TEST(StepController, DropLossScaleNeedsLossScaling) {
                                  true));
 }
 
+TEST(StepController, AFrameworksScalerTakesThePolicysLossScaleSectionAsItsOwn) {
+  // A preset's section (megatron, deepspeed-fp16) inside a framework whose scaler owns the
+  // scale: no scaler of the guard's; the floor limit counts the steps at the framework's floor
+  // (scales 4, 2, 1, 1 with floor 1: the second step at the floor fires the limit of 2).
+  const char* yaml =
+      "version: 1\nloss_scale: {init_scale: 65536, min_scale: 1}\nlimits:\n"
+      "  loss_scale_floor: {steps: 2, action: abort}\n";
+  StepController c(parse(yaml), false, true);
+  EXPECT_FALSE(c.loss_scaling());
+  EXPECT_EQ(c.loss_scale(), 1.0);
+  const double scales[] = {4, 2, 1, 1};
+  std::vector<std::string> got;
+  for (std::int64_t s = 1; s <= 4; ++s) {
+    GlobalStats g = stats_for('n', s);
+    g.framework_loss_scale = scales[s - 1];
+    g.framework_min_scale = 1;
+    const StepDecision d = c.decide(s, g);
+    EXPECT_EQ(d.loss_scale, scales[s - 1]) << "step " << s;  // the framework's
+    got.push_back(describe(d.decision));
+  }
+  EXPECT_EQ(got, std::vector<std::string>({"skip_batch", "skip_batch", "skip_batch", "abort"}));
+  // drop_loss_scale would drop the guard's own scale: refused, whatever the option says.
+  EXPECT_THROW(StepController(parse("version: 1\nrules:\n  - {on: nonfinite, action: "
+                                    "drop_loss_scale}\n"),
+                              true, true),
+               std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace stepguard
 

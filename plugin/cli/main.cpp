@@ -139,8 +139,12 @@ int run_policy_command(const std::vector<std::string>& args) {
 
 int run_replay_command(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: stepguard replay --policy POLICY --trace TRACE.jsonl [--loss-scaling]\n"
-      "POLICY is a YAML file or a shipped preset's name (stepguard policy list).\n";
+      "usage: stepguard replay --policy POLICY --trace TRACE.jsonl [--loss-scaling | "
+      "--framework-scale]\n"
+      "POLICY is a YAML file or a shipped preset's name (stepguard policy list).\n"
+      "--framework-scale: the trace is a framework integration's (DeepSpeed, Megatron-core,\n"
+      "Lightning, HF): the framework decided the loss scale, and the policy's loss_scale\n"
+      "section turns no scaler of the guard's on.\n";
   if (wants_help(args)) {
     std::cout << usage;
     return 0;
@@ -156,6 +160,8 @@ int run_replay_command(const std::vector<std::string>& args) {
       (a == "--policy" ? options.policy_file : options.trace_file) = args[++i];
     } else if (a == "--loss-scaling") {
       options.loss_scaling = true;
+    } else if (a == "--framework-scale") {
+      options.framework_scale = true;
     } else {
       std::cerr << "stepguard replay: unexpected argument '" << a << "'\n" << usage;
       return 2;

@@ -10,7 +10,8 @@
  * sharded_state() -> bool, layout() -> list of stepguard.Placement (one per parameter, read
  * when the parameter list is first seen and whenever its length changes) or None, and
  * framework_loss_scale() -> (scale, floor) or (scale, floor, gradients_scaled) or None (read
- * every step; gradients_scaled defaults to True).
+ * every step; gradients_scaled defaults to True; a port that has it owns the loss scale:
+ * OptimizerPort::owns_loss_scale).
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -45,6 +46,8 @@ class PythonPort final : public OptimizerPort {
   void after_restore() override;
   bool sharded_state() const override;
   std::optional<FrameworkLossScale> framework_loss_scale() const override;
+  /// A port with framework_loss_scale() is a framework's: it decides the loss scale.
+  bool owns_loss_scale() const override { return has_framework_scale_; }
   std::vector<Placement> layout() const override { return layout_; }
 
   const pybind11::object& object() const noexcept { return port_; }

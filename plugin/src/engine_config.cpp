@@ -72,7 +72,7 @@ policy::PolicyConfig read_policy(const GuardOptions& o) {
 
 }  // namespace
 
-EngineConfig resolve_config(const GuardOptions& o) {
+EngineConfig resolve_config(const GuardOptions& o, bool framework_scale) {
   check_plain_options(o);
   EngineConfig c;
   const bool from_policy = !o.policy().empty() || !o.policy_yaml().empty();
@@ -91,6 +91,12 @@ EngineConfig resolve_config(const GuardOptions& o) {
               "stepguard: loss_scaling is on in GuardOptions but ", where,
               " turns loss scaling off (loss_scale.enabled: false); set it in one place");
   c.loss_scaling = o.loss_scaling();
+  TORCH_CHECK(!(framework_scale && o.loss_scaling()),
+              "stepguard: loss_scaling turns on the guard's own loss scaling, for a loop that "
+              "calls guard.scale_loss(loss) before backward; here the framework decides the loss "
+              "scale (its own scaler in fp16, none in bf16 or fp32): leave loss_scaling off (a "
+              "policy's loss_scale section, a preset's included, is taken as the framework's)");
+  c.framework_scale = framework_scale;
   // Disk cadence: the option or the policy's checkpoint.disk_every, not both.
   const std::int64_t policy_every = c.policy.checkpoint.disk_every;
   TORCH_CHECK(o.checkpoint_every() == 0 || policy_every == 0,

@@ -21,13 +21,15 @@ namespace stepguard {
 /// The policy a guard runs and the knobs reconciled with it.
 struct EngineConfig {
   policy::PolicyConfig policy;
-  bool loss_scaling = false;    ///< the default when the policy has no loss_scale section
-  std::int64_t disk_every = 0;  ///< disk checkpoint cadence (0: none)
+  bool loss_scaling = false;     ///< the default when the policy has no loss_scale section
+  bool framework_scale = false;  ///< a framework decides the loss scale: the guard scales nothing
+  std::int64_t disk_every = 0;   ///< disk checkpoint cadence (0: none)
 };
 
 /// Validates `options` and resolves the policy. Throws c10::Error naming the option, or the
-/// policy's problems as `FILE:LINE:COL: message` lines.
-EngineConfig resolve_config(const GuardOptions& options);
+/// policy's problems as `FILE:LINE:COL: message` lines. `framework_scale`: a framework decides
+/// the loss scale (OptimizerPort::owns_loss_scale), so the guard's own scaling is refused.
+EngineConfig resolve_config(const GuardOptions& options, bool framework_scale = false);
 
 /// The Prometheus endpoint the options ask for (labelled with `rank`), or null. Throws c10::Error
 /// naming the address when it cannot be served.

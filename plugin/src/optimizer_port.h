@@ -85,6 +85,11 @@ class OptimizerPort {
     bool gradients_scaled = true;
   };
   virtual std::optional<FrameworkLossScale> framework_loss_scale() const { return std::nullopt; }
+  /// True when a framework decides the loss scale (its own scaler in fp16, none in bf16 or fp32;
+  /// every framework integration's port): the guard's own loss scaling is refused, and a
+  /// policy's `loss_scale` section (a preset's: `megatron`, `deepspeed-fp16`) describes the
+  /// framework's scaler instead of turning one of the guard's on. Read once, at construction.
+  virtual bool owns_loss_scale() const { return false; }
 };
 
 }  // namespace stepguard

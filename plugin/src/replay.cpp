@@ -109,7 +109,7 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
   }
   StepController controller = [&] {
     try {
-      return StepController(config, options.loss_scaling);
+      return StepController(config, options.loss_scaling, options.framework_scale);
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(options.policy_file + ": " + e.what());
     }

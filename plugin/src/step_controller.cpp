@@ -9,10 +9,19 @@
 
 namespace stepguard {
 
-StepController::StepController(policy::PolicyConfig config, bool loss_scaling)
-    : config_(config), loss_scaling_requested_(loss_scaling), engine_(std::move(config)) {
+StepController::StepController(policy::PolicyConfig config, bool loss_scaling, bool framework_scale)
+    : config_(config),
+      loss_scaling_requested_(loss_scaling),
+      framework_scale_(framework_scale),
+      engine_(std::move(config)) {
   const policy::PolicyConfig& c = engine_.config();
-  if (c.has_loss_scale ? c.loss_scale.enabled : loss_scaling) {
+  if (framework_scale && c.uses(Action::kDropLossScale)) {
+    throw std::invalid_argument(
+        "stepguard: the policy uses drop_loss_scale, which drops the guard's own loss scale; "
+        "here the framework's scaler owns the scale and backs it off on its own overflow path: "
+        "use skip_batch");
+  }
+  if (!framework_scale && (c.has_loss_scale ? c.loss_scale.enabled : loss_scaling)) {
     const policy::LossScaleSettings& l = c.loss_scale;  // defaults = GradScaler's
     scaling::LossScalerConfig sc;
     sc.init_scale = l.init_scale;
@@ -35,7 +44,12 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   policy::StepInput input;
   input.step = step;
   input.stats = stats;
-  input.loss_scale_steps_at_floor = scaler_ ? scaler_->state().steps_at_floor : 0;
+  if (framework_scale_ && stats.framework_loss_scale > 0) {
+    const bool at_floor = stats.framework_loss_scale <= stats.framework_min_scale;
+    framework_steps_at_floor_ = at_floor ? framework_steps_at_floor_ + 1 : 0;
+  }
+  input.loss_scale_steps_at_floor =
+      scaler_ ? scaler_->state().steps_at_floor : framework_steps_at_floor_;
   input.loss_scale_can_drop =
       scaler_ ? !scaler_->at_floor() : stats.framework_loss_scale > stats.framework_min_scale;
   policy::Verdict verdict = engine_.evaluate(input);
@@ -118,7 +132,7 @@ std::vector<std::int64_t> StepController::encode() const {
 }
 
 void StepController::check(const std::vector<std::int64_t>& words, std::int64_t step) const {
-  StepController probe(config_, loss_scaling_requested_);
+  StepController probe(config_, loss_scaling_requested_, framework_scale_);
   probe.decode(words);
   probe.engine_.state().check_not_after(step);
 }
@@ -156,7 +170,7 @@ void StepController::decode(const std::vector<std::int64_t>& words) {
 
 void StepController::rollback_to(const std::vector<std::int64_t>& words, const Decision& decision,
                                  std::int64_t step) {
-  StepController snapshot(config_, loss_scaling_requested_);
+  StepController snapshot(config_, loss_scaling_requested_, framework_scale_);
   snapshot.decode(words);
   engine_.restore_detectors(snapshot.engine_.state());
   if (scaler_) scaler_->restore(snapshot.scaler_->state());
@@ -177,7 +191,9 @@ void StepController::rollback_to(const std::vector<std::int64_t>& words, const D
   }
 }
 
-void StepController::reset() { *this = StepController(config_, loss_scaling_requested_); }
+void StepController::reset() {
+  *this = StepController(config_, loss_scaling_requested_, framework_scale_);
+}
 
 StepReport make_report(std::int64_t step, const GlobalStats& stats, const StepDecision& decided) {
   StepReport r;

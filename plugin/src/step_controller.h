@@ -39,9 +39,12 @@ struct StepDecision {
 class StepController {
  public:
   /// `loss_scaling`: turn scaling on with GradScaler's defaults when the policy has no
-  /// `loss_scale` section (a section decides by itself). Throws std::invalid_argument when the
-  /// policy needs loss scaling (drop_loss_scale) and scaling is off.
-  StepController(policy::PolicyConfig config, bool loss_scaling);
+  /// `loss_scale` section (a section decides by itself). `framework_scale`: a framework's
+  /// scaler (or none) owns the scale: no scaler of the guard's, whatever the section says, and
+  /// `limits.loss_scale_floor` counts the steps at the framework's floor. Throws
+  /// std::invalid_argument when the policy needs the guard's scaling (drop_loss_scale) and it
+  /// is off.
+  StepController(policy::PolicyConfig config, bool loss_scaling, bool framework_scale = false);
 
   /// Decides step `step` (1-based) from the agreed statistics, updates the loss scale and the LR
   /// factor, tells `snapshots` whether the step was clean, and settles a rollback: to the
@@ -85,6 +88,9 @@ class StepController {
 
   policy::PolicyConfig config_;
   bool loss_scaling_requested_;
+  bool framework_scale_;
+  /// Consecutive steps whose framework scale sat at its floor (framework_scale_ only).
+  std::int64_t framework_steps_at_floor_ = 0;
   policy::PolicyEngine engine_;
   std::optional<scaling::LossScaler> scaler_;
   scaling::LrController lr_;

@@ -31,7 +31,7 @@ std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& o) {
 
 StepController make_controller(const EngineConfig& config) {
   try {
-    return StepController(config.policy, config.loss_scaling);
+    return StepController(config.policy, config.loss_scaling, config.framework_scale);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
@@ -53,7 +53,7 @@ RecoveryConfig recovery_config(const GuardOptions& o, const EngineConfig& c) {
 StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
     : port_(port),
       options_(std::move(options)),
-      config_(resolve_config(options_)),
+      config_(resolve_config(options_, port.owns_loss_scale())),
       consensus_(make_consensus(options_)),
       controller_(make_controller(config_)),
       recovery_(*consensus_, port_, recovery_config(options_, config_)) {

@@ -173,6 +173,44 @@ def _fp16_run(rank, world, guarded):
     return rows
 
 
+FLOOR_STEPS = 12
+
+
+def _fp16_floor_run(rank, world, guarded):
+    """ZeRO 2 fp16 whose scale starts at DeepSpeed's min_loss_scale (2^24, far too high): every
+    step overflows. Unguarded, DeepSpeed exits ("Current loss scale already at minimum") once its
+    hysteresis is spent; guarded with the deepspeed-fp16 preset (its loss_scale section taken as
+    DeepSpeed's scaler's), each step is skipped through DeepSpeed's overflow path and after 10 in
+    a row the preset lowers the LR. Returns each step's outcome, signal and LR factor, or the
+    error that ended the run."""
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+              "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 2,
+                       "loss_scale_window": 4, "min_loss_scale": 2 ** 24}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    sg = sg_deepspeed.guard_engine(engine, policy="deepspeed-fp16", collective_timeout=60) \
+        if guarded else None
+    rows = []
+    for step in range(1, FLOOR_STEPS + 1):
+        x, y = _batch(step, rank, torch.float16)
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+        try:
+            engine.step()
+        except Exception as error:  # DeepSpeed's exit at its floor
+            return {"rows": rows, "error": str(error), "at": step}
+        row = {"scale": float(engine.optimizer.loss_scale), "skipped_steps": engine.skipped_steps}
+        if sg is not None:
+            r = sg.last_report
+            row.update(outcome=r.outcome, lr_factor=r.lr_factor, loss_scale=r.loss_scale,
+                       signal=r.incident["signal"] if r.incident else None,
+                       guard_scale=sg.guard.stats().loss_scale)
+        rows.append(row)
+    return {"rows": rows, "error": None}
+
+
 def _fp16_main(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -180,8 +218,11 @@ def _fp16_main(rank, world, port, out_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     plain, guarded = _fp16_run(rank, world, False), _fp16_run(rank, world, True)
     same = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain, guarded)]
+    floor = {"plain": _fp16_floor_run(rank, world, False),
+             "guarded": _fp16_floor_run(rank, world, True)}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
-        json.dump({"plain": plain, "guarded": guarded, "same_params": same}, f, default=str)
+        json.dump({"plain": plain, "guarded": guarded, "same_params": same, "floor": floor},
+                  f, default=str)
     torch.distributed.destroy_process_group()
 
 
@@ -214,6 +255,19 @@ def test_fp16_zero_two_follows_deepspeeds_scaler_as_an_unguarded_twin():
         # backs off): the overflow path.
         assert guarded[FP16_NAN - 1]["outcome"] == "skipped", guarded[FP16_NAN - 1]
         assert guarded[-1]["outcome"] == "applied"
+        # At DeepSpeed's floor: unguarded, DeepSpeed exits at the second overflow (hysteresis 2);
+        # guarded, every step is skipped through its overflow path, the scale stays at the floor,
+        # and the deepspeed-fp16 preset lowers the LR after 10 bad steps in a row.
+        floor = got["floor"]
+        assert floor["plain"]["at"] == 2 and "already at minimum" in floor["plain"]["error"]
+        rows = floor["guarded"]["rows"]
+        assert floor["guarded"]["error"] is None and len(rows) == FLOOR_STEPS, floor["guarded"]
+        assert all(r["outcome"] == "skipped" and r["signal"] == "nonfinite_grad" for r in rows)
+        assert [r["skipped_steps"] for r in rows] == list(range(1, FLOOR_STEPS + 1))
+        assert {r["scale"] for r in rows} == {2.0 ** 24} and {r["loss_scale"] for r in rows} == {
+            2.0 ** 24}
+        assert {r["guard_scale"] for r in rows} == {1.0}  # the preset turned no guard scaler on
+        assert [r["lr_factor"] for r in rows[8:11]] == [1.0, 0.5, 0.5], rows
 
 
 def _count_in_step(engine, guard):

@@ -138,6 +138,47 @@ def _moe_is_refused():
     return False
 
 
+def _with_the_megatron_preset(rank, guarded, steps=3):
+    """bf16 steps with the ``megatron`` preset (its loss_scale section: DynamicGradScaler's
+    numbers, 2^32 initial) or unguarded: inside Megatron the section is Megatron's scaler's, so
+    the guard scales nothing and the steps are Megatron's (before, the guard unscaled bf16
+    gradients by 2^-32). Returns the model parameters and the guard's loss scale."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    model, config, optimizer = _build("bf16", False)
+    if guarded:
+        optimizer = GuardedMegatronOptimizer(optimizer, model, policy="megatron")
+    config.grad_scale_func = optimizer.scale_loss
+    before = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    for step in range(steps):
+        batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(
+            10 * step + micro + 100 * rank)) for micro in range(MICRO)]
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+            output = model(batch, positions, None, labels=batch)
+            return output, lambda out: (out.float().mean(), {})
+
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
+                                    model=[model], num_microbatches=MICRO, seq_length=8,
+                                    micro_batch_size=2, forward_only=False)
+        optimizer.step()
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    return flat, before, optimizer.guard.stats().loss_scale if guarded else None
+
+
+def _megatron_preset_steps_as_megatron(rank):
+    guarded, before, scale = _with_the_megatron_preset(rank, True)
+    plain, _, _ = _with_the_megatron_preset(rank, False)
+    return {"scale": scale, "close": bool(torch.allclose(guarded, plain, rtol=0, atol=1e-6)),
+            "moved": not torch.equal(plain, before)}
+
+
 def _rank_main(rank, world, port, out_dir, configs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -151,6 +192,7 @@ def _rank_main(rank, world, port, out_dir, configs):
         key = "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp")
         results[key] = _run(rank, world, precision, distributed_optimizer)
     results["moe_refused"] = _moe_is_refused()
+    results["megatron_preset"] = _megatron_preset_steps_as_megatron(rank)
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     parallel_state.destroy_model_parallel()
@@ -202,6 +244,9 @@ def test_fp32_bf16_and_the_distributed_optimizer_on_two_ranks():
     ranks = _launch(2, CONFIGS)
     for precision, distributed_optimizer in CONFIGS:
         _check(ranks, "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp"), 2)
+    for r in ranks:  # the megatron preset inside Megatron bf16: Megatron's own steps
+        preset = r["megatron_preset"]
+        assert preset["scale"] == 1.0 and preset["close"] and preset["moved"], preset
 
 
 def test_bf16_distributed_optimizer_on_one_rank():

@@ -370,3 +370,26 @@ def test_a_ports_framework_scale_that_is_not_one_is_a_clear_error(bad):
     with pytest.raises(Exception, match="framework_loss_scale"):
         guard.step(torch.tensor(0.5))
     assert torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("preset", ["megatron", "deepspeed-fp16"])
+def test_a_presets_loss_scale_section_is_the_frameworks_under_a_frameworks_port(preset):
+    """Inside a framework (its port has framework_loss_scale) a preset's loss_scale section turns
+    no scaler of the guard's on: bf16/fp32 (no framework scale) steps exactly as the plain
+    optimizer, not 2^-32 smaller; loss_scaling=True is refused, naming why."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    plain = torch.nn.Linear(4, 1, bias=False)
+    plain.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    port = _FrameworkScaled(opt, model.named_parameters())
+    guard = stepguard.GuardedOptimizer(opt, port=port, policy=preset)
+    for m in (model, plain):
+        m.weight.grad = torch.ones(1, 4)
+    report = guard.step(torch.tensor(0.5))
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    assert report.applied and report.loss_scale == 1.0 and report.grad_norm == pytest.approx(2.0)
+    assert torch.equal(model.weight, plain.weight)
+    with pytest.raises(Exception, match="leave loss_scaling off"):
+        stepguard.GuardedOptimizer(opt, port=_FrameworkScaled(opt, model.named_parameters()),
+                                   loss_scaling=True)

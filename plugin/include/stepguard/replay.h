@@ -22,6 +22,9 @@ struct ReplayOptions {
   std::string trace_file;
   /// Loss scaling with GradScaler's defaults when the policy has no loss_scale section.
   bool loss_scaling = false;
+  /// The run's framework decided the loss scale (the trace of a framework integration's guard):
+  /// the policy's loss_scale section turns no scaler of the guard's on, as in the run.
+  bool framework_scale = false;
 };
 
 struct ReplaySummary {

@@ -14,8 +14,7 @@ from packaging.version import InvalidVersion, Version
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, is_dtensor
 
-__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_own_loss_scaling",
-           "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
+__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
            "incident_line", "Figures", "OUTCOME_CODES", "GradScalerPort",
            "GRAD_SCALER_FLOOR"]
 
@@ -102,19 +101,6 @@ def with_sharding(options, optimizer):
     return options
 
 
-def refuse_own_loss_scaling(guard, framework):
-    """The guard's own loss scaling needs a loop that calls ``guard.scale_loss(loss)`` before
-    backward; a framework's backward never does, so the guard would unscale gradients that were
-    never scaled (updates 65536 times too small, every step reported applied)."""
-    if guard.stats().loss_scale != 1.0:
-        raise ValueError(
-            "stepguard: the guard's own loss scaling (loss_scaling=True, a policy with a "
-            "loss_scale section, or the deepspeed-fp16 preset) is refused under %s: its "
-            "backward does not scale the loss by the guard's scale, so the guard would unscale "
-            "gradients that were never scaled. Train in bf16 or fp32 and use a policy without "
-            "loss scaling (e.g. 'default')" % framework)
-
-
 def refuse_bypass(guard, framework):
     """Makes a step of the wrapped optimizer that does not come through the guard an error: a
     framework that steps it another way (an optimizer-step wrapper captured at setup, a release
@@ -194,18 +180,20 @@ GRAD_SCALER_FLOOR = 1.0
 
 
 class GradScalerPort(TorchOptimPort):
-    """A torch optimizer stepped under torch's ``GradScaler`` (Lightning's '16-mixed', HF and
-    accelerate's fp16): the scaler owns the scale. Its ``unscale_`` has run when the guard reads
-    the gradients, so they arrive unscaled; the scale given to the guard is the one this step's
-    backward used (the scaler's ``update()`` comes after the step). A scaler built with
-    ``enabled=False`` scales nothing: no framework scale."""
+    """A torch optimizer a Trainer steps (Lightning, HF): the Trainer decides the loss scale, so
+    the guard scales nothing of its own (a policy's ``loss_scale`` section, a preset's, is the
+    Trainer's). Under fp16 (Lightning's '16-mixed', HF and accelerate's fp16) torch's
+    ``scaler`` owns the scale: its ``unscale_`` has run when the guard reads the gradients, so
+    they arrive unscaled; the scale given to the guard is the one this step's backward used (the
+    scaler's ``update()`` comes after the step). No scaler (bf16, fp32), or one built with
+    ``enabled=False``: no framework scale."""
 
-    def __init__(self, optimizer, named_parameters, scaler):
+    def __init__(self, optimizer, named_parameters, scaler=None):
         super().__init__(optimizer, named_parameters)
         self.scaler = scaler
 
     def framework_loss_scale(self):
-        if not self.scaler.is_enabled():
+        if self.scaler is None or not self.scaler.is_enabled():
             return None
         return float(self.scaler.get_scale()), GRAD_SCALER_FLOOR, False
 

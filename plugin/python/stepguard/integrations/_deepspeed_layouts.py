@@ -334,13 +334,22 @@ class _ZeroLayout(_Partitioned):
 
     def skip(self, ds_step):
         # DeepSpeed's own overflow path: gradients and buffers released, the scaler told,
-        # overflow set for the engine (skipped_steps, no scheduler step).
+        # overflow set for the engine (skipped_steps, no scheduler step). At its min_scale
+        # DeepSpeed's DynamicLossScaler would raise ("Current loss scale already at minimum ...
+        # Exiting run."): there the policy decides (lower the LR, roll back, abort), so the
+        # scaler stays at its floor instead.
         ds = self.ds
+        scaler = getattr(ds, "loss_scaler", None)
+        raises = getattr(scaler, "raise_error_at_min_scale", None)
         saved = ds.check_grad_overflow
         ds.check_grad_overflow = True
         ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", True)
+        if raises:
+            scaler.raise_error_at_min_scale = False
         try:
             ds_step()
         finally:
             del ds.check_overflow
             ds.check_grad_overflow = saved
+            if raises:
+                scaler.raise_error_at_min_scale = raises

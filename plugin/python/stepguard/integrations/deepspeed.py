@@ -35,7 +35,10 @@ LR factor scales the optimizer's groups for the step. fp16 under ZeRO 1 and 2: D
 DynamicLossScaler owns the scale; the guard inspects the scaled gradients unscaled, an overflow
 while the scale can back off is the `overflow` signal (skipped by DeepSpeed's own overflow path,
 the scale backing off by DeepSpeed's rules, hysteresis included), the reports carry DeepSpeed's
-scale. Refused, with a message: fp16 without ZeRO 1 or 2, ZeRO stage 3, CPU offload and pipeline
+scale; at DeepSpeed's ``min_loss_scale`` the policy decides instead of DeepSpeed's "Current loss
+scale already at minimum" exit (``limits.loss_scale_floor`` counts the steps there). A policy's
+``loss_scale`` section (the ``deepspeed-fp16`` preset's) is taken as DeepSpeed's scaler's and
+turns nothing of the guard's on; ``loss_scaling=True`` is refused. Refused, with a message: fp16 without ZeRO 1 or 2, ZeRO stage 3, CPU offload and pipeline
 engines.
 """
 
@@ -83,12 +86,6 @@ class EngineGuard:
         port = _DeepSpeedPort(engine.basic_optimizer, layout, self._ds_step)
         self.guard = GuardedOptimizer(engine.basic_optimizer, port=port, policy=policy,
                                       policy_yaml=policy_yaml, **options)
-        if layout.framework_loss_scale() is not None and self.guard.stats().loss_scale != 1.0:
-            raise ValueError(
-                "stepguard: DeepSpeed's fp16 loss scaler owns the loss scale here; the guard's own "
-                "(loss_scaling=True or a policy with a loss_scale section, such as the "
-                "deepspeed-fp16 preset) would be a second one: use a policy without loss_scale "
-                "(the default preset)")
         self._layout = layout
         self._losses = []
         self.last_report = None

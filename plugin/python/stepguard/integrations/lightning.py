@@ -34,7 +34,7 @@ except ImportError:  # the standalone package of older installs
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, GradScalerPort, SeamGuard, check_version,
                     guard_options, incident_line, load_guard_state, refuse_bypass,
-                    refuse_own_loss_scaling, scaled_loss_unscaled, with_sharding)
+                    scaled_loss_unscaled, with_sharding)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -101,7 +101,9 @@ class StepguardCallback(pl.Callback):
     scaler's scale (its report's ``loss_scale``), an overflow is skipped by the scaler's own path
     and the scale backs off and grows by the scaler's rules; what the scale cannot fix (a NaN
     loss, the scale down to ``GRAD_SCALER_FLOOR``) goes by the policy (rollback, LR, abort).
-    The guard's own loss scaling is refused. The guard judges the gradients as backward left them
+    The guard's own loss scaling (``loss_scaling=True``) is refused; a policy's ``loss_scale``
+    section (the ``megatron`` and ``deepspeed-fp16`` presets have one) is taken as Lightning's
+    scaler's, turning nothing of the guard's on. The guard judges the gradients as backward left them
     (in ``on_before_optimizer_step``), before Lightning's gradient clip; the clip by norm
     (``gradient_clip_val``, or ``self.clip_gradients`` in ``configure_gradient_clipping``) then
     uses the guard's agreed norm instead of computing it again, and runs only on steps the guard
@@ -134,10 +136,9 @@ class StepguardCallback(pl.Callback):
                 raise ValueError("stepguard: configure_optimizers returned a GuardedOptimizer; "
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
-                port = None if scaler is None else GradScalerPort(optimizer, named, scaler)
-                optimizer = _LightningGuard(optimizer, named, port=port,
+                optimizer = _LightningGuard(optimizer, named,
+                                            port=GradScalerPort(optimizer, named, scaler),
                                             **with_sharding(options, optimizer))
-                refuse_own_loss_scaling(optimizer, "Lightning")
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
             guards.append(optimizer)

@@ -33,7 +33,9 @@ The guard's state (``guard_state_dict()``) is saved in every Trainer checkpoint 
 ``stepguard_rank<r>.pt`` per rank beside the Trainer's own files, and loaded on
 ``resume_from_checkpoint``: the LR factor, budgets, step numbers and data position go on. With
 several ranks, ``trace_path`` names rank 0's file; rank r writes ``<trace_path>.rank<r>``. The
-guard's own loss scaling is refused (the Trainer never scales the loss by the guard's scale).
+guard's own loss scaling (``loss_scaling=True``) is refused (the Trainer never scales the loss by
+the guard's scale); a policy's ``loss_scale`` section (a preset's) is taken as the Trainer's
+scaler's and turns nothing of the guard's on.
 
 fp16 (``TrainingArguments(fp16=True)``): accelerate's GradScaler owns the loss scale. The guard
 judges the gradients the scaler unscaled, with the scaler's scale (the report's ``loss_scale``);
@@ -55,8 +57,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._port import is_dtensor
 from ._core import (Figures, GradScalerPort, SeamGuard, check_version, guard_options,
-                    incident_line, load_guard_state, refuse_bypass, refuse_own_loss_scaling,
-                    with_sharding)
+                    incident_line, load_guard_state, refuse_bypass, with_sharding)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -181,11 +182,9 @@ class StepguardCallback(transformers.TrainerCallback):
             raise ValueError("stepguard: fp16 with a %s; the integration follows accelerate's "
                              "torch.amp.GradScaler" % type(scaler).__name__)
         named = list(model.named_parameters())
-        port = None if scaler is None else GradScalerPort(optimizer.optimizer, named, scaler)
         self.guard = _TrainerGuard(
-            optimizer.optimizer, named, port=port,
+            optimizer.optimizer, named, port=GradScalerPort(optimizer.optimizer, named, scaler),
             **with_sharding(guard_options(self.guard_options, self.policy), optimizer.optimizer))
-        refuse_own_loss_scaling(self.guard, "the HF Trainer")
         refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard
         if scaler is not None:

@@ -1,6 +1,8 @@
 """stepguard inside the real DeepSpeed engine on CPU (DS_ACCELERATOR=cpu) with Gloo: ZeRO stages
-0, 1 and 2, fp32 and bf16, the config's fused AdamW and BF16_Optimizer, on 2 ranks (and one
-configuration on 1 rank); and ZeRO 2 fp16 with DeepSpeed's loss scaler beside an unguarded twin. Each configuration
+0, 1 and 2, fp32 and bf16, the config's fused AdamW and BF16_Optimizer, ZeRO 3 fp32 and bf16 (its
+parameters kept whole beside their partitions, DeepSpeed's default for small ones, and not), on
+2 ranks (and one configuration on 1 rank); and ZeRO 2 and 3 fp16 with DeepSpeed's loss scaler
+beside an unguarded twin. Each configuration
 trains a small model for 12 steps of 2 accumulated micro-batches with three faults: a NaN gradient of one parameter on the last rank
 (step 3), a NaN in its batch (step 5) and a loss spike on every rank (step 8)."""
 
@@ -37,7 +39,11 @@ def _batch(step, rank, dtype):
 
 
 def _flat_params(model):
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO 3: each rank holds a partition
+        with deepspeed.zero.GatheredParameters(params):  # every rank together
+            return torch.cat([p.detach().float().reshape(-1).clone() for p in params])
+    return torch.cat([p.detach().float().reshape(-1) for p in params])
 
 
 def _run(rank, world, stage, precision, checkpoint_dir):
@@ -45,6 +51,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     "-fused" leaves out ``torch_adam``: the config's AdamW is then DeepSpeed's FusedAdam."""
     fused = precision.endswith("-fused")
     fp32_accum = precision.endswith("-fp32accum")
+    partitioned = precision.endswith("-partitioned")  # ZeRO 3: no parameter kept whole
     precision = precision.split("-")[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = _model()
@@ -59,6 +66,8 @@ def _run(rank, world, stage, precision, checkpoint_dir):
               "bf16": {"enabled": precision == "bf16"}}
     if fp32_accum:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if partitioned:
+        config["zero_optimization"]["param_persistence_threshold"] = 0
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=groups, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
@@ -133,7 +142,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
 FP16_STEPS, FP16_NAN = 24, 18
 
 
-def _fp16_run(rank, world, guarded):
+def _fp16_run(rank, world, guarded, stage=2):
     """ZeRO 2 fp16 with DeepSpeed's DynamicLossScaler (initial scale 2^24: far too high, the first
     steps overflow), 24 steps, a NaN gradient on the last rank at step 18; guarded or not. No
     clipping, so that the applied update does not depend on the norm and the twins can be
@@ -142,7 +151,7 @@ def _fp16_run(rank, world, guarded):
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
               "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 2,
                        "loss_scale_window": 4, "min_loss_scale": 1}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -218,43 +227,55 @@ def _fp16_main(rank, world, port, out_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     plain, guarded = _fp16_run(rank, world, False), _fp16_run(rank, world, True)
     same = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain, guarded)]
+    plain3, guarded3 = _fp16_run(rank, world, False, 3), _fp16_run(rank, world, True, 3)
+    same3 = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain3, guarded3)]
     floor = {"plain": _fp16_floor_run(rank, world, False),
              "guarded": _fp16_floor_run(rank, world, True)}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
-        json.dump({"plain": plain, "guarded": guarded, "same_params": same, "floor": floor},
+        json.dump({"plain": plain, "guarded": guarded, "same_params": same, "floor": floor,
+                   "zero3": {"plain": plain3, "guarded": guarded3, "same_params": same3}},
                   f, default=str)
     torch.distributed.destroy_process_group()
 
 
-def test_fp16_zero_two_follows_deepspeeds_scaler_as_an_unguarded_twin():
-    """The guard inside DeepSpeed fp16 (ZeRO 2, 2 ranks): DeepSpeed's scaler owns the scale. The
-    startup overflow streak is `overflow` / `precision_overflow` on every step, skipped by
+def _check_fp16_twin(rank, got, stage=2):
+    """One rank's fp16 run beside its unguarded twin (ZeRO 2 or 3): see the test."""
+    plain, guarded = got["plain"], got["guarded"]
+    assert [r["scale"] for r in guarded] == [r["scale"] for r in plain], (rank, guarded)
+    assert [r["skipped_steps"] for r in guarded] == [r["skipped_steps"] for r in plain]
+    assert all(got["same_params"]), (rank, got["same_params"])
+    # The startup streak: the first steps, skipped until the scale fits. Every step of it,
+    # those whose averaged gradients hold only NaN (Inf met -Inf) included, is an overflow;
+    # so is every later skip (the scale grown too far again, the NaN gradient at step 18).
+    streak = next(i for i, r in enumerate(guarded) if r["outcome"] == "applied")
+    assert streak >= 3, guarded[:4]
+    for r in guarded:
+        if r["outcome"] == "skipped":
+            assert r["signal"] == "overflow" and r["cause"] == "precision_overflow", r
+    assert plain[-1]["scale"] < 2 ** 24  # the scale came down
+    for r in guarded:
+        assert r["loss_scale"] == r["scale_before"], r  # DeepSpeed's, at this step
+        if r["outcome"] == "applied":
+            # ZeRO 3 divides the norm it reports by the scale after its update (the grown one
+            # on a growth step); the guard's is the norm of the step's gradients.
+            ds_norm = float(r["ds_norm"]) * (r["scale"] / r["scale_before"] if stage == 3 else 1)
+            assert r["grad_norm"] == pytest.approx(ds_norm, rel=1e-5), r
+    # A NaN gradient while the scale can back off is skipped as DeepSpeed skips it (its scaler
+    # backs off): the overflow path.
+    assert guarded[FP16_NAN - 1]["outcome"] == "skipped", guarded[FP16_NAN - 1]
+    assert guarded[-1]["outcome"] == "applied"
+
+
+def test_fp16_zero_two_and_three_follow_deepspeeds_scaler_as_an_unguarded_twin():
+    """The guard inside DeepSpeed fp16 (ZeRO 2 and 3, 2 ranks): DeepSpeed's scaler owns the
+    scale. The startup overflow streak is `overflow` / `precision_overflow` on every step, skipped by
     DeepSpeed's own overflow path, and the scale backs off as without the guard (hysteresis 2):
     the same scale, skipped count and parameters, step for step, as an unguarded twin; the
     reports carry DeepSpeed's scale; a NaN gradient later is skipped as DeepSpeed would."""
     ranks = spawn_ranks(_fp16_main, 2)
     for rank, got in enumerate(ranks):
-        plain, guarded = got["plain"], got["guarded"]
-        assert [r["scale"] for r in guarded] == [r["scale"] for r in plain], (rank, guarded)
-        assert [r["skipped_steps"] for r in guarded] == [r["skipped_steps"] for r in plain]
-        assert all(got["same_params"]), (rank, got["same_params"])
-        # The startup streak: the first steps, skipped until the scale fits. Every step of it,
-        # those whose averaged gradients hold only NaN (Inf met -Inf) included, is an overflow;
-        # so is every later skip (the scale grown too far again, the NaN gradient at step 18).
-        streak = next(i for i, r in enumerate(guarded) if r["outcome"] == "applied")
-        assert streak >= 3, guarded[:4]
-        for r in guarded:
-            if r["outcome"] == "skipped":
-                assert r["signal"] == "overflow" and r["cause"] == "precision_overflow", r
-        assert plain[-1]["scale"] < 2 ** 24  # the scale came down
-        for r in guarded:
-            assert r["loss_scale"] == r["scale_before"], r  # DeepSpeed's, at this step
-            if r["outcome"] == "applied":
-                assert r["grad_norm"] == pytest.approx(float(r["ds_norm"]), rel=1e-5), r
-        # A NaN gradient while the scale can back off is skipped as DeepSpeed skips it (its scaler
-        # backs off): the overflow path.
-        assert guarded[FP16_NAN - 1]["outcome"] == "skipped", guarded[FP16_NAN - 1]
-        assert guarded[-1]["outcome"] == "applied"
+        _check_fp16_twin(rank, got)
+        _check_fp16_twin(rank, got["zero3"], 3)  # the same under ZeRO 3
         # At DeepSpeed's floor: unguarded, DeepSpeed exits at the second overflow (hysteresis 2);
         # guarded, every step is skipped through its overflow path, the scale stays at the floor,
         # and the deepspeed-fp16 preset lowers the LR after 10 bad steps in a row.
@@ -401,6 +422,8 @@ def _check(ranks, key, world):
             assert run["optimizer"] == "BF16_Optimizer", run["optimizer"]
         elif stage == "0":
             assert run["optimizer"] == expected_types[0][precision == "bf16"], run["optimizer"]
+        elif stage == "3":
+            assert run["optimizer"] == "DeepSpeedZeroOptimizer_Stage3", run["optimizer"]
         else:
             assert run["optimizer"] == "DeepSpeedZeroOptimizer", run["optimizer"]
         steps = {s["step"]: s for s in run["steps"]}
@@ -452,7 +475,7 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
     _check(ranks, "2-bf16", 1)
     refusals = ranks[0]["refusals"]
     assert "without an optimizer" in refusals["no_optimizer"], refusals
-    assert "ZeRO stage 3" in refusals["zero3"], refusals
+    assert refusals["zero3"] == "accepted", refusals  # ZeRO 3 is guarded (its own test)
     step, error = refusals["applied_anyway"]
     assert step == 1 and "DeepSpeed applied step 2, which the guard did not apply" in error, error
     assert "deepspeed 0.18.0 is older than the releases tested (0.19.8)" in \
@@ -461,3 +484,14 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
     assert given and outcomes == ["applied", "skipped", "applied"], refusals["manual_scale"]
     assert len(fresh) == 1 and "holds no guard state" in fresh[0] and step_count == 3, fresh
     assert "keeps the state it has (after its step 3)" in fresh[0], fresh
+
+
+# ZeRO 3 with DeepSpeed's default persistence threshold (this model's parameters are all small
+# enough to be kept whole besides their partitions) and with none kept whole.
+ZERO3 = [(3, "fp32"), (3, "bf16"), (3, "bf16-partitioned")]
+
+
+def test_zero_three_on_two_ranks():
+    ranks = _launch(2, ZERO3)
+    for stage, precision in ZERO3:
+        _check(ranks, "%d-%s" % (stage, precision), 2)

@@ -353,3 +353,94 @@ class _ZeroLayout(_Partitioned):
             ds.check_grad_overflow = saved
             if raises:
                 scaler.raise_error_at_min_scale = raises
+
+
+class _Zero3Layout(_Layout):
+    """ZeRO 3: each rank holds a partition of every parameter (``ds_tensor``); each sub-group's
+    partitions lie back to back in one flat fp32 master (``fp32_partitioned_groups_flat``) that
+    the torch optimizer steps, and the averaged gradients of the step in one flat buffer, a view
+    per parameter (``averaged_gradients``). A piece per model parameter on every rank: its real
+    elements in this rank's partition (the padding of the last ranks left out: it is never
+    initialised), empty where it has none. DeepSpeed's step runs with the agreed norm and no
+    overflow check of its own; a skip is its own overflow path; after a restore the masters go
+    into the lp partitions as DeepSpeed's checkpoint load puts them (the persistent parameters
+    all-gathered, every rank together)."""
+    sharded = True
+
+    def __init__(self, engine, ds_optimizer):
+        self.ds = ds_optimizer
+        if ds_optimizer.optimizer is not engine.basic_optimizer:
+            raise ValueError("stepguard: this ZeRO 3 optimizer steps another torch optimizer than "
+                             "the engine's (this DeepSpeed configuration is not supported)")
+        names = _names_by_id(engine)
+        self.pieces, self.names = [], []
+        for g, params in enumerate(ds_optimizer.fp16_groups):
+            for j, p in enumerate(params):
+                group, at, size = ds_optimizer.grad_position[p.ds_id]
+                rank = torch.distributed.get_rank(group=p.ds_process_group)
+                real = max(0, min(int(size), int(p.ds_numel) - rank * int(size)))
+                if group != g:
+                    raise ValueError("stepguard: DeepSpeed's ZeRO 3 sub-groups are not laid out "
+                                     "as the integration reads them (this DeepSpeed version is "
+                                     "not supported)")
+                self.pieces.append((g, j, int(at), real))
+                self.names.append(names.get(id(p), "param_%d" % len(self.names)))
+        masters = ds_optimizer.fp32_partitioned_groups_flat
+        self.views = [masters[g].narrow(0, at, n) for g, _, at, n in self.pieces]
+        self.fp16 = engine.fp16_enabled()
+
+    def state_keys(self):
+        """The tensors the torch optimizer keeps its state under: the flat fp32 masters (its
+        param groups are empty outside DeepSpeed's step)."""
+        return list(self.ds.fp32_partitioned_groups_flat)
+
+    def parameters(self):
+        return self.views, self.names
+
+    def framework_loss_scale(self):
+        if not self.fp16:
+            return None
+        scaler = self.ds.loss_scaler
+        return float(self.ds.loss_scale), float(getattr(scaler, "min_scale", self.ds.loss_scale))
+
+    def gradients(self):
+        averaged = self.ds.averaged_gradients
+        out = []
+        for g, j, _, n in self.pieces:
+            grads = averaged.get(g) if isinstance(averaged, dict) else None
+            out.append(grads[j].reshape(-1).narrow(0, 0, n) if grads and n > 0 else None)
+        return out
+
+    def _run(self, ds_step, overflow, norm):
+        ds = self.ds
+        scaler = getattr(ds, "loss_scaler", None)
+        raises = getattr(scaler, "raise_error_at_min_scale", None) if overflow else None
+        ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", overflow)
+        device = getattr(ds, "device", None)
+        ds._get_norm_groups = lambda: [torch.tensor(norm, dtype=torch.float, device=device)]
+        if raises:
+            scaler.raise_error_at_min_scale = False  # the policy decides at the floor
+        try:
+            ds_step()
+        finally:
+            del ds.check_overflow, ds._get_norm_groups
+            if raises:
+                scaler.raise_error_at_min_scale = raises
+
+    def update(self, ds_step):
+        # DeepSpeed's step with the agreed norm (scaled, as its clip takes it) instead of a norm
+        # of every partition and an all-reduce, and no overflow check (the verdict found none).
+        self._run(ds_step, False, _norm_after(self.verdict) * float(self.ds.loss_scale))
+
+    def skip(self, ds_step):
+        # DeepSpeed's own overflow path (gradients dropped, the scaler told, overflow set for
+        # the engine: skipped_steps, no scheduler step); bf16 and fp32 check no overflow, an
+        # invalid norm takes the same path.
+        self._run(ds_step, True, float("inf"))
+
+    def refresh_model(self):
+        ds = self.ds
+        ds.checkpoint_event_prologue()
+        for g in range(len(ds.fp16_groups)):
+            ds._reassign_or_swap_out_partitioned_parameters(g)
+        ds.checkpoint_event_epilogue()

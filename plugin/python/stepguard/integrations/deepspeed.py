@@ -38,8 +38,12 @@ the scale backing off by DeepSpeed's rules, hysteresis included), the reports ca
 scale; at DeepSpeed's ``min_loss_scale`` the policy decides instead of DeepSpeed's "Current loss
 scale already at minimum" exit (``limits.loss_scale_floor`` counts the steps there). A policy's
 ``loss_scale`` section (the ``deepspeed-fp16`` preset's) is taken as DeepSpeed's scaler's and
-turns nothing of the guard's on; ``loss_scaling=True`` is refused. Refused, with a message: fp16 without ZeRO 1 or 2, ZeRO stage 3, CPU offload and pipeline
-engines.
+turns nothing of the guard's on; ``loss_scaling=True`` is refused. ZeRO 3 (fp32, bf16, fp16):
+each rank's partition of every parameter in the flat fp32 masters of each sub-group, read at one
+piece per parameter (the partition padding left out) with the step's averaged gradients; a
+rollback puts the masters back into the partitioned lp parameters as DeepSpeed's checkpoint
+load does. Refused, with a message: fp16 without ZeRO, CPU offload (its optimizer steps host
+copies the guard does not read) and pipeline engines.
 """
 
 import warnings
@@ -50,7 +54,7 @@ from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._core import check_version, finish_step, guard_options, load_guard_state
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
-                                 _ZeroLayout)
+                                 _Zero3Layout, _ZeroLayout)
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -184,12 +188,10 @@ def _check_engine(engine):
     refuse = None
     if getattr(engine, "optimizer", None) is None:
         refuse = "an engine without an optimizer (deepspeed.initialize got none)"
-    elif engine.fp16_enabled() and engine.zero_optimization_stage() not in (1, 2):
-        refuse = ("fp16 without ZeRO 1 or 2 (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
+    elif engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
+        refuse = ("fp16 without ZeRO (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
                   "apply the loss scale in engine.backward() while their step divides by it; "
-                  "upstream PR #8393); use ZeRO 1 or 2, bf16 or fp32")
-    elif engine.zero_optimization_stage() > 2:
-        refuse = "ZeRO stage 3 (its partitioned parameters are gathered per layer); use 0, 1 or 2"
+                  "upstream PR #8393); use ZeRO 1, 2 or 3, bf16 or fp32")
     elif engine.zero_optimization() and engine.zero_cpu_offload():
         refuse = "ZeRO with CPU offload (its optimizer steps on host copies)"
     elif type(engine).__name__ == "PipelineEngine":
@@ -210,6 +212,8 @@ def _layout_of(engine, ds_optimizer):
         return _Bf16Layout(engine, ds_optimizer)
     if kind == "DeepSpeedZeroOptimizer":
         return _ZeroLayout(engine, ds_optimizer)
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        return _Zero3Layout(engine, ds_optimizer)
     raise ValueError(
         "stepguard: the DeepSpeed engine steps a %s, which the integration does not know (it "
         "guards a torch optimizer without ZeRO, bf16 without ZeRO (the config's or a client "
@@ -229,9 +233,15 @@ class _DeepSpeedPort(TorchOptimPort):
             self.gradients = None  # the model's parameters: the engine reads .grad itself
 
     def parameters(self):
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self._names = ["group%d.tensor%d" % (i, j) for i, g in enumerate(self.optimizer.param_groups)
-                       for j in range(len(g["params"]))]
+        keys = getattr(self.partition, "state_keys", None)
+        if keys is not None:  # ZeRO 3: the flat masters, outside the optimizer's param groups
+            self._params = keys()
+            self._names = ["subgroup%d" % i for i in range(len(self._params))]
+        else:
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            self._names = ["group%d.tensor%d" % (i, j)
+                           for i, g in enumerate(self.optimizer.param_groups)
+                           for j in range(len(g["params"]))]
         return self.partition.parameters()
 
     def gradients(self):

@@ -15,7 +15,7 @@ from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, is_dtensor
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
-           "incident_line", "Figures", "OUTCOME_CODES", "GradScalerPort",
+           "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort",
            "GRAD_SCALER_FLOOR"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
@@ -179,7 +179,7 @@ def load_guard_state(guard, record, where):
 GRAD_SCALER_FLOOR = 1.0
 
 
-class GradScalerPort(TorchOptimPort):
+class TrainerPort(TorchOptimPort):
     """A torch optimizer a Trainer steps (Lightning, HF): the Trainer decides the loss scale, so
     the guard scales nothing of its own (a policy's ``loss_scale`` section, a preset's, is the
     Trainer's). Under fp16 (Lightning's '16-mixed', HF and accelerate's fp16) torch's

@@ -32,7 +32,7 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import (OUTCOME_CODES, Figures, GradScalerPort, SeamGuard, check_version,
+from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
                     guard_options, incident_line, load_guard_state, refuse_bypass,
                     scaled_loss_unscaled, with_sharding)
 
@@ -137,7 +137,7 @@ class StepguardCallback(pl.Callback):
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named,
-                                            port=GradScalerPort(optimizer, named, scaler),
+                                            port=TrainerPort(optimizer, named, scaler),
                                             **with_sharding(options, optimizer))
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())

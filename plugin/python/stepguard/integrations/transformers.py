@@ -56,7 +56,7 @@ from accelerate.utils import DistributedType
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .._port import is_dtensor
-from ._core import (Figures, GradScalerPort, SeamGuard, check_version, guard_options,
+from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
                     incident_line, load_guard_state, refuse_bypass, with_sharding)
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -183,7 +183,7 @@ class StepguardCallback(transformers.TrainerCallback):
                              "torch.amp.GradScaler" % type(scaler).__name__)
         named = list(model.named_parameters())
         self.guard = _TrainerGuard(
-            optimizer.optimizer, named, port=GradScalerPort(optimizer.optimizer, named, scaler),
+            optimizer.optimizer, named, port=TrainerPort(optimizer.optimizer, named, scaler),
             **with_sharding(guard_options(self.guard_options, self.policy), optimizer.optimizer))
         refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard

@@ -192,7 +192,8 @@ TEST(StepController, DropLossScaleNeedsLossScaling) {
 TEST(StepController, AFrameworksScalerTakesThePolicysLossScaleSectionAsItsOwn) {
   // A preset's section (megatron, deepspeed-fp16) inside a framework whose scaler owns the
   // scale: no scaler of the guard's; the floor limit counts the steps at the framework's floor
-  // (scales 4, 2, 1, 1 with floor 1: the second step at the floor fires the limit of 2).
+  // (scales 4, 2, 1, 1 with floor 1: the second overflow at the floor fires the limit of 2;
+  // clean steps at the floor, as a static scale's always are, count nothing).
   const char* yaml =
       "version: 1\nloss_scale: {init_scale: 65536, min_scale: 1}\nlimits:\n"
       "  loss_scale_floor: {steps: 2, action: abort}\n";
@@ -210,6 +211,12 @@ TEST(StepController, AFrameworksScalerTakesThePolicysLossScaleSectionAsItsOwn) {
     got.push_back(describe(d.decision));
   }
   EXPECT_EQ(got, std::vector<std::string>({"skip_batch", "skip_batch", "skip_batch", "abort"}));
+  StepController fixed(parse(yaml), false, true);
+  for (std::int64_t s = 1; s <= 6; ++s) {  // a static scale of 8, its floor itself
+    GlobalStats g = stats_for(s == 6 ? 'n' : 'c', s);
+    g.framework_loss_scale = g.framework_min_scale = 8;
+    EXPECT_EQ(describe(fixed.decide(s, g).decision), s == 6 ? "skip_batch" : "apply") << s;
+  }
   // drop_loss_scale would drop the guard's own scale: refused, whatever the option says.
   EXPECT_THROW(StepController(parse("version: 1\nrules:\n  - {on: nonfinite, action: "
                                     "drop_loss_scale}\n"),

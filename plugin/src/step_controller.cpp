@@ -45,8 +45,10 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
   input.step = step;
   input.stats = stats;
   if (framework_scale_ && stats.framework_loss_scale > 0) {
-    const bool at_floor = stats.framework_loss_scale <= stats.framework_min_scale;
-    framework_steps_at_floor_ = at_floor ? framework_steps_at_floor_ + 1 : 0;
+    // Steps in a row that overflowed with the framework's scale at its floor: a static scale
+    // (its floor is itself) sits there on every step, and only its overflows count.
+    const bool stuck = stats.nonfinite() && stats.framework_loss_scale <= stats.framework_min_scale;
+    framework_steps_at_floor_ = stuck ? framework_steps_at_floor_ + 1 : 0;
   }
   input.loss_scale_steps_at_floor =
       scaler_ ? scaler_->state().steps_at_floor : framework_steps_at_floor_;

@@ -41,7 +41,8 @@ class StepController {
   /// `loss_scaling`: turn scaling on with GradScaler's defaults when the policy has no
   /// `loss_scale` section (a section decides by itself). `framework_scale`: a framework's
   /// scaler (or none) owns the scale: no scaler of the guard's, whatever the section says, and
-  /// `limits.loss_scale_floor` counts the steps at the framework's floor. Throws
+  /// `limits.loss_scale_floor` counts the steps in a row that overflowed at the framework's
+  /// floor. Throws
   /// std::invalid_argument when the policy needs the guard's scaling (drop_loss_scale) and it
   /// is off.
   StepController(policy::PolicyConfig config, bool loss_scaling, bool framework_scale = false);
@@ -89,7 +90,8 @@ class StepController {
   policy::PolicyConfig config_;
   bool loss_scaling_requested_;
   bool framework_scale_;
-  /// Consecutive steps whose framework scale sat at its floor (framework_scale_ only).
+  /// Consecutive steps that overflowed with the framework's scale at its floor
+  /// (framework_scale_ only; not in encode(): a resume starts it from 0).
   std::int64_t framework_steps_at_floor_ = 0;
   policy::PolicyEngine engine_;
   std::optional<scaling::LossScaler> scaler_;

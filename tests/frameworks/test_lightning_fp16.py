@@ -198,3 +198,43 @@ def test_lightning_16_mixed_follows_its_grad_scaler_as_an_unguarded_twin(tmp_pat
     for a, b in zip(guarded[0]["steps"], guarded[1]["steps"]):
         assert (a["checksum"], a["scale"]) == (b["checksum"], b["scale"])
     print("lightning 16-mixed runs: %.1f s" % (time.monotonic() - start))
+
+
+class ManualNet(HalfNet):
+    """Manual optimization under '16-mixed': the user's training_step steps the guard and reads
+    each step's report."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.reports = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.head(self.body(x)).float(), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.reports.append(opt.step())
+
+
+def test_lightning_16_mixed_manual_optimization_gets_a_report_from_every_step(tmp_path):
+    """opt.step() returns the StepReport also on a step the GradScaler left out (the startup
+    overflow streak), one process."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from stepguard.integrations.lightning import StepguardCallback
+
+    torch.set_num_threads(1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    guard_cb = StepguardCallback(policy=str(HERE / "policy.yaml"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, max_epochs=1,
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                         callbacks=[guard_cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    model = ManualNet()
+    trainer.fit(model)
+    outcomes = [r.outcome for r in model.reports]  # a report every step, None never
+    assert len(outcomes) == 10 and outcomes[0] == "skipped" and "applied" in outcomes, outcomes
+    assert all(r.loss_scale >= 1.0 for r in model.reports)
+    assert guard_cb.guards[0].stats().totals.to_dict()["steps"] == 10

@@ -201,3 +201,50 @@ def test_a_release_older_than_the_tested_ones_is_refused_at_train_begin(tmp_path
                                             % package):
         trainer.train()
     assert callback.last_report.step == MAX_STEPS
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_fp16_with_accelerates_scaler_one_process_with_and_without_attach(tmp_path, attached):
+    """fp16=True with the Trainer's default clip (max_grad_norm=1.0), accelerate's fp16 set up
+    as on a GPU (hf_worker.fp16_on_cpu). Without attach() the Trainer's own clip unscales the
+    gradients first and the guard takes its verdict after it (no second unscale_); with it the
+    guard's verdict stands where the Trainer measures the norm. Either way the startup overflow
+    steps are the scaler's, skipped, and every report carries the scaler's scale."""
+    from hf_worker import fp16_on_cpu
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=MAX_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, save_strategy="no", logging_steps=1, report_to=[], use_cpu=True,
+        seed=7, dataloader_num_workers=0, disable_tqdm=True, fp16=True)
+    trainer = Trainer(model=GPT2LMHeadModel(config), args=args,
+                      train_dataset=RandomTokens(64, 16, 64))
+    fp16_on_cpu(trainer)
+    callback = StepguardCallback(policy="default")
+    if attached:
+        callback.attach(trainer)
+    else:
+        trainer.add_callback(callback)
+    scales = []
+
+    class Scales(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            report = callback.last_report
+            scales.append((report.outcome, report.loss_scale,
+                           trainer.accelerator.scaler.get_scale()))
+
+    trainer.add_callback(Scales())
+    trainer.train()
+    assert len(scales) == MAX_STEPS
+    outcomes = [o for o, _, _ in scales]
+    streak = outcomes.index("applied")
+    assert streak >= 3 and set(outcomes[streak:]) == {"applied"}, scales
+    # The report's scale is the one of the step's backward; the scaler halves it on a skip.
+    before = [2.0 ** 24] + [after for _, _, after in scales[:-1]]
+    assert [s for _, s, _ in scales] == before, scales
+    assert all(after == s / 2 for o, s, after in scales if o == "skipped"), scales
+    totals = callback.guard.stats().totals.to_dict()
+    assert totals["skipped"] == streak and totals["applied"] == MAX_STEPS - streak

@@ -15,7 +15,8 @@ from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, is_dtensor
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
-           "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort",
+           "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
+           "scaler_unscaled",
            "GRAD_SCALER_FLOOR"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
@@ -188,14 +189,28 @@ class TrainerPort(TorchOptimPort):
     scaler's ``update()`` comes after the step). No scaler (bf16, fp32), or one built with
     ``enabled=False``: no framework scale."""
 
-    def __init__(self, optimizer, named_parameters, scaler=None):
-        super().__init__(optimizer, named_parameters)
+    def __init__(self, optimizer, named_parameters, scaler=None, layout=None):
+        super().__init__(optimizer, named_parameters, layout=layout)
         self.scaler = scaler
 
     def framework_loss_scale(self):
         if self.scaler is None or not self.scaler.is_enabled():
             return None
         return float(self.scaler.get_scale()), GRAD_SCALER_FLOOR, False
+
+
+def scaler_unscaled(scaler, optimizer):
+    """Whether ``scaler.unscale_(optimizer)`` ran since the scaler's last ``update()`` (torch
+    refuses a second call)."""
+    from torch.amp.grad_scaler import OptState
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY
+
+
+def unscale_once(scaler, optimizer):
+    """``scaler.unscale_(optimizer)`` unless it ran already this step (a framework's own clip
+    may have called it)."""
+    if not scaler_unscaled(scaler, optimizer):
+        scaler.unscale_(optimizer)
 
 
 def scaled_loss_unscaled(loss, scaler):

@@ -369,6 +369,13 @@ class _Zero3Layout(_Layout):
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
+        offload = [name for name in ("offload_optimizer", "offload_param", "swap_optimizer",
+                                     "params_in_nvme_and_cpu")
+                   if getattr(ds_optimizer, name, False)]
+        if offload:  # NVMe offload too (engine.zero_cpu_offload() says CPU only)
+            raise ValueError("stepguard: the DeepSpeed integration does not guard ZeRO 3 with "
+                             "offload (%s): its optimizer steps host or NVMe copies the guard "
+                             "does not read" % ", ".join(offload))
         if ds_optimizer.optimizer is not engine.basic_optimizer:
             raise ValueError("stepguard: this ZeRO 3 optimizer steps another torch optimizer than "
                              "the engine's (this DeepSpeed configuration is not supported)")

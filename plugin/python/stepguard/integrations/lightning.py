@@ -34,7 +34,7 @@ except ImportError:  # the standalone package of older installs
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
                     guard_options, incident_line, load_guard_state, refuse_bypass,
-                    scaled_loss_unscaled, with_sharding)
+                    scaled_loss_unscaled, scaler_unscaled, with_sharding)
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -128,6 +128,7 @@ class StepguardCallback(pl.Callback):
         check_version("lightning", pl.__version__)
         scaler = self._scaler(trainer)
         options = guard_options(self.guard_options, self.policy)
+        layout = options.pop("layout", None)  # the port's (every optimizer's port is one)
         named = list(pl_module.named_parameters())  # the module's names, not DDP's "module."
         guards = []
         for optimizer in trainer.strategy.optimizers:
@@ -137,7 +138,7 @@ class StepguardCallback(pl.Callback):
                                  "return the plain optimizer, StepguardCallback wraps it")
             if not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named,
-                                            port=TrainerPort(optimizer, named, scaler),
+                                            port=TrainerPort(optimizer, named, scaler, layout),
                                             **with_sharding(options, optimizer))
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
@@ -196,8 +197,13 @@ class StepguardCallback(pl.Callback):
         # Lightning calls this after backward and before its gradient clip (Precision.
         # _after_closure): the guard's verdict on the gradients as backward left them.
         guard = self._guard_of(optimizer)
-        if guard is not None:
-            guard.take_verdict()
+        if guard is None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if (scaler is not None and scaler.is_enabled() and pl_module.automatic_optimization
+                and not scaler_unscaled(scaler, guard)):
+            return  # '16-mixed' and training_step returned None: no backward, no step
+        guard.take_verdict()
 
     def _clip_from_verdict(self, trainer: "pl.Trainer") -> None:
         # Lightning clips by norm through its precision plugin's clip_grad_by_norm (called from
@@ -232,8 +238,10 @@ class StepguardCallback(pl.Callback):
             guard = self._guard_of(optimizer)
             calls = guard.calls if guard is not None else 0
             out = original(optimizer, model=model, closure=closure, **kwargs)
-            if guard is not None and guard.calls == calls:
-                guard.step_the_scaler_skipped()
+            if guard is not None and guard.calls == calls and (guard.pending is not None
+                                                               or guard.to_drop > 0):
+                # Manual optimization's opt.step() returns the step's report either way.
+                return guard.step_the_scaler_skipped()
             return out
 
         plugin.optimizer_step = optimizer_step

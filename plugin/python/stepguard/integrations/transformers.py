@@ -57,7 +57,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
-                    incident_line, load_guard_state, refuse_bypass, with_sharding)
+                    incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -182,9 +182,10 @@ class StepguardCallback(transformers.TrainerCallback):
             raise ValueError("stepguard: fp16 with a %s; the integration follows accelerate's "
                              "torch.amp.GradScaler" % type(scaler).__name__)
         named = list(model.named_parameters())
-        self.guard = _TrainerGuard(
-            optimizer.optimizer, named, port=TrainerPort(optimizer.optimizer, named, scaler),
-            **with_sharding(guard_options(self.guard_options, self.policy), optimizer.optimizer))
+        options = guard_options(self.guard_options, self.policy)
+        port = TrainerPort(optimizer.optimizer, named, scaler, layout=options.pop("layout", None))
+        self.guard = _TrainerGuard(optimizer.optimizer, named, port=port,
+                                   **with_sharding(options, optimizer.optimizer))
         refuse_bypass(self.guard, "the HF Trainer")
         optimizer.optimizer = self.guard
         if scaler is not None:
@@ -227,7 +228,7 @@ class StepguardCallback(transformers.TrainerCallback):
         GradScaler unscales them first (as accelerate's clip_grad_norm_ does)."""
         guard = self.guard
         if guard.pending is None and self._optimizer.scaler is not None:
-            self._optimizer.scaler.unscale_(guard)
+            unscale_once(self._optimizer.scaler, guard)  # accelerate's clip may have unscaled
         return guard.take_verdict()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

@@ -43,16 +43,19 @@ def _offline(monkeypatch, tmp_path):
     torch.set_num_threads(1)
 
 
-def _trainer(out, **guard):
+def _model():
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                        eos_token_id=0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def _trainer(out, **guard):
     args = TrainingArguments(
         output_dir=str(out), max_steps=MAX_STEPS, per_device_train_batch_size=4,
         learning_rate=1e-3, save_strategy="steps", save_steps=SAVE_AT, logging_steps=1,
         report_to=[], use_cpu=True, seed=7, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = NanTrainer(model=GPT2LMHeadModel(config), args=args,
+    trainer = NanTrainer(model=_model(), args=args,
                          train_dataset=RandomTokens(64, 16, 64))
     callback = StepguardCallback(policy_yaml=POLICY, **guard).attach(trainer)
     return trainer, callback
@@ -212,15 +215,11 @@ def test_fp16_with_accelerates_scaler_one_process_with_and_without_attach(tmp_pa
     steps are the scaler's, skipped, and every report carries the scaler's scale."""
     from hf_worker import fp16_on_cpu
 
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                        eos_token_id=0)
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=MAX_STEPS, per_device_train_batch_size=4,
         learning_rate=1e-3, save_strategy="no", logging_steps=1, report_to=[], use_cpu=True,
         seed=7, dataloader_num_workers=0, disable_tqdm=True, fp16=True)
-    trainer = Trainer(model=GPT2LMHeadModel(config), args=args,
+    trainer = Trainer(model=_model(), args=args,
                       train_dataset=RandomTokens(64, 16, 64))
     fp16_on_cpu(trainer)
     callback = StepguardCallback(policy="default")

@@ -21,6 +21,7 @@ from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
            (0, "bf16-fused"),  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
+           (1, "bf16-fused"),  # ZeRO 1 over the config's AdamW (DeepSpeed's FusedAdam)
            (1, "bf16-fp32accum")]  # fp32 gradient accumulation: BF16_Optimizer
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
 MICRO = 2  # gradient accumulation: micro-batches per optimizer step
@@ -136,7 +137,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
-            "counts": counts}
+            "counts": counts, "basic": type(engine.basic_optimizer).__name__}
 
 
 FP16_STEPS, FP16_NAN = 24, 18
@@ -417,6 +418,8 @@ def _check(ranks, key, world):
         run = result[key]
         stage, precision = key.split("-")[:2]
         if key.endswith("-fused"):
+            assert run["basic"] == "FusedAdam", run["basic"]
+        if key == "0-bf16-fused":
             assert run["optimizer"] == "FP16_Optimizer", run["optimizer"]
         elif key.endswith("-fp32accum"):
             assert run["optimizer"] == "BF16_Optimizer", run["optimizer"]

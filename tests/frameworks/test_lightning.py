@@ -451,8 +451,20 @@ def train_sharded(out):
                os.path.join(out, "rank%d.pt" % trainer.global_rank))
 
 
+def leave():
+    """Ends a rank's script after its results are saved, without interpreter finalization (as
+    hf_worker.py does): torch's Gloo worker thread can drop the last reference to a finished
+    collective after the main thread began Py_FinalizeEx, and libstdc++ then aborts ("terminate
+    called without an active exception", SIGABRT), with or without stepguard. The test reads
+    the ranks' files once every rank has closed its output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     train_sharded(sys.argv[1]) if sys.argv[2:] == ["sharded"] else train(sys.argv[1])
+    leave()
 
 
 def test_lightning_older_than_the_tested_release_is_refused(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_lightning import LR, Net, pl, run_ranks  # noqa: E402  (the DDP run's model)
+from test_lightning import LR, Net, leave, pl, run_ranks  # noqa: E402  (the DDP run's model)
 
 STEPS = 16
 NAN_AT = 10     # trainer.global_step of the batch whose loss is NaN on rank 1
@@ -126,6 +126,7 @@ def train(out, mode):
 
 if __name__ == "__main__":
     train(sys.argv[1], sys.argv[2])
+    leave()
 
 
 def _ranks(out, mode):

@@ -36,6 +36,9 @@ LR = 0.05
 
 # --- the training script (each rank) -------------------------------------------------------
 class Net(pl.LightningModule):
+    steps = STEPS    # batches in its data
+    gamma = GAMMA    # its step scheduler's factor
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -54,12 +57,12 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(STEPS * 2 * 8, 8, generator=g)
+        x = torch.randn(self.steps * 2 * 8, 8, generator=g)
         y = x[:, :1] * 0.5 + 0.1 * torch.randn(len(x), 1, generator=g)
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 

@@ -37,6 +37,12 @@ GROWTH_INTERVAL = 3
 
 
 class HalfNet(Net):
+    steps = STEPS
+    # A step scheduler that leaves the LR as it is: Lightning steps it after every optimizer
+    # step, also after one its GradScaler skipped (the twin's LR would move on its overflow
+    # steps, the guarded run's not), and the twin is compared bit for bit.
+    gamma = 1.0
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.head(self.body(x)).float(), y)
@@ -45,20 +51,6 @@ class HalfNet(Net):
         if self.global_step == SPIKE_AT:
             loss = loss + 1e4 * loss.detach()
         return loss
-
-    def configure_optimizers(self):
-        # A step-interval scheduler that leaves the LR as it is: Lightning steps it after every
-        # optimizer step, also after one its GradScaler skipped (the twin's LR would move on its
-        # overflow steps, the guarded run's not), and the twin is compared bit for bit.
-        opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(STEPS * 2 * 8, 8, generator=g)
-        y = x[:, :1] * 0.5 + 0.1 * torch.randn(len(x), 1, generator=g)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
 class Recorder(pl.Callback):

@@ -218,7 +218,8 @@ def scaled_loss_unscaled(loss, scaler):
     framework hands over the loss it scaled for backward (Lightning's on_before_backward)."""
     if scaler is None or not scaler.is_enabled():
         return loss
-    return loss.detach().float() / scaler.get_scale()
+    # The scale as the scaler's own device tensor: no read to the host per micro-batch.
+    return loss.detach().float() / scaler._get_scale_async().float()
 
 
 class SeamGuard(GuardedOptimizer):

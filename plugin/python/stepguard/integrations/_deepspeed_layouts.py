@@ -2,6 +2,7 @@
 deepspeed): for each optimizer the engine may step, which tensors the guard inspects and
 restores, which gradients it inspects, and the optimizer's update with the agreed verdict."""
 
+import contextlib
 import math
 
 import torch
@@ -21,6 +22,30 @@ def _norm_after(verdict):
 def _names_by_id(engine):
     return {id(p): check_name(n, "parameter name")
             for n, p in engine.module.named_parameters()}
+
+
+def _zero_loss_scale(ds, fp16):
+    """A ZeRO optimizer's loss scale and floor under fp16 (DeepSpeed's scaler owns them; a
+    static scale cannot back off: its floor is itself), None otherwise."""
+    if not fp16:
+        return None
+    return float(ds.loss_scale), float(getattr(ds.loss_scaler, "min_scale", ds.loss_scale))
+
+
+@contextlib.contextmanager
+def _kept_at_floor(ds):
+    """DeepSpeed's overflow path without its exit at min_scale ("Current loss scale already at
+    minimum ... Exiting run."): there the policy decides (lower the LR, roll back, abort), and
+    the scaler stays at its floor."""
+    scaler = getattr(ds, "loss_scaler", None)
+    raises = getattr(scaler, "raise_error_at_min_scale", None)
+    if raises:
+        scaler.raise_error_at_min_scale = False
+    try:
+        yield
+    finally:
+        if raises:
+            scaler.raise_error_at_min_scale = raises
 
 
 class _Layout:
@@ -284,10 +309,7 @@ class _ZeroLayout(_Partitioned):
         self.fp16 = engine.fp16_enabled()
 
     def framework_loss_scale(self):
-        if not self.fp16:
-            return None
-        scaler = self.ds.loss_scaler
-        return float(self.ds.loss_scale), float(getattr(scaler, "min_scale", self.ds.loss_scale))
+        return _zero_loss_scale(self.ds, self.fp16)
 
     def gradients(self):
         """The averaged gradient of each piece, as DeepSpeed holds it before its step: a list
@@ -334,25 +356,17 @@ class _ZeroLayout(_Partitioned):
 
     def skip(self, ds_step):
         # DeepSpeed's own overflow path: gradients and buffers released, the scaler told,
-        # overflow set for the engine (skipped_steps, no scheduler step). At its min_scale
-        # DeepSpeed's DynamicLossScaler would raise ("Current loss scale already at minimum ...
-        # Exiting run."): there the policy decides (lower the LR, roll back, abort), so the
-        # scaler stays at its floor instead.
+        # overflow set for the engine (skipped_steps, no scheduler step).
         ds = self.ds
-        scaler = getattr(ds, "loss_scaler", None)
-        raises = getattr(scaler, "raise_error_at_min_scale", None)
         saved = ds.check_grad_overflow
         ds.check_grad_overflow = True
         ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", True)
-        if raises:
-            scaler.raise_error_at_min_scale = False
         try:
-            ds_step()
+            with _kept_at_floor(ds):
+                ds_step()
         finally:
             del ds.check_overflow
             ds.check_grad_overflow = saved
-            if raises:
-                scaler.raise_error_at_min_scale = raises
 
 
 class _Zero3Layout(_Layout):
@@ -405,10 +419,7 @@ class _Zero3Layout(_Layout):
         return self.views, self.names
 
     def framework_loss_scale(self):
-        if not self.fp16:
-            return None
-        scaler = self.ds.loss_scaler
-        return float(self.ds.loss_scale), float(getattr(scaler, "min_scale", self.ds.loss_scale))
+        return _zero_loss_scale(self.ds, self.fp16)
 
     def gradients(self):
         averaged = self.ds.averaged_gradients
@@ -420,19 +431,14 @@ class _Zero3Layout(_Layout):
 
     def _run(self, ds_step, overflow, norm):
         ds = self.ds
-        scaler = getattr(ds, "loss_scaler", None)
-        raises = getattr(scaler, "raise_error_at_min_scale", None) if overflow else None
         ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", overflow)
         device = getattr(ds, "device", None)
         ds._get_norm_groups = lambda: [torch.tensor(norm, dtype=torch.float, device=device)]
-        if raises:
-            scaler.raise_error_at_min_scale = False  # the policy decides at the floor
         try:
-            ds_step()
+            with _kept_at_floor(ds) if overflow else contextlib.nullcontext():
+                ds_step()
         finally:
             del ds.check_overflow, ds._get_norm_groups
-            if raises:
-                scaler.raise_error_at_min_scale = raises
 
     def update(self, ds_step):
         # DeepSpeed's step with the agreed norm (scaled, as its clip takes it) instead of a norm

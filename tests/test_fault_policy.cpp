@@ -292,10 +292,12 @@ TEST(DefaultPreset, TheWatchSurvivesTheStateRoundTrip) {
   // A state of an earlier release (no recent windows, no watch) still decodes, with them empty.
   policy::EngineState older = run.controller.engine_state();
   std::vector<std::int64_t> engine_words = older.encode();
-  const std::size_t tail = 2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() + 6;
+  const std::size_t tail =
+      2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() + 6 + 1;
   engine_words.resize(engine_words.size() - tail);
+  const auto& rules = run.controller.config().rules;
   const policy::EngineState decoded =
-      policy::EngineState::decode(engine_words, run.controller.config().rules.size());
+      policy::EngineState::decode(engine_words, rules.size(), policy::rules_digest(rules));
   EXPECT_TRUE(decoded.loss_ema.recent.empty());
   EXPECT_EQ(decoded.watch.started, 0);
   EXPECT_EQ(decoded.loss_ema.mean, older.loss_ema.mean);

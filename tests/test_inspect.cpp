@@ -172,6 +172,32 @@ TEST(Inspect, UnscaleInPlaceTouchesFiniteElementsOnly) {
   EXPECT_TRUE(at::all(nc == 2.0f).item<bool>());
 }
 
+// The check and the act see the same numbers: a finite element whose unscaled value is past the
+// largest of its dtype is written as Inf, and it is counted as one (before, the fp64 check called
+// it finite and the step was applied with an Inf gradient: NaN weights).
+TEST(Inspect, AnElementTheUnscaleTurnsInfiniteCountsAsNonfinite) {
+  auto g32 = f32({1e30f, 2.0f, 3.0f});
+  auto g16 = bits16({0x7bff /* 65504, fp16 largest */, 0x0001 /* 2^-24 */}, at::kHalf);
+  auto gbf = bits16({0x7f7f /* bf16's largest */}, at::kBFloat16);
+  InspectOptions opt;
+  opt.inv_scale = 1e10;  // a scale of 1e-10
+  opt.unscale_in_place = true;
+  const LocalStats s = inspect_gradients({g32, g16, gbf}, opt);
+  EXPECT_EQ(s.inf_count, 3);
+  EXPECT_EQ(s.nan_count, 0);
+  EXPECT_EQ(s.nonfinite_tensors, (std::vector<std::int64_t>{0, 1, 2}));
+  EXPECT_TRUE(std::isinf(g32[0].item<float>()));
+  EXPECT_EQ(g32[1].item<float>(), 2e10f);
+  EXPECT_TRUE(std::isinf(g16[0].item<float>()));
+  EXPECT_TRUE(std::isinf(gbf[0].item<float>()));
+  // A product that stays finite is not counted.
+  auto ok = f32({1e28f});
+  opt.inv_scale = 1e10;
+  const LocalStats fine = inspect_gradients({ok}, opt);
+  EXPECT_EQ(fine.inf_count, 0);
+  EXPECT_EQ(ok.item<float>(), 1e28f * 1e10f);
+}
+
 TEST(Inspect, SixteenBitUnscaleRoundsLikeATen) {
   at::manual_seed(3);
   for (auto dtype : {at::kHalf, at::kBFloat16}) {

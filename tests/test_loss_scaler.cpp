@@ -2,8 +2,11 @@
 // and floor). Expected scales are worked out by hand in the comments.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "csrc/scaling/loss_scaler.h"
@@ -139,10 +142,77 @@ TEST(LossScaler, BadConfigNamesTheField) {
   c = {};
   c.min_scale = 1e6;
   EXPECT_EQ(message(c),
-            "stepguard: loss_scale: init_scale must lie between min_scale and max_scale");
+            "stepguard: loss_scale: init_scale must lie between min_scale and max_scale, and in "
+            "[2^-126, 2^126]");
+  c = {};
+  c.init_scale = 1e-39;  // its inverse is no finite fp32
+  EXPECT_EQ(message(c),
+            "stepguard: loss_scale: init_scale must lie between min_scale and max_scale, and in "
+            "[2^-126, 2^126]");
   c = {};
   c.init_scale = std::numeric_limits<double>::quiet_NaN();
   EXPECT_EQ(message(c), "stepguard: loss_scale: init_scale must be finite and > 0");
+}
+
+// GradScaler's rule has no floor: a long streak of overflows halved the scale to 4.6e-41, whose
+// fp32 inverse is Inf, and a clean step then wrote NaN weights. The scale stops where it and its
+// inverse are still finite fp32 numbers, and says it is at its floor (the policy then escalates).
+TEST(LossScaler, NeverGoesWhereItsInverseIsNoFiniteFloat) {
+  LossScaler s;  // min_scale 0: "no floor"
+  for (int i = 0; i < 400; ++i) s.update(true);
+  EXPECT_EQ(s.scale(), kMinUsableScale);
+  EXPECT_TRUE(s.at_floor());
+  EXPECT_TRUE(std::isfinite(static_cast<float>(s.inv_scale())));
+  EXPECT_EQ(s.state().steps_at_floor, 400 - 141);  // at 2^16 * 2^-142 = 2^-126 from update 142
+  s.drop(0.5);
+  EXPECT_EQ(s.scale(), kMinUsableScale);
+  LossScalerConfig grow;
+  grow.growth_interval = 1;
+  LossScaler g(grow);
+  for (int i = 0; i < 400; ++i) g.update(false);
+  EXPECT_EQ(g.scale(), kMaxUsableScale);
+  EXPECT_TRUE(std::isfinite(static_cast<float>(g.scale())));
+  EXPECT_GT(static_cast<float>(g.inv_scale()), 0.0f);
+}
+
+// A saved state is restored only when this scaler could have reached it: a scale of 1e-300
+// loaded and its first step wrote NaN weights; 5e-324 made every step raise.
+TEST(LossScaler, RestoreRefusesStatesItCannotReach) {
+  LossScalerConfig c;
+  c.growth_interval = 100;
+  c.hysteresis = 2;
+  LossScaler s(c);
+  const LossScalerState before = s.state();
+  const auto refusal = [&s](LossScalerState st) {
+    try {
+      s.restore(st);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("restored");
+  };
+  LossScalerState st = before;
+  for (double scale : {1e-300, 5e-324, 1e300, 0.0, -1.0, std::numeric_limits<double>::infinity(),
+                       std::numeric_limits<double>::quiet_NaN()}) {
+    st.scale = scale;
+    EXPECT_EQ(refusal(st).rfind("stepguard: loss_scale: the saved scale ", 0), 0u) << scale;
+  }
+  st = before;
+  st.growth_tracker = 100;
+  EXPECT_EQ(refusal(st), "stepguard: loss_scale: the saved growth tracker 100 is not in [0, 100)");
+  st = before;
+  st.hysteresis_left = 3;
+  EXPECT_EQ(refusal(st), "stepguard: loss_scale: the saved hysteresis 3 is not in [0, 2]");
+  st = before;
+  st.steps_at_floor = std::numeric_limits<std::int64_t>::max();
+  EXPECT_EQ(refusal(st).rfind("stepguard: loss_scale: the saved count of steps at the floor", 0),
+            0u);
+  EXPECT_EQ(s.state(), before);
+  st = before;
+  st.scale = 1024.0;
+  st.growth_tracker = 99;
+  EXPECT_EQ(refusal(st), "restored");
+  EXPECT_EQ(s.scale(), 1024.0);
 }
 
 }  // namespace

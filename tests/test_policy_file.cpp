@@ -160,7 +160,7 @@ TEST(PolicyFile, MissingFileIsOneIssueAndLoadThrowsWithEveryLine) {
 
   const auto dir_issues = check_policy_file(::testing::TempDir(), nullptr);
   ASSERT_EQ(dir_issues.size(), 1u);
-  EXPECT_NE(dir_issues[0].message.find("it is a directory"), std::string::npos);
+  EXPECT_NE(dir_issues[0].message.find("a directory, not a file"), std::string::npos);
 
   const std::string path = ::testing::TempDir() + "/sg_bad_policy.yaml";
   std::ofstream(path) << "version: 3\nlimit: {}\n";

@@ -172,11 +172,49 @@ TEST(StepController, BadStateWordsAreRejectedAndChangeNothing) {
   bad_lr[bad_lr.size() - 6] = 0;  // LR factor bits 0 -> factor 0.0
   EXPECT_THROW(c.decode(bad_lr), std::invalid_argument);
   EXPECT_EQ(c.encode(), before);
-  // A state from a policy with another number of rules does not fit.
-  StepController two(parse("version: 1\nrules:\n  - {on: nonfinite, action: skip_batch}\n"
-                           "  - {on: nonfinite, action: lower_lr}\n"),
-                     false);
-  EXPECT_THROW(two.decode(before), std::invalid_argument);
+}
+
+// The rule state is positional: a state saved under other rules (here one rule more, or the
+// same number of other rules) would land on rules it does not belong to. The rules' digest
+// saved with it tells: each rule's state starts afresh, the rest of the state is kept. A state
+// of the same rules keeps its rule state.
+TEST(StepController, AStateOfOtherRulesRestoresWithFreshRuleState) {
+  const char* skip_rule =
+      "version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
+      "  - {on: nonfinite, consecutive: 3, action: skip_batch}\n"
+      "  - {on: nonfinite, within: {steps: 10, count: 2}, action: lower_lr, recover_over: 4}\n";
+  StepController saved(parse(skip_rule), true);
+  for (std::int64_t s = 1; s <= 2; ++s) saved.decide(s, stats_for('n', s));
+  ASSERT_EQ(saved.engine_state().rules[0].streak, 2);
+  ASSERT_EQ(saved.engine_state().rules[1].fired, 1);
+  const auto words = saved.encode();
+
+  StepController same(parse(skip_rule), true);
+  same.decode(words);
+  EXPECT_EQ(same.encode(), words);
+
+  // Two rules again, on other signals: the streak of 2 would have fired a rollback at step 3.
+  StepController other(parse("version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
+                             "  - {on: loss_spike, consecutive: 3, action: rollback}\n"
+                             "  - {on: nonfinite, within: {steps: 10, count: 2}, action: "
+                             "lower_lr, recover_over: 4}\n"),
+                       true);
+  other.decode(words);
+  for (const policy::RuleState& r : other.engine_state().rules) {
+    EXPECT_EQ(r, policy::RuleState{});
+  }
+  EXPECT_EQ(other.loss_scale(), saved.loss_scale());
+  EXPECT_EQ(other.lr_factor(), saved.lr_factor());
+  EXPECT_EQ(other.engine_state().bad_steps_total, saved.engine_state().bad_steps_total);
+
+  StepController three(parse("version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
+                             "  - {on: nonfinite, action: skip_batch}\n"
+                             "  - {on: nonfinite, action: lower_lr}\n"
+                             "  - {on: loss_spike, action: skip_batch}\n"),
+                       true);
+  three.decode(words);
+  EXPECT_EQ(three.engine_state().rules.size(), 3u);
+  EXPECT_EQ(three.lr_factor(), saved.lr_factor());
 }
 
 TEST(StepController, DropLossScaleNeedsLossScaling) {

@@ -118,14 +118,15 @@ TEST(IncidentShow, OnlyABoundedRegularFileIsRead) {
     return std::string("no error");
   };
   EXPECT_EQ(refusal(fifo), fifo + ": cannot read: a FIFO, not a regular file");
-  EXPECT_EQ(refusal("/dev/zero"), "/dev/zero: cannot read: not a regular file");
+  EXPECT_EQ(refusal("/dev/zero"), "/dev/zero: cannot read: a device, not a regular file");
   const std::string huge = dir + "/huge.json";
   std::ofstream(huge).close();
   ASSERT_EQ(::truncate(huge.c_str(), off_t{1} << 40), 0);
   EXPECT_EQ(refusal(huge), huge +
                                ": cannot read: 1099511627776 bytes, more than the 16777216 "
                                "this file can hold");
-  EXPECT_EQ(refusal(dir + "/none.json"), dir + "/none.json: cannot read: missing");
+  EXPECT_EQ(refusal(dir + "/none.json"),
+            dir + "/none.json: cannot read: No such file or directory");
 }
 
 // A trace belongs to one live guard: a second one on the same path is refused, and a trace an

@@ -10,7 +10,7 @@
 #include <system_error>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
-#include "csrc/common/regular_file.h"
+#include "csrc/common/safe_file.h"
 
 namespace stepguard {
 namespace checkpoint {

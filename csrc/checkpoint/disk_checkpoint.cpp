@@ -16,7 +16,6 @@
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/checkpoint/disk_checkpoint_internal.h"
-#include "csrc/common/regular_file.h"
 
 namespace stepguard {
 namespace checkpoint {
@@ -39,14 +38,6 @@ namespace {
                         (errno ? std::string(": ") + std::strerror(errno) : ""));
 }
 
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) fail(dir, "cannot open directory to sync it");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) fail(dir, "fsync of the directory failed");
-}
-
 // Renames a checkpoint directory out of sight (atomic, durable) and returns where it went, so a
 // crash before it is removed leaves a hidden remnant that the next commit clears, never a damaged
 // checkpoint. "" when there was nothing to hide, or it could not be renamed (permissions): then
@@ -58,11 +49,11 @@ std::string hide_checkpoint_dir(const std::string& root, const std::string& dir)
                             std::to_string(::getpid());
   fs::remove_all(trash, ec);
   if (::rename(dir.c_str(), trash.c_str()) != 0) {
-    if (fs::remove(fs::path(dir) / kManifest, ec)) fsync_dir(dir);
+    if (fs::remove(fs::path(dir) / kManifest, ec)) sync_directory(dir);
     fs::remove_all(dir, ec);
     return {};
   }
-  fsync_dir(root);
+  sync_directory(root);
   return trash;
 }
 
@@ -127,52 +118,6 @@ std::string checksum_hex(const Pieces& pieces) {
   return hex;
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  Pieces pieces;
-  pieces.add(bytes.data(), bytes.size());
-  write_file_atomically(path, pieces);
-}
-
-void write_file_atomically(const std::string& path, const Pieces& pieces) {
-  const fs::path target(path);
-  const std::string dir = target.parent_path().empty() ? "." : target.parent_path().string();
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  // A fresh file, never through a link planted at its name: O_EXCL | O_NOFOLLOW. One left by an
-  // earlier process of this pid (a crash) is unlinked first (unlink removes a link, not its
-  // target). The rename below replaces whatever sits at `path` (a link too) without following it.
-  constexpr int kFresh = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
-  errno = 0;
-  int fd = ::open(tmp.c_str(), kFresh, 0644);
-  if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0)
-    fd = ::open(tmp.c_str(), kFresh, 0644);
-  if (fd < 0) fail(tmp, "cannot create");
-  for (const auto& [data, size] : pieces.parts) {
-    const char* bytes = static_cast<const char*>(data);
-    std::size_t done = 0;
-    while (done < size) {
-      const ssize_t n = ::write(fd, bytes + done, size - done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        fail(tmp, "write failed");
-      }
-      done += static_cast<std::size_t>(n);
-    }
-  }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    fail(tmp, "fsync failed");
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    fail(path, "rename failed");
-  }
-  fsync_dir(dir);
-}
-
 std::string step_dir(const std::string& root, std::int64_t step) {
   char name[32];
   std::snprintf(name, sizeof name, "step-%09" PRId64, step);
@@ -223,7 +168,7 @@ void write_rank_file(const std::string& root, const std::string& run, std::int64
                            {"bytes", static_cast<std::int64_t>(payload.size())},
                            {"xxh3_64", checksum_hex(payload)}};
   write_file_atomically(record_path, record.dump() + "\n");
-  fsync_dir(root);
+  sync_directory(root);
 }
 
 void commit_checkpoint(const std::string& root, const std::string& run, std::int64_t step,
@@ -262,7 +207,7 @@ void commit_checkpoint(const std::string& root, const std::string& run, std::int
   errno = 0;
   if (::rename(pending.c_str(), dir.c_str()) != 0)
     fail(dir, "cannot move the checkpoint into place");
-  fsync_dir(root);
+  sync_directory(root);
   // Only now, with the new checkpoint complete on disk, may this run's older ones go.
   std::vector<std::int64_t> complete;
   std::vector<std::string> stale;

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "csrc/common/safe_file.h"
+
 namespace stepguard {
 namespace checkpoint {
 
@@ -55,30 +57,14 @@ struct VerifyReport {
   bool ok() const noexcept { return problems.empty(); }
 };
 
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-/// The bytes of one file as pieces written in order (no concatenated copy of a large payload).
-struct Pieces {
-  std::vector<std::pair<const void*, std::size_t>> parts;
-  void add(const void* data, std::size_t size) { parts.push_back({data, size}); }
-  std::size_t size() const noexcept {
-    std::size_t n = 0;
-    for (const auto& p : parts) n += p.second;
-    return n;
-  }
-};
+/// An error about a checkpoint file or folder, naming it (the file layer's error: one type).
+using CheckpointError = ::stepguard::FileError;
+using ::stepguard::Pieces;
+using ::stepguard::write_file_atomically;
 
 /// XXH3-64 of `bytes`, as 16 hex digits.
 std::string checksum_hex(const std::string& bytes);
 std::string checksum_hex(const Pieces& pieces);
-
-/// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync of the directory).
-/// Throws CheckpointError naming the path.
-void write_file_atomically(const std::string& path, const std::string& bytes);
-void write_file_atomically(const std::string& path, const Pieces& pieces);
 
 /// The checkpoint directory of `step` under `root`.
 std::string step_dir(const std::string& root, std::int64_t step);

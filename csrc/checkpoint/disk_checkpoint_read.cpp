@@ -4,13 +4,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/checkpoint/disk_checkpoint_internal.h"
-#include "csrc/common/regular_file.h"
+#include "csrc/common/safe_file.h"
 
 namespace stepguard {
 namespace checkpoint {
@@ -94,7 +96,8 @@ bool read_manifest(const std::string& dir, CheckpointEntry* entry, std::string* 
   if (!read_regular_file(path, kMaxSmallFile, &text, &why)) {
     *problem =
         path + ": " +
-        (why == "missing" ? std::string("missing (the checkpoint was never completed)") : why);
+        (why == std::strerror(ENOENT) ? std::string("missing (the checkpoint was never completed)")
+                                      : why);
     return false;
   }
   try {

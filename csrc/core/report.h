@@ -98,6 +98,8 @@ struct Verdict {
   bool loss_given = true;
   double loss = 0.0;                 ///< the agreed loss (NaN when no rank gave one)
   std::int64_t batches_to_skip = 0;  ///< with a rollback: batches to drop after it
+  /// The guard that gave it (a number unique in the process): settle() takes its own only.
+  std::uint64_t guard_id = 0;
 
   bool applies() const noexcept { return outcome == Outcome::kApplied; }
 };

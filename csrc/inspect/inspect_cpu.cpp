@@ -114,32 +114,50 @@ SG_CPU_CLONES ChunkStats chunk_f64(const void* p, std::int64_t n, double inv_sca
                           : inspect_chunk<GradDtype::kFloat64, true>(bits, n, inv_scale, next);
 }
 
-// In-place unscale of finite fp32 elements (in fp32, as GradScaler does) while the chunk is hot.
-SG_CPU_CLONES void unscale_f32(void* p, std::int64_t n, double inv_scale) {
+// In-place unscale of finite elements while the chunk is hot. Each returns how many finite
+// elements it turned into Inf (the product past the largest value of the gradient's dtype): they
+// count as non-finite, so a step never applies a value the inspection did not see.
+SG_CPU_CLONES std::int64_t unscale_f32(void* p, std::int64_t n, double inv_scale) {
   auto* x = static_cast<float*>(p);
-  const float s = static_cast<float>(inv_scale);
+  const float s = static_cast<float>(inv_scale);  // in fp32, as GradScaler does
+  std::int64_t made = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const bool finite = (f32_to_bits(x[i]) & 0x7f800000u) != 0x7f800000u;
-    x[i] = finite ? x[i] * s : x[i];
+    const float y = finite ? x[i] * s : x[i];
+    made += finite && (f32_to_bits(y) & 0x7f800000u) == 0x7f800000u;
+    x[i] = y;
   }
+  return made;
 }
-SG_CPU_CLONES void unscale_f64(void* p, std::int64_t n, double inv_scale) {
+SG_CPU_CLONES std::int64_t unscale_f64(void* p, std::int64_t n, double inv_scale) {
   auto* x = static_cast<double*>(p);
-  for (std::int64_t i = 0; i < n; ++i) x[i] = std::isfinite(x[i]) ? x[i] * inv_scale : x[i];
+  std::int64_t made = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const bool finite = std::isfinite(x[i]);
+    const double y = finite ? x[i] * inv_scale : x[i];
+    made += finite && !std::isfinite(y);
+    x[i] = y;
+  }
+  return made;
 }
 
 // 16-bit types: computed in fp32 and rounded to nearest even, as ATen's mul_ does.
 template <typename T, GradDtype DT>
-void unscale_16(void* p, std::int64_t n, double inv_scale) {
+std::int64_t unscale_16(void* p, std::int64_t n, double inv_scale) {
   auto* x = static_cast<T*>(p);
   const auto* bits = static_cast<const std::uint16_t*>(p);
   const float s = static_cast<float>(inv_scale);
+  std::int64_t made = 0;
   for (std::int64_t i = 0; i < n; ++i) {
-    if (!is_nonfinite<DT>(bits[i])) x[i] = static_cast<T>(static_cast<float>(x[i]) * s);
+    if (is_nonfinite<DT>(bits[i])) continue;
+    const T y = static_cast<T>(static_cast<float>(x[i]) * s);
+    made += is_nonfinite<DT>(y.x);  // the raw bits of the rounded value
+    x[i] = y;
   }
+  return made;
 }
 
-void unscale_chunk(GradDtype dtype, void* p, std::int64_t n, double inv_scale) {
+std::int64_t unscale_chunk(GradDtype dtype, void* p, std::int64_t n, double inv_scale) {
   switch (dtype) {
     case GradDtype::kFloat32:
       return unscale_f32(p, n, inv_scale);
@@ -150,6 +168,7 @@ void unscale_chunk(GradDtype dtype, void* p, std::int64_t n, double inv_scale) {
     case GradDtype::kBFloat16:
       return unscale_16<c10::BFloat16, GradDtype::kBFloat16>(p, n, inv_scale);
   }
+  return 0;
 }
 
 // `next`: the chunk the caller reads after this one, prefetched at the end (or null).
@@ -365,7 +384,9 @@ void inspect_on_cpu(const GradViews& views, const InspectOptions& options, const
           const void* next = c + 1 < hi ? chunks[c + 1].data : nullptr;
           partial[c] = inspect_one_chunk(ch.dtype, ch.data, ch.count, options.inv_scale, next);
           // In the same visit, while the chunk is in cache.
-          if (unscale_here) unscale_chunk(ch.dtype, ch.data, ch.count, options.inv_scale);
+          if (unscale_here) {
+            partial[c].inf_count += unscale_chunk(ch.dtype, ch.data, ch.count, options.inv_scale);
+          }
         }
       });
 

@@ -44,10 +44,31 @@ std::vector<std::int64_t> EngineState::encode() const {
         bits_of(watch.grad_norm_level), bits_of(watch.loss_now), watch.escalations}) {
     w.push_back(v);
   }
+  w.push_back(static_cast<std::int64_t>(rules_digest));  // appended in 0.9
   return w;
 }
 
-EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count) {
+std::uint64_t rules_digest(const std::vector<Rule>& rules) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the fields' 64-bit values
+  const auto mix = [&h](std::uint64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (v >> (8 * b)) & 0xFF;
+      h *= 0x100000001b3ull;
+    }
+  };
+  mix(rules.size());
+  for (const Rule& r : rules) {
+    for (std::int64_t v :
+         {static_cast<std::int64_t>(r.on), r.consecutive, r.within_steps, r.within_count,
+          r.after_step, r.cooldown, static_cast<std::int64_t>(r.action.type)}) {
+      mix(static_cast<std::uint64_t>(v));
+    }
+  }
+  return h == 0 ? 1 : h;  // 0 means "not recorded"
+}
+
+EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count,
+                                std::uint64_t digest, bool* rules_reset) {
   std::size_t at = 0;
   auto next = [&]() -> std::int64_t {
     if (at >= words.size()) throw std::invalid_argument("stepguard: policy state is truncated");
@@ -74,11 +95,10 @@ EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::siz
   s.loss_ratio.reference_max = double_of(next());
   s.loss_ratio.count = next();
   const std::int64_t n = next();
-  if (n != static_cast<std::int64_t>(rule_count)) {
-    throw std::invalid_argument("stepguard: policy state holds " + std::to_string(n) +
-                                " rules, the policy has " + std::to_string(rule_count));
+  if (n < 0 || static_cast<std::size_t>(n) > words.size() - at) {
+    throw std::invalid_argument("stepguard: policy state holds a bad rule count");
   }
-  s.rules.resize(rule_count);
+  s.rules.resize(static_cast<std::size_t>(n));
   for (RuleState& r : s.rules) {
     r.streak = next();
     r.last_fired = next();
@@ -100,15 +120,24 @@ EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::siz
     s.watch.loss_now = double_of(next());
     s.watch.escalations = next();
   }
+  if (at < words.size()) s.rules_digest = static_cast<std::uint64_t>(next());
   if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
   s.check_ranges();
+  const bool other_rules =
+      s.rules_digest != 0 ? s.rules_digest != digest : s.rules.size() != rule_count;
+  if (other_rules && s.rules_digest == 0) {
+    throw std::invalid_argument("stepguard: policy state holds " + std::to_string(n) +
+                                " rules, the policy has " + std::to_string(rule_count));
+  }
+  if (rules_reset != nullptr) *rules_reset = other_rules;
+  if (other_rules) s.rules.assign(rule_count, RuleState{});
+  s.rules_digest = digest;
   return s;
 }
 
 namespace {
 
-// Far beyond any run, far inside int64 and exact in a double: counts and steps stay below it.
-constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+constexpr std::int64_t kMaxCount = kMaxDecodedCount;
 
 void check_count(const char* what, std::int64_t v) {
   if (v < 0 || v > kMaxCount) {

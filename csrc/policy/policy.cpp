@@ -190,6 +190,7 @@ PolicyEngine::PolicyEngine(PolicyConfig config)
     }
   }
   state_.rules.resize(config_.rules.size());
+  state_.rules_digest = rules_digest(config_.rules);
 }
 
 void PolicyEngine::restore(const EngineState& state) {
@@ -199,6 +200,7 @@ void PolicyEngine::restore(const EngineState& state) {
                                 std::to_string(config_.rules.size()));
   }
   state_ = state;
+  state_.rules_digest = rules_digest(config_.rules);
 }
 
 void PolicyEngine::restore_detectors(const EngineState& state) {

@@ -94,6 +94,11 @@ constexpr SignalSet kSpikeSignals =
     bit(Signal::kLossSpike) | bit(Signal::kGradNormSpike) | bit(Signal::kLossRatio);
 
 /// One rule: when a signal in `on` is raised and every condition holds, take `action`.
+struct Rule;
+/// A digest of what the rules' state means: each rule's signals, conditions and action, in
+/// order (names left out: renaming a rule keeps its state). Saved with the state.
+std::uint64_t rules_digest(const std::vector<Rule>& rules) noexcept;
+
 struct Rule {
   std::string name;  ///< from the file, or "rule <n>" (1-based)
   SignalSet on = 0;
@@ -186,6 +191,9 @@ struct EngineState {
   std::vector<std::int64_t> recent_skips;      ///< steps of recent skips, newest last
   std::vector<std::int64_t> recent_rollbacks;  ///< steps of recent rollbacks, newest last
   RecoveryWatch watch;
+  /// rules_digest() of the policy whose rules `rules` belongs to (0: a state of an earlier
+  /// release, which did not record it). Not compared: it names the policy, not the state.
+  std::uint64_t rules_digest = 0;
 
   bool operator==(const EngineState& o) const noexcept {
     return consecutive_bad_steps == o.consecutive_bad_steps &&
@@ -195,10 +203,14 @@ struct EngineState {
            watch == o.watch;
   }
   /// The state as 64-bit words (doubles by their bits), and back. decode() throws
-  /// std::invalid_argument on words that do not describe a state of `rule_count` rules; words of
-  /// an earlier release (without the recent windows and the watch) decode with them empty.
+  /// std::invalid_argument on words that do not describe a state; words of an earlier release
+  /// (without the recent windows, the watch or the rules' digest) decode with them empty. The
+  /// rule state is positional: a state recorded under other rules (its digest differs from
+  /// `digest`) decodes with every rule's state fresh and `*rules_reset` set; one of an earlier
+  /// release must hold `rule_count` rules.
   std::vector<std::int64_t> encode() const;
-  static EngineState decode(const std::vector<std::int64_t>& words, std::size_t rule_count);
+  static EngineState decode(const std::vector<std::int64_t>& words, std::size_t rule_count,
+                            std::uint64_t digest, bool* rules_reset = nullptr);
   /// Throws std::invalid_argument naming the value when a count or step is negative or beyond
   /// 2^52, or an average is not a finite number (decode() checks this).
   void check_ranges() const;

@@ -11,13 +11,13 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "csrc/common/safe_file.h"
 #include "csrc/common/utf8.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/policy/policy_file_internal.h"
@@ -125,17 +125,13 @@ std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig
              "no policy file of that name and no shipped preset" +
                  detail::did_you_mean(path, names) + " (presets: " + detail::join(names) + ")"}};
   }
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return {{path, 0, 0, "cannot read policy file: it is a directory"}};
+  // A policy is a page of YAML: a FIFO, a device or a file past this is refused unread.
+  constexpr std::int64_t kMaxPolicyBytes = std::int64_t{1} << 20;
+  std::string text, why;
+  if (!read_regular_file(path, kMaxPolicyBytes, &text, &why)) {
+    return {{path, 0, 0, "cannot read policy file: " + why}};
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return {{path, 0, 0, std::string("cannot read policy file: ") + std::strerror(errno)}};
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_policy(text.str(), path, config);
+  return parse_policy(text, path, config);
 }
 
 PolicyConfig load_policy_file(const std::string& path) {

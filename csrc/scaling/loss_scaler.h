@@ -16,13 +16,21 @@
 namespace stepguard {
 namespace scaling {
 
+/// The scales the guard ever uses: both the scale and its inverse are finite, normal fp32 numbers
+/// (the loss is multiplied by the scale and the gradients by the inverse in fp32). Below 2^-126
+/// the inverse overflows fp32 (1/scale is Inf and the unscaled gradients NaN), so the scale stops
+/// at this floor whatever the config says (GradScaler's rule alone has none); the policy then
+/// sees an overflow the scale cannot fix.
+constexpr double kMinUsableScale = 1.1754943508222875e-38;  // 2^-126
+constexpr double kMaxUsableScale = 8.507059173023462e+37;   // 2^126
+
 struct LossScalerConfig {
   double init_scale = 65536.0;  ///< 2^16, as GradScaler
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   std::int64_t growth_interval = 2000;
   std::int64_t hysteresis = 1;  ///< non-finite steps tolerated before backing off (Megatron: 2)
-  double min_scale = 0.0;       ///< floor; 0 = none (GradScaler has none; Megatron uses 1)
+  double min_scale = 0.0;  ///< floor; 0 = none but kMinUsableScale (GradScaler: none; Megatron: 1)
   double max_scale = std::numeric_limits<double>::infinity();
 };
 
@@ -50,12 +58,18 @@ class LossScaler {
 
   double scale() const noexcept { return state_.scale; }
   double inv_scale() const noexcept { return 1.0 / state_.scale; }
-  bool at_floor() const noexcept {
-    return config_.min_scale > 0.0 && state_.scale <= config_.min_scale;
-  }
+  /// The lowest scale this scaler reaches: the config's floor, never below kMinUsableScale.
+  double floor() const noexcept;
+  /// The highest: the config's ceiling, never above kMaxUsableScale.
+  double ceiling() const noexcept;
+  bool at_floor() const noexcept { return state_.scale <= floor(); }
   const LossScalerConfig& config() const noexcept { return config_; }
   const LossScalerState& state() const noexcept { return state_; }
-  void restore(const LossScalerState& state) { state_ = state; }
+  /// Throws std::invalid_argument naming the field when `state` is not one this scaler can reach
+  /// (a scale outside [floor(), ceiling()], counters outside their bounds); changes nothing.
+  void check(const LossScalerState& state) const;
+  /// check(), then takes `state`.
+  void restore(const LossScalerState& state);
 
  private:
   void set_scale(double scale);

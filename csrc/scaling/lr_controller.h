@@ -37,7 +37,12 @@ class LrController {
 
   double factor() const noexcept { return state_.factor; }
   const LrControllerState& state() const noexcept { return state_; }
-  void restore(const LrControllerState& state) { state_ = state; }
+  /// Throws std::invalid_argument naming the field when `state` is not one lower() and on_step()
+  /// can reach: factor and recovery start in (0, 1], every count in [0, 2^52], a recovery
+  /// under way not past its end. The arithmetic of on_step() is exact within these bounds.
+  static void check(const LrControllerState& state);
+  /// check(), then takes `state`.
+  void restore(const LrControllerState& state);
 
  private:
   LrControllerState state_;

@@ -30,10 +30,14 @@ namespace {
 // `path` opened for appending and locked by this guard; -1 when another holder has the lock.
 int open_locked(const std::string& path, int flags) {
   // O_NONBLOCK: a FIFO without a reader is an error, not a hang (no effect on regular files).
-  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK | flags, 0644);
+  // O_NOFOLLOW: a link planted at the trace's name is refused, never appended through.
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW | flags, 0644);
   if (fd < 0) {
     if (errno == EEXIST) return -2;
-    fail(path, std::strerror(errno));
+    fail(path, errno == ELOOP ? std::string("it is a symbolic link; give the trace a path of its "
+                                            "own")
+                              : std::string(std::strerror(errno)));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stepguard
+from stepguard import _files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POLICY = os.path.join(HERE, "..", "..", "configs", "policies", "default.yaml")
@@ -96,6 +97,8 @@ class CharTransformer(nn.Module):
 DEFAULT_CORPUS_DIR = "/usr/share/common-licenses"
 STABLE_LICENSE_TEXTS = ("Apache-2.0", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-3", "LGPL-3", "MPL-1.1",
                         "MPL-2.0")
+# A text of the corpus is a book at most (as the C++ demo's corpus.cpp).
+MAX_CORPUS_TEXT_BYTES = 64 << 20
 
 
 def load_corpus(directory):
@@ -117,8 +120,11 @@ def load_corpus(directory):
                 names.append(name)
     text = b""
     for name in names:
-        with open(os.path.join(directory, name), "rb") as f:
-            text += f.read() + b"\n"
+        try:
+            text += _files.read_regular(os.path.join(directory, name), MAX_CORPUS_TEXT_BYTES)
+        except _files.FileError:
+            continue  # not a regular file of a text's size: left out, as the C++ demo does
+        text += b"\n"
     if len(text) < 4096:
         raise SystemExit("train_gpt: corpus directory %r holds too little text" % directory)
     alphabet = sorted(set(text))
@@ -239,8 +245,7 @@ def main(argv):
         print(json.dumps({k: summary[k] for k in ("steps", "applied", "skipped", "rollbacks",
                                                   "final_loss")}), file=sys.stderr)
         if args.summary_json:
-            with open(args.summary_json, "w") as f:
-                json.dump(summary, f, indent=2)
+            _files.write_bytes(args.summary_json, json.dumps(summary, indent=2).encode())
     if dist.is_initialized():
         dist.destroy_process_group()
     return 3 if summary["aborted"] else 0

@@ -46,8 +46,8 @@ std::string plot_script_beside_program() {
 
 int run_plot_script(const std::vector<std::string>& args) {
   std::vector<std::string> command = {python_interpreter()};
-  // By its path, plot.py needs neither torch nor the extension (the package's __init__ loads
-  // both); an installed package is found by module name.
+  // By its path, plot.py loads the package beside it (its files go through the extension's file
+  // layer); an installed package is found by module name.
   const std::string script = plot_script_beside_program();
   if (!script.empty()) {
     command.push_back(script);

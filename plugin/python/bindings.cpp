@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "csrc/consensus/process_group_consensus.h"
+#include "plugin/python/bind_files.h"
 #include "plugin/python/bind_values.h"
 #include "plugin/python/python_port.h"
 #include "plugin/src/step_engine.h"
@@ -492,6 +493,7 @@ PYBIND11_MODULE(_C, m) {
         return out;
       },
       "The shipped policy presets: {name: YAML text}. A name works wherever a policy path does.");
+  stepguard::bind_files(m);
   m.def("attach_incident_picture", &stepguard::attach_incident_picture, py::arg("report_path"),
         py::arg("picture_path"));
   m.def("version", &stepguard::version);

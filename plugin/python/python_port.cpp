@@ -7,6 +7,8 @@
 #include <optional>
 #include <utility>
 
+#include "csrc/scaling/loss_scaler.h"
+
 namespace stepguard {
 
 namespace py = pybind11;
@@ -158,9 +160,13 @@ std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scal
                 " items; (scale, floor) or (scale, floor, gradients_scaled) was expected");
     FrameworkLossScale out{items[0].cast<double>(), items[1].cast<double>(),
                            items.size() == 2 || items[2].cast<bool>()};
-    TORCH_CHECK(out.scale > 0 && std::isfinite(out.scale) && out.min_scale >= 0,
+    // A scale whose inverse is no finite fp32 number would unscale gradients to Inf or NaN.
+    TORCH_CHECK(out.scale >= scaling::kMinUsableScale && out.scale <= scaling::kMaxUsableScale &&
+                    out.min_scale >= 0,
                 "stepguard: the port's framework_loss_scale() gave (", out.scale, ", ",
-                out.min_scale, "); a scale > 0 and a floor >= 0 were expected");
+                out.min_scale,
+                "); a scale in [2^-126, 2^126] (it and its inverse finite fp32 "
+                "numbers) and a floor >= 0 were expected");
     return out;
   });
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 
 #include "csrc/consensus/step_buffer.h"
 
@@ -36,6 +37,19 @@ ResolvedLayout resolve_layout(const std::vector<Placement>& layout,
               "set it in one place (the layout's Placement.shard() says it per parameter)");
   TORCH_CHECK(layout.empty() || layout.size() == params.size(), "stepguard: the port's layout has ",
               layout.size(), " placements for ", params.size(), " parameters");
+  // A tensor listed twice (torch.optim only warns of a duplicate inside one group) would be
+  // counted twice in the norm and unscaled twice in place.
+  std::unordered_map<const void*, std::size_t> first_at;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined()) continue;
+    const auto [it, fresh] = first_at.emplace(params[i].unsafeGetTensorImpl(), i);
+    const auto name = [&names](std::size_t k) {
+      return k < names.size() ? "'" + names[k] + "'" : std::string("?");
+    };
+    TORCH_CHECK(fresh, "stepguard: parameter ", i, " (", name(i), ") is parameter ", it->second,
+                " (", name(it->second), ") again: the optimizer lists the same tensor twice ",
+                "(torch.optim warns of duplicate parameters in a group); list each once");
+  }
   ResolvedLayout r;
   r.copies.resize(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -57,6 +71,7 @@ ResolvedLayout resolve_layout(const std::vector<Placement>& layout,
     } else {
       r.all_replicas = false;
       if (copies > 0) r.distinct_elements += static_cast<double>(numel) / copies;
+      if (copies > 0 && numel > 0) r.distinct_tensors += 1.0 / copies;
     }
   }
   return r;
@@ -82,7 +97,8 @@ constexpr int kRowCheckpointDir = 8;
 constexpr int kRowDiskEvery = 9;
 constexpr int kRowLossScaling = 10;
 constexpr int kRowSharded = 11;
-constexpr int kRowSize = 12;
+constexpr int kRowDistinctTensors = 12;
+constexpr int kRowSize = 13;
 
 // The settings that differ across ranks, each with every rank's value: empty when all agree.
 std::string settings_differ(const std::vector<double>& rows, int world) {
@@ -133,6 +149,7 @@ bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine
   row[kRowDiskEvery] = static_cast<double>(settings.disk_every);
   row[kRowLossScaling] = settings.loss_scaling ? 1.0 : 0.0;
   row[kRowSharded] = settings.sharded_gradients ? 1.0 : 0.0;
+  row[kRowDistinctTensors] = mine.distinct_tensors;
   const std::vector<double> rows =
       consensus::gather_rank_rows(consensus, row.to(device), /*step=*/0);
   auto at = [&](int r, int col) { return rows[static_cast<std::size_t>(r) * kRowSize + col]; };
@@ -147,7 +164,9 @@ bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine
   bool alike = true;
   bool all_replicas = true;
   double distinct = 0.0;
+  double distinct_tensors = 0.0;
   for (int r = 0; r < world; ++r) {
+    distinct_tensors += at(r, kRowDistinctTensors);
     alike = alike && at(r, kRowReplicaTensors) == at(0, kRowReplicaTensors) &&
             at(r, kRowReplicaElements) == at(0, kRowReplicaElements);
     all_replicas = all_replicas && at(r, kRowAllReplicas) > 0;
@@ -175,6 +194,13 @@ bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine
               distinct,
               ", not a whole number; a replicated(n) or shard(n) placement names a number of ranks "
               "that do not all hold that gradient");
+  // The same count over tensors: a part said to be held by n ranks that fewer hold.
+  TORCH_CHECK(std::abs(distinct_tensors - std::round(distinct_tensors)) <= 1e-6,
+              "stepguard: the ranks' layouts do not fit together: their gradients that hold "
+              "elements, each over the number of ranks said to hold it, add up to ",
+              distinct_tensors,
+              " tensors, not a whole number; a replicated(n) or shard(n) placement names n ranks "
+              "where fewer hold that gradient (e.g. shard(2) on one rank, absent() on the other)");
   return all_replicas;
 }
 

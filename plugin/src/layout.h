@@ -24,6 +24,10 @@ struct ResolvedLayout {
   std::int64_t replica_tensors = 0;   ///< parameters held by every rank
   std::int64_t replica_elements = 0;  ///< their elements
   double distinct_elements = 0.0;     ///< the other parameters' elements, each over its copies
+  /// The other parameters holding elements here, each over its copies: every part held by n
+  /// ranks adds n times 1/n, so the ranks' sum is whole unless a placement names ranks that do
+  /// not hold it (one rank's shard(2) where the other's is absent()).
+  double distinct_tensors = 0.0;
 };
 
 /// Resolves `layout` (one Placement per parameter, or empty: every parameter a replica, or a
@@ -51,7 +55,7 @@ std::uint64_t text_digest(const std::string& text) noexcept;
 
 /// Checks on every rank, in one collective, that the ranks fit together: their settings alike
 /// (`settings`), their lists too: the replicas alike on every rank (count and elements), the
-/// other gradients' copies adding up to whole elements. Throws c10::Error on every rank, naming
+/// other gradients' copies adding up to whole elements and whole tensors. Throws c10::Error on every rank, naming
 /// what differs and each rank's value or counts, when they do not. Returns whether every rank
 /// holds replicas only (then replicas can be fingerprinted, and blame needs no exchange). The
 /// collective's buffer is on `device` (the parameters'). One process: no collective,

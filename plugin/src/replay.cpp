@@ -4,13 +4,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <stdexcept>
 
 #include "csrc/common/json_text.h"
+#include "csrc/common/safe_file.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/telemetry/event_log.h"
 #include "plugin/src/step_controller.h"
@@ -103,10 +103,11 @@ void count(const StepReport& report, ReplaySummary* summary) {
 
 ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
   const policy::PolicyConfig config = policy::load_policy_file(options.policy_file);
-  std::ifstream in(options.trace_file);
-  if (!in) {
-    throw std::runtime_error(options.trace_file + ": cannot read trace: " + std::strerror(errno));
-  }
+  // A trace is one JSON line per step: a FIFO or a device is refused unread, a line past a
+  // megabyte (no writer makes one) stops the replay instead of filling memory.
+  constexpr std::int64_t kMaxTraceBytes = std::int64_t{64} << 30;
+  constexpr std::size_t kMaxTraceLine = std::size_t{1} << 20;
+  RegularFileLines in(options.trace_file, kMaxTraceBytes, kMaxTraceLine, "trace");
   StepController controller = [&] {
     try {
       return StepController(config, options.loss_scaling, options.framework_scale);
@@ -122,7 +123,7 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
   std::string text;
   std::int64_t line_no = 0;
   std::int64_t previous_step = 0;
-  while (std::getline(in, text)) {
+  while (in.next(&text)) {
     ++line_no;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j;
@@ -152,7 +153,6 @@ ReplaySummary replay_trace(const ReplayOptions& options, std::ostream& out) {
     count(report, &summary);
     if (summary.aborted) break;
   }
-  if (in.bad()) throw std::runtime_error(options.trace_file + ": read error");
   return summary;
 }
 

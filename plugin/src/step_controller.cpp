@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -135,39 +136,36 @@ std::vector<std::int64_t> StepController::encode() const {
 
 void StepController::check(const std::vector<std::int64_t>& words, std::int64_t step) const {
   StepController probe(config_, loss_scaling_requested_, framework_scale_);
-  probe.decode(words);
+  probe.decode(words, /*quiet=*/true);
   probe.engine_.state().check_not_after(step);
 }
 
-void StepController::decode(const std::vector<std::int64_t>& words) {
+void StepController::decode(const std::vector<std::int64_t>& words, bool quiet) {
   constexpr std::size_t kTail = 4 + 6;  // scaler, LR controller
   if (words.size() < kTail) throw std::invalid_argument("stepguard: guard state is truncated");
   const std::size_t n = words.size() - kTail;
+  bool rules_reset = false;
   const policy::EngineState engine = policy::EngineState::decode(
       std::vector<std::int64_t>(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(n)),
-      engine_.config().rules.size());
+      engine_.config().rules.size(), policy::rules_digest(engine_.config().rules), &rules_reset);
   const std::int64_t* w = words.data() + n;
   const scaling::LossScalerState sc{double_of(w[0]), w[1], w[2], w[3]};
   const scaling::LrControllerState lr{double_of(w[4]), double_of(w[5]), w[6], w[7], w[8], w[9]};
-  if (scaler_ && (!(sc.scale > 0) || !std::isfinite(sc.scale) || sc.growth_tracker < 0 ||
-                  sc.hysteresis_left < 0 || sc.steps_at_floor < 0)) {
-    throw std::invalid_argument("stepguard: guard state holds an invalid loss scale (" +
-                                std::to_string(sc.scale) + ")");
-  }
-  if (!(lr.factor > 0 && lr.factor <= 1) || lr.good_steps < 0 || lr.recover_after < 0 ||
-      lr.recover_over < 0 || lr.recovered_steps < 0) {
-    throw std::invalid_argument("stepguard: guard state holds an invalid LR factor (" +
-                                std::to_string(lr.factor) + ")");
-  }
-  // The factor recovers linearly from recovery_start to 1: a start outside (0, 1] would walk the
-  // factor below 0 (gradient ascent) or above 1.
-  if (!(lr.recovery_start > 0 && lr.recovery_start <= 1)) {
-    throw std::invalid_argument("stepguard: guard state holds an invalid LR recovery start (" +
-                                std::to_string(lr.recovery_start) + ", not in (0, 1])");
+  try {
+    if (scaler_) scaler_->check(sc);
+    scaling::LrController::check(lr);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("stepguard: guard state: ") + e.what());
   }
   engine_.restore(engine);
   if (scaler_) scaler_->restore(sc);
   lr_.restore(lr);
+  if (rules_reset && !quiet) {
+    std::fprintf(stderr,
+                 "stepguard: the guard state was saved under a policy with other rules: each "
+                 "rule's streak, window and cooldown start afresh (the loss scale, the LR factor, "
+                 "the detectors' averages and the budgets are kept)\n");
+  }
 }
 
 void StepController::rollback_to(const std::vector<std::int64_t>& words, const Decision& decision,

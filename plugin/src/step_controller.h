@@ -57,7 +57,7 @@ class StepController {
   bool loss_scaling() const noexcept { return scaler_.has_value(); }
   double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
   double inv_loss_scale() const noexcept { return scaler_ ? scaler_->inv_scale() : 1.0; }
-  double loss_scale_floor() const noexcept { return scaler_ ? scaler_->config().min_scale : 0.0; }
+  double loss_scale_floor() const noexcept { return scaler_ ? scaler_->floor() : 0.0; }
   double lr_factor() const noexcept { return lr_.factor(); }
   const policy::PolicyConfig& config() const noexcept { return engine_.config(); }
 
@@ -65,9 +65,10 @@ class StepController {
   const policy::EngineState& engine_state() const noexcept { return engine_.state(); }
   /// Every decision-relevant value held here (engine, loss scaler, LR controller) as 64-bit
   /// words, and back: for snapshots and the cross-rank digest. decode() throws
-  /// std::invalid_argument, changing nothing, when the words do not fit this policy.
+  /// std::invalid_argument, changing nothing, when the words do not fit this policy; words saved
+  /// under other rules restore with each rule's state fresh, said on stderr unless `quiet`.
   std::vector<std::int64_t> encode() const;
-  void decode(const std::vector<std::int64_t>& words);
+  void decode(const std::vector<std::int64_t>& words, bool quiet = false);
   /// Throws std::invalid_argument when `words` do not fit this policy or remember a step after
   /// `step` (the step they belong to); changes nothing.
   void check(const std::vector<std::int64_t>& words, std::int64_t step) const;

@@ -169,6 +169,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   v.loss_given = r.loss_given;
   v.loss = r.loss;
   v.batches_to_skip = r.batches_to_skip;
+  v.guard_id = id_;
   pending_ = std::move(p);
   return v;
 }
@@ -185,6 +186,8 @@ void StepEngine::clip_gradients(const Verdict& v) {
 StepReport StepEngine::settle(const Verdict& v, bool applied) {
   TORCH_CHECK(pending_.has_value(), "stepguard: settle() without a verdict: step ", step_,
               " is settled already; call verdict(loss) first");
+  TORCH_CHECK(v.guard_id == id_, "stepguard: settle() was given a verdict of another guard (step ",
+              v.step, "); each guard settles the verdicts it gave");
   TORCH_CHECK(v.step == step_, "stepguard: settle() was given the verdict of step ", v.step,
               "; the verdict waiting for its settle() is step ", step_);
   Pending p = std::move(*pending_);

@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -83,8 +84,10 @@ class StepEngine {
   ///                   checkpoint, record, report. `applied`: whether the update ran; an update the
   ///                   verdict allowed that did not run (the framework's own overflow check, an
   ///                   exception in it: settle(v, false)) is recorded as a skipped step.
-  /// verdict() while a verdict waits for its settle(), settle() without one, or with another
-  /// step's verdict: c10::Error saying so, changing nothing.
+  /// verdict() while a verdict waits for its settle(), settle() without one, with another
+  /// step's verdict or another guard's: c10::Error saying so, changing nothing. Between the two
+  /// phases only stats() may run: the state dict, the data position, a checkpoint commit and a
+  /// load or resume are refused the same way.
   Verdict verdict(const at::Tensor& loss);
   StepReport settle(const Verdict& verdict, bool applied);
   /// The policy's clip of this verdict (Action::kClip), on the port's gradients: one factor for
@@ -110,7 +113,10 @@ class StepEngine {
   /// The guard's side of a checkpoint (step, data position, decision state, totals, skipped
   /// ranges), and its restore (a state dict of a front end). restore_record() checks it all
   /// first; c10::Error, changing nothing, when it does not fit this guard's policy.
-  checkpoint::GuardRecord record() const { return guard_record(step_); }
+  checkpoint::GuardRecord record() const {
+    check_not_pending("taking the guard's state (state_dict())");
+    return guard_record(step_);
+  }
   void load_record(const checkpoint::GuardRecord& record);
 
   /// What the guard knows now (after the snapshot in flight has landed or failed).
@@ -190,6 +196,11 @@ class StepEngine {
   void restore_record(const checkpoint::GuardRecord& record);
 
   OptimizerPort& port_;
+  /// This guard's number, unique in the process: its verdicts carry it.
+  const std::uint64_t id_ = [] {
+    static std::atomic<std::uint64_t> last{0};
+    return ++last;
+  }();
   GuardOptions options_;
   EngineConfig config_;  // first: it validates the options the members below are built from
   std::unique_ptr<consensus::Consensus> consensus_;

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <string>
 
+#include "csrc/common/bits.h"
 #include "plugin/src/step_engine.h"
 
 namespace stepguard {
@@ -15,8 +16,7 @@ namespace {
 
 // The words GuardRecord::totals holds, in this order.
 constexpr std::size_t kTotalsWords = 8;
-// Far beyond any run (2^52 steps), far inside int64: a step counter that cannot overflow.
-constexpr std::int64_t kMaxCount = std::int64_t{1} << 52;
+constexpr std::int64_t kMaxCount = kMaxDecodedCount;
 
 }  // namespace
 
@@ -119,6 +119,7 @@ std::int64_t StepEngine::resume(const std::string& dir) {
 }
 
 void StepEngine::set_data_position(std::int64_t position) {
+  check_not_pending("set_data_position()");
   // The bound a checkpoint's guard record is checked against when it is read back.
   TORCH_CHECK(position >= 0 && position <= kMaxCount, "stepguard: data position must be in [0, ",
               "2^52], got ", position);
@@ -126,6 +127,7 @@ void StepEngine::set_data_position(std::int64_t position) {
 }
 
 void StepEngine::commit_pending_checkpoint() {
+  check_not_pending("commit_pending_checkpoint()");
   if (aborted_) return;
   settle_snapshot();
   (void)recovery_.commit_pending();

@@ -3,14 +3,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 
 #include "csrc/checkpoint/disk_checkpoint.h"
 #include "csrc/common/json_text.h"
-#include "csrc/common/regular_file.h"
+#include "csrc/common/safe_file.h"
 #include "csrc/forensics/report.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/policy/presets.h"
@@ -53,6 +52,9 @@ std::vector<CheckpointStatus> verify_checkpoints(const std::string& root) {
 
 namespace {
 
+// Reports are a few kilobytes; evidence and tensor lists are bounded by the writer.
+constexpr std::int64_t kMaxReportBytes = std::int64_t{16} << 20;
+
 nlohmann::json parse_incident_report(const std::string& json_text, const std::string& source) {
   nlohmann::json report;
   try {
@@ -88,8 +90,6 @@ std::string render_incident_report(const std::string& json_text, const std::stri
 }
 
 std::string render_incident_report_file(const std::string& path) {
-  // Reports are a few kilobytes; evidence and tensor lists are bounded by the writer.
-  constexpr std::int64_t kMaxReportBytes = std::int64_t{16} << 20;
   std::string text, why;
   if (!read_regular_file(path, kMaxReportBytes, &text, &why)) {
     throw std::invalid_argument(path + ": cannot read: " + why);
@@ -98,11 +98,11 @@ std::string render_incident_report_file(const std::string& path) {
 }
 
 void attach_incident_picture(const std::string& report_path, const std::string& picture_path) {
-  std::ifstream in(report_path);
-  if (!in) throw std::invalid_argument(report_path + ": cannot read: " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  nlohmann::json report = parse_incident_report(text.str(), report_path);
+  std::string text, why;
+  if (!read_regular_file(report_path, kMaxReportBytes, &text, &why)) {
+    throw std::invalid_argument(report_path + ": cannot read: " + why);
+  }
+  nlohmann::json report = parse_incident_report(text, report_path);
   report["picture"] = picture_path;
   const std::string markdown = markdown_of(report, report_path);
   // As the guard writes them: the JSON, then its Markdown beside it.

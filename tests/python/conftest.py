@@ -19,6 +19,20 @@ def loss_of(model, batch):
     return nn.functional.mse_loss(model(x), y)
 
 
+def stepped_guard(seed, steps, optimizer_class=None, lr=1e-3):
+    """A model and its guard (Adam unless told) after `steps` clean steps."""
+    import stepguard
+    model = make_model(seed)
+    optimizer = (optimizer_class or torch.optim.Adam)(model.parameters(), lr=lr)
+    guard = stepguard.GuardedOptimizer(optimizer, model.named_parameters())
+    for step in range(steps):
+        guard.zero_grad()
+        loss = loss_of(model, step)
+        loss.backward()
+        guard.step(loss)
+    return model, guard
+
+
 def clone_state(optimizer):
     out = {}
     for p, st in optimizer.state.items():

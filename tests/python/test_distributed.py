@@ -215,6 +215,18 @@ def _stages_main(rank, world, init_file, out_dir):
                                    process_group=dist.group.WORLD, collective_timeout=30)
     except RuntimeError as e:
         out["refused"] = str(e)
+    # Rank 0 says two ranks hold its last gradient; rank 1 holds no part of it (absent). The
+    # elements still add up whole (20 + 36 over the copies): the step used to fail on one rank
+    # and leave the other waiting for its deadline. Refused when the guards are built.
+    Placement = stepguard.Placement
+    layout = ([Placement.shard(), Placement.shard(2)] if rank == 0 else
+              [Placement.shard()] * 3 + [Placement.absent()])
+    try:
+        stepguard.GuardedOptimizer(torch.optim.SGD(stage.parameters(), lr=0.1),
+                                   zip(names, stage.parameters()), layout=layout,
+                                   process_group=dist.group.WORLD, collective_timeout=30)
+    except RuntimeError as e:
+        out["mismatched"] = str(e)
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(stage.parameters(), lr=0.1),
                                        zip(names, stage.parameters()),
                                        process_group=dist.group.WORLD, sharded_gradients=True,
@@ -255,6 +267,7 @@ def test_ranks_holding_different_tensors_skip_a_nan_on_either_and_name_it():
         # Replicas (the default) must be alike on every rank: refused at construction, on every
         # rank, with each rank's counts.
         assert "rank 0 holds 2 (20 elements), rank 1 holds 4 (40 elements)" in r["refused"], r
+        assert "add up to 4.5 tensors, not a whole number" in r.get("mismatched", ""), r
         steps = r["steps"]
         assert [s["outcome"] for s in steps] == ["applied", "skipped", "applied", "skipped",
                                                  "applied"], steps

@@ -175,6 +175,11 @@ def test_a_bad_trace_is_named_by_file_and_line(tmp_path):
 def test_guarded_optimizer_draws_a_picture_beside_its_incident_report(tmp_path):
     model = make_model(3)
     trace, incidents = tmp_path / "trace.jsonl", tmp_path / "incidents"
+    # A link planted at the picture's name: replaced, never written through.
+    incidents.mkdir()
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(b"not the guard's")
+    os.symlink(outside, incidents / "incident-step-000000004.png")
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        model.named_parameters(), trace_path=str(trace),
                                        incident_dir=str(incidents))
@@ -189,6 +194,8 @@ def test_guarded_optimizer_draws_a_picture_beside_its_incident_report(tmp_path):
             incident = report.incident
     report_path = incident["report"]
     picture = report_path[:-len(".json")] + ".png"
+    assert picture == str(incidents / "incident-step-000000004.png")
+    assert outside.read_bytes() == b"not the guard's" and not os.path.islink(picture)
     assert_picture(picture)
     with open(report_path) as f:
         assert json.load(f)["picture"] == picture

@@ -10,7 +10,7 @@ import torch
 
 import stepguard
 from stepguard import _port, _safe_pickle
-from conftest import loss_of, make_model
+from conftest import loss_of, make_model, stepped_guard
 
 
 # Snapshots every step; a NaN loss rolls back to the newest confirmed one.
@@ -246,23 +246,12 @@ def test_named_parameters_of_another_model_are_refused():
                                    other.named_parameters())
 
 
-def _stepped_guard(seed, steps):
-    model = make_model(seed)
-    guard = stepguard.GuardedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
-                                       model.named_parameters())
-    for step in range(steps):
-        guard.zero_grad()
-        loss = loss_of(model, step)
-        loss.backward()
-        guard.step(loss)
-    return model, guard
-
 
 def test_load_state_dict_loads_both_parts_or_neither():
-    _, saved_from = _stepped_guard(8, 5)
+    _, saved_from = stepped_guard(8, 5)
     state = saved_from.state_dict()
     state["optimizer"]["param_groups"][0]["params"] = [0]  # the optimizer part cannot load
-    model, guard = _stepped_guard(9, 1)
+    model, guard = stepped_guard(9, 1)
     with pytest.raises(ValueError):
         guard.load_state_dict(state)
     assert guard.stats().step_count == 1 and guard.stats().totals.applied == 1
@@ -275,13 +264,13 @@ def test_load_state_dict_loads_both_parts_or_neither():
     ("step", None, TypeError, "the guard state's 'step' must be an int, got NoneType"),
     (None, None, KeyError, "lacks the key 'data_position'")])
 def test_a_guard_state_out_of_range_or_of_the_wrong_type_names_the_key(key, value, error, text):
-    _, source = _stepped_guard(10, 2)
+    _, source = stepped_guard(10, 2)
     state = source.state_dict()
     if key is None:
         del state["stepguard"]["data_position"]
     else:
         state["stepguard"][key] = value
-    _, guard = _stepped_guard(11, 1)
+    _, guard = stepped_guard(11, 1)
     with pytest.raises(error, match=text):
         guard.load_state_dict(state)
     assert guard.stats().step_count == 1

@@ -91,7 +91,7 @@ def test_guard_state_whose_lr_recovery_would_go_below_zero_is_refused():
     words[-6], words[-5] = bits(0.5), bits(-3.0)
     state["stepguard"]["guard"] = words
     before = guard.state_dict()["stepguard"]
-    with pytest.raises(RuntimeError, match=r"invalid LR recovery start \(-3.000000, not in"):
+    with pytest.raises(RuntimeError, match=r"recovery start -3.000000 is not in \(0, 1\]"):
         guard.load_state_dict(state)
     assert guard.state_dict()["stepguard"] == before
 

@@ -63,6 +63,14 @@ __device__ __forceinline__ typename Element<DT>::Bits unscaled_bits(typename Ele
   }
 }
 
+// 1 when the unscale turned a finite element into Inf (the product past the dtype's largest
+// value): it counts as non-finite, so a step never applies a value the inspection did not see.
+template <GradDtype DT>
+__device__ __forceinline__ unsigned long long made_nonfinite(typename Element<DT>::Bits before,
+                                                             typename Element<DT>::Bits after) {
+  return !inspect::is_nonfinite<DT>(before) && inspect::is_nonfinite<DT>(after) ? 1ull : 0ull;
+}
+
 // One chunk by one block; thread 0 gets the block's result.
 template <GradDtype DT>
 __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double inv_scale,
@@ -111,7 +119,11 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
         }
         if (unscale) {
 #pragma unroll
-          for (int s = 0; s < kSlots; ++s) e[s] = unscaled_bits<DT>(e[s], inv_scale);
+          for (int s = 0; s < kSlots; ++s) {
+            const Bits u = unscaled_bits<DT>(e[s], inv_scale);
+            nonfinite += made_nonfinite<DT>(e[s], u);
+            e[s] = u;
+          }
           uint4 u;
           memcpy(&u, e, sizeof u);
           *reinterpret_cast<uint4*>(p + first + r * kRow) = u;
@@ -141,7 +153,11 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
     }
     if (unscale) {
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) e[s] = unscaled_bits<DT>(e[s], inv_scale);
+      for (int s = 0; s < kSlots; ++s) {
+        const Bits u = unscaled_bits<DT>(e[s], inv_scale);
+        if (first + s < n) nonfinite += made_nonfinite<DT>(e[s], u);
+        e[s] = u;
+      }
       if (whole) {
         uint4 v;
         memcpy(&v, e, sizeof v);

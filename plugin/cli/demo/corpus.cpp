@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+
+#include "csrc/common/safe_file.h"
 
 namespace stepguard {
 namespace demo {
@@ -65,11 +66,11 @@ Corpus Corpus::load(const std::string& dir, const std::vector<std::string>& name
   std::string text;
   Corpus corpus;
   for (const auto& path : files) {
-    std::ifstream in(path, std::ios::binary);
-    std::ostringstream content;
-    content << in.rdbuf();
-    if (!in) continue;
-    text += content.str();
+    // A text of the corpus is a book at most; anything else under the folder is left out.
+    constexpr std::int64_t kMaxTextBytes = std::int64_t{64} << 20;
+    std::string content, why;
+    if (!read_regular_file(path.string(), kMaxTextBytes, &content, &why)) continue;
+    text += content;
     text += '\n';
     ++corpus.num_files_;
   }

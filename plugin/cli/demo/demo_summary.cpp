@@ -4,7 +4,6 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "csrc/common/json_text.h"
+#include "csrc/common/safe_file.h"
 #include "plugin/cli/demo/demo_run.h"
 #include "plugin/cli/demo/pictures.h"
 
@@ -207,9 +207,11 @@ nlohmann::json DemoRun::summary_json(const GuardTotals& totals, double final_los
 
 void DemoRun::write_summary(const nlohmann::json& summary) const {
   if (o_.summary_json.empty()) return;
-  std::ofstream out(o_.summary_json);
-  out << dump_json(summary, 2) << '\n';
-  if (!out) throw std::runtime_error("demo: cannot write summary to '" + o_.summary_json + "'");
+  try {
+    write_file_atomically(o_.summary_json, dump_json(summary, 2) + "\n");
+  } catch (const FileError& e) {
+    throw std::runtime_error(std::string("demo: cannot write the summary: ") + e.what());
+  }
 }
 
 void DemoRun::print_summary_table(const GuardTotals& totals, double final_loss,

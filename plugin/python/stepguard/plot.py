@@ -7,9 +7,11 @@ restored; beneath, the loss scale and the LR factor.
     python3 -m stepguard.plot TRACE.jsonl -o run.png
     stepguard plot TRACE.jsonl --incident REPORT.json...     (REPORT.png beside each report)
 
-Plain Python and matplotlib (Agg, no display): this file imports nothing of stepguard, so it also
-runs by its path (``python3 .../stepguard/plot.py``) where the extension cannot load. Exit status:
-0 drawn, 2 bad input (the message names the file and line), 1 matplotlib missing.
+Python and matplotlib (Agg, no display). Every file is read and written through stepguard's file
+layer (stepguard._files: a FIFO or a device is refused unread, a picture never written through a
+planted link), so the package and its extension must import; run by its path
+(``python3 .../stepguard/plot.py``), this file takes the package it sits in. Exit status: 0 drawn,
+2 bad input (the message names the file and line), 1 matplotlib or the stepguard package missing.
 """
 
 import argparse
@@ -39,6 +41,27 @@ class TraceError(ValueError):
 
 class MatplotlibMissing(RuntimeError):
     """matplotlib does not import: nothing can be drawn."""
+
+
+class PackageMissing(RuntimeError):
+    """The stepguard package (whose extension reads and writes the files) does not import."""
+
+
+def _file_layer():
+    """stepguard._files, imported on first use. Run by its path, this file is in no package: the
+    package is the folder it sits in."""
+    try:
+        if __package__:
+            from . import _files as files
+        else:
+            above = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            if above not in sys.path:
+                sys.path.insert(0, above)
+            from stepguard import _files as files
+    except ImportError as e:
+        raise PackageMissing("the stepguard package does not import (%s): its extension reads "
+                             "and writes the files" % e) from None
+    return files
 
 
 class _LineError(ValueError):
@@ -135,8 +158,9 @@ def read_trace(path, from_step=None):
     With ``from_step``, only the steps from there on (read from the end of the file back).
     Raises TraceError naming the file and line of the first bad line."""
     rows = []
+    files = _file_layer()
     try:
-        with open(path, "rb") as f:
+        with files.open_regular(path, files.MAX_TRACE_BYTES) as f:
             offset, data = _tail(f, from_step) if from_step is not None else (0, f.read())
             for index, raw in enumerate(data.split(b"\n")):
                 if not raw.strip():
@@ -148,6 +172,8 @@ def read_trace(path, from_step=None):
                         from None
                 if from_step is None or row["step"] >= from_step:
                     rows.append(row)
+    except files.FileError as e:  # its message names the file
+        raise TraceError(str(e)) from None
     except OSError as e:
         raise TraceError("%s: cannot read: %s" % (path, e.strerror or e)) from None
     if not rows and from_step is None:
@@ -291,10 +317,11 @@ def _render(rows, incidents, rollbacks, around, title, out_png):
     _draw_scales(bottom, rows)
     bottom.set_xlim(first - 0.02 * span, last + 0.02 * span)
     fig.tight_layout()
+    files = _file_layer()
     try:
-        fig.savefig(out_png, format="png")
-    except OSError as e:
-        raise TraceError("%s: cannot write the picture: %s" % (out_png, e.strerror or e)) from None
+        files.save_figure(fig, out_png, format="png")
+    except files.FileError as e:  # names the file it failed on (the temporary file, maybe)
+        raise TraceError("%s: cannot write the picture: %s" % (out_png, e)) from None
 
 
 def _counts(steps, incidents, rollbacks):
@@ -311,7 +338,7 @@ def plot_trace(trace_path, out_png, around=None, window=DEFAULT_WINDOW):
     Returns what was drawn, as plain values: ``{"trace", "out", "around", "window", "steps"
     (the step numbers drawn), "incidents" ([{step, signal, action, signals, actions, outcome}]),
     "rollbacks" ([{from, to}])}``. Raises TraceError (bad input; the message names the file and
-    line) or MatplotlibMissing."""
+    line), MatplotlibMissing or PackageMissing."""
     if window < 0:
         raise TraceError("--window %d: must be 0 or more" % window)
     rows = _rows_to_draw(trace_path, around, window)
@@ -333,9 +360,11 @@ def picture_path(report_path):
 def plot_incident(trace_path, report_path, window=DEFAULT_WINDOW):
     """Draws the steps around the incident of the report at ``report_path`` (the .json a guard
     wrote) into ``picture_path(report_path)``; returns what plot_trace returns."""
+    files = _file_layer()
     try:
-        with open(report_path, encoding="utf-8") as f:
-            report = json.load(f)
+        report = json.loads(files.read_regular(report_path, files.MAX_REPORT_BYTES))
+    except files.FileError as e:  # its message names the file
+        raise TraceError(str(e)) from None
     except OSError as e:
         raise TraceError("%s: cannot read: %s" % (report_path, e.strerror or e)) from None
     except ValueError as e:
@@ -379,7 +408,7 @@ def main(argv=None):
     except TraceError as e:
         print("stepguard plot: %s" % e, file=sys.stderr)
         return 2
-    except MatplotlibMissing as e:
+    except (MatplotlibMissing, PackageMissing) as e:
         print("stepguard plot: %s" % e, file=sys.stderr)
         return 1
     if not args.quiet:

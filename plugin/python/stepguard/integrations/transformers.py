@@ -31,10 +31,12 @@ coefficient.
 
 The guard's state (``guard_state_dict()``) is saved in every Trainer checkpoint folder, one
 ``stepguard_rank<r>.pt`` per rank beside the Trainer's own files, and loaded on
-``resume_from_checkpoint``: the LR factor, budgets, step numbers and data position go on. With
-several ranks, ``trace_path`` names rank 0's file; rank r writes ``<trace_path>.rank<r>``. The
-guard's own loss scaling (``loss_scaling=True``) is refused (the Trainer never scales the loss by
-the guard's scale); a policy's ``loss_scale`` section (a preset's) is taken as the Trainer's
+``resume_from_checkpoint``: the LR factor, budgets, step numbers and data position go on (a
+checkpoint without that file resumes with a fresh guard and a warning; anything there but a
+regular file, a FIFO or a device, is refused with an error naming it). With several ranks,
+``trace_path`` names rank 0's file; rank r writes ``<trace_path>.rank<r>``. The guard's own loss
+scaling (``loss_scaling=True``) is refused (the Trainer never scales the loss by the guard's
+scale); a policy's ``loss_scale`` section (a preset's) is taken as the Trainer's
 scaler's and turns nothing of the guard's on.
 
 fp16 (``TrainingArguments(fp16=True)``): accelerate's GradScaler owns the loss scale. The guard
@@ -55,6 +57,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from .. import _files
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
                     incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
@@ -207,21 +210,25 @@ class StepguardCallback(transformers.TrainerCallback):
         if checkpoint is None:
             return
         path = _state_file(checkpoint, self.guard.stats().rank)
-        record = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+        try:
+            record = _files.load_torch(path, _files.MAX_GUARD_STATE_BYTES)
+        except FileNotFoundError:
+            record = None  # a checkpoint saved without stepguard (load_guard_state warns)
+        # Anything else at that name (a FIFO, a device, a folder) raises FileError naming it: a
+        # damaged checkpoint is said, not resumed from as if the guard had never run.
         load_guard_state(self.guard, record, checkpoint)
 
     def on_save(self, args, state, control, **kwargs):
         # After the Trainer wrote checkpoint-<global_step> (every rank runs this event): the
-        # guard's state goes beside it, written whole then renamed into place.
+        # guard's state goes beside it, written whole then renamed into place (never through a
+        # link planted at either name).
         if self.guard is None:
             return
         folder = os.path.join(args.output_dir, "%s-%d" % (PREFIX_CHECKPOINT_DIR, state.global_step))
         if not os.path.isdir(folder):
             return
         path = _state_file(folder, self.guard.stats().rank)
-        tmp = "%s.tmp.%d" % (path, os.getpid())
-        torch.save(self.guard.guard_state_dict(), tmp)
-        os.replace(tmp, path)
+        _files.save_torch(self.guard.guard_state_dict(), path)
 
     def _take_verdict(self):
         """The step's verdict, taken once, on the gradients unscaled: under fp16 accelerate's

@@ -87,20 +87,21 @@ TEST(LossScaler, CountsStepsAtTheFloorInsteadOfCrashing) {
   s.update(true);
   s.update(false);
   EXPECT_EQ(s.state().steps_at_floor, 3);
-  // Without a floor there is no "at the floor".
+  // Without a floor of its own the scale stops at 2^-126 (its fp32 inverse still finite): there
+  // it is at its floor.
   LossScaler none;
   for (int i = 0; i < 200; ++i) none.update(true);
-  EXPECT_FALSE(none.at_floor());
-  EXPECT_GT(none.scale(), 0.0);
+  EXPECT_TRUE(none.at_floor());
+  EXPECT_EQ(none.scale(), kMinUsableScale);
 }
 
 TEST(LossScaler, GrowthThatWouldOverflowIsSkipped) {
   LossScalerConfig c;
-  c.init_scale = 1e308;
+  c.init_scale = kMaxUsableScale;  // 2^126: growing it would leave the usable range
   c.growth_interval = 1;
   LossScaler s(c);
   s.update(false);
-  EXPECT_EQ(s.scale(), 1e308);
+  EXPECT_EQ(s.scale(), kMaxUsableScale);
 }
 
 TEST(LossScaler, DropIsThePolicysLever) {

@@ -180,25 +180,25 @@ TEST(StepController, BadStateWordsAreRejectedAndChangeNothing) {
 // of the same rules keeps its rule state.
 TEST(StepController, AStateOfOtherRulesRestoresWithFreshRuleState) {
   const char* skip_rule =
-      "version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
+      "version: 1\nrules:\n"
       "  - {on: nonfinite, consecutive: 3, action: skip_batch}\n"
       "  - {on: nonfinite, within: {steps: 10, count: 2}, action: lower_lr, recover_over: 4}\n";
-  StepController saved(parse(skip_rule), true);
+  StepController saved(parse(skip_rule), false);
   for (std::int64_t s = 1; s <= 2; ++s) saved.decide(s, stats_for('n', s));
   ASSERT_EQ(saved.engine_state().rules[0].streak, 2);
   ASSERT_EQ(saved.engine_state().rules[1].fired, 1);
   const auto words = saved.encode();
 
-  StepController same(parse(skip_rule), true);
+  StepController same(parse(skip_rule), false);
   same.decode(words);
   EXPECT_EQ(same.encode(), words);
 
-  // Two rules again, on other signals: the streak of 2 would have fired a rollback at step 3.
-  StepController other(parse("version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
-                             "  - {on: loss_spike, consecutive: 3, action: rollback}\n"
+  // Two rules again, the first on another signal: the streak of 2 would land on it.
+  StepController other(parse("version: 1\nrules:\n"
+                             "  - {on: loss_spike, consecutive: 3, action: skip_batch}\n"
                              "  - {on: nonfinite, within: {steps: 10, count: 2}, action: "
                              "lower_lr, recover_over: 4}\n"),
-                       true);
+                       false);
   other.decode(words);
   for (const policy::RuleState& r : other.engine_state().rules) {
     EXPECT_EQ(r, policy::RuleState{});
@@ -207,11 +207,11 @@ TEST(StepController, AStateOfOtherRulesRestoresWithFreshRuleState) {
   EXPECT_EQ(other.lr_factor(), saved.lr_factor());
   EXPECT_EQ(other.engine_state().bad_steps_total, saved.engine_state().bad_steps_total);
 
-  StepController three(parse("version: 1\nloss_scale: {init_scale: 1024}\nrules:\n"
+  StepController three(parse("version: 1\nrules:\n"
                              "  - {on: nonfinite, action: skip_batch}\n"
                              "  - {on: nonfinite, action: lower_lr}\n"
                              "  - {on: loss_spike, action: skip_batch}\n"),
-                       true);
+                       false);
   three.decode(words);
   EXPECT_EQ(three.engine_state().rules.size(), 3u);
   EXPECT_EQ(three.lr_factor(), saved.lr_factor());

@@ -148,8 +148,8 @@ TEST(GuardResume, ADirectoryOfAnotherRunIsRefusedUnlessResumedFrom) {
   EXPECT_THROW(GuardedOptimizer(opt, GuardOptions().run_id("no spaces")), c10::Error);
 }
 
-// The same run id restarted without resuming (resume() refused the checkpoints: another policy,
-// another model; or was never called): its first step is refused and the run's checkpoints stay.
+// The same run id restarted without resuming (resume() refused the checkpoints: another
+// optimizer, another model; or was never called): its first step is refused and the run's checkpoints stay.
 // Starting would have pruned all of them at the first commit.
 TEST(GuardResume, ARunThatDidNotResumeItsOwnCheckpointsDeletesNone) {
   const std::string dir = fresh_dir("refused_own");
@@ -157,14 +157,12 @@ TEST(GuardResume, ARunThatDidNotResumeItsOwnCheckpointsDeletesNone) {
   ASSERT_EQ(list_checkpoints(dir).size(), 3u);
   for (const bool resume_refused : {true, false}) {
     auto model = make_model(99);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    // One more rule than the checkpoints' policy: resume() refuses all three.
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(1e-2));
+    // Another optimizer type than the checkpoints' (AdamW): resume() refuses all three.
+    torch::optim::Optimizer& opt =
+        resume_refused ? static_cast<torch::optim::Optimizer&>(sgd) : adamw;
     GuardOptions options = GuardOptions().checkpoint_dir(dir).checkpoint_every(3).run_id("exp1");
-    if (resume_refused) {
-      options.policy_yaml(
-          "version: 1\nrules:\n  - {name: skip, on: nonfinite, action: skip_batch}\n"
-          "  - {name: spike, on: loss_spike, action: skip_batch}\n");
-    }
     GuardedOptimizer guard(opt, options);
     if (resume_refused) {
       ASSERT_EQ(guard.resume(dir), 0);

@@ -8,6 +8,7 @@ import socket
 import tempfile
 import time
 
+import pytest
 import torch.multiprocessing as mp
 
 POLICY = os.path.join(os.path.dirname(__file__), "policy.yaml")
@@ -40,6 +41,25 @@ def spawn_ranks(rank_main, world, *args, timeout=300):
             with open(os.path.join(d, "rank%d.json" % r)) as f:
                 out.append(json.load(f))
         return out
+
+
+@pytest.fixture
+def hf_offline(monkeypatch, tmp_path):
+    """HF Transformers offline, its caches under the test's folder, no reporters; one thread."""
+    import torch
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                       ("HF_HOME", str(tmp_path / "hf_home")), ("WANDB_DISABLED", "true"),
+                       ("DISABLE_MLFLOW_INTEGRATION", "TRUE")):
+        monkeypatch.setenv(key, value)
+    torch.set_num_threads(1)
+
+
+def fp16_on_any_cpu():
+    """DeepSpeed's CPU accelerator calls fp16 supported only where oneDNN has fp16 kernels
+    (AVX512-FP16 or AMX); torch computes fp16 on any CPU. Said as a GPU says it, so that an fp16
+    test does not depend on the build machine's CPU."""
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().is_fp16_supported = lambda: True
 
 
 def deepspeed_step_counters():

@@ -2,9 +2,9 @@
 0, 1 and 2, fp32 and bf16, the config's fused AdamW and BF16_Optimizer, ZeRO 3 fp32 and bf16 (its
 parameters kept whole beside their partitions, DeepSpeed's default for small ones, and not), on
 2 ranks (and one configuration on 1 rank); and ZeRO 2 and 3 fp16 with DeepSpeed's loss scaler
-beside an unguarded twin. Each configuration
-trains a small model for 12 steps of 2 accumulated micro-batches with three faults: a NaN gradient of one parameter on the last rank
-(step 3), a NaN in its batch (step 5) and a loss spike on every rank (step 8)."""
+beside an unguarded twin. Each configuration trains a small model for 12 steps of 2 accumulated
+micro-batches with three faults: a NaN gradient of one parameter on the last rank (step 3), a NaN
+in its batch (step 5) and a loss spike on every rank (step 8); MoE and Muon: their own file."""
 
 import json
 import os
@@ -17,7 +17,7 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
-from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa: E402
+from conftest import POLICY, counted_calls, deepspeed_step_counters, fp16_on_any_cpu, spawn_ranks  # noqa
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
            (0, "bf16-fused"),  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
@@ -146,9 +146,8 @@ FP16_STEPS, FP16_NAN = 24, 18
 def _fp16_run(rank, world, guarded, stage=2):
     """ZeRO 2 fp16 with DeepSpeed's DynamicLossScaler (initial scale 2^24: far too high, the first
     steps overflow), 24 steps, a NaN gradient on the last rank at step 18; guarded or not. No
-    clipping, so that the applied update does not depend on the norm and the twins can be
-    compared bit for bit (with clipping DeepSpeed takes the guard's norm, equal to its own within
-    1e-6: the other tests)."""
+    clipping, so that the update does not depend on the norm and the twins compare bit for bit
+    (with clipping DeepSpeed takes the guard's norm, its own within 1e-6: the other tests)."""
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -226,6 +225,7 @@ def _fp16_main(rank, world, port, out_dir):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    fp16_on_any_cpu()
     plain, guarded = _fp16_run(rank, world, False), _fp16_run(rank, world, True)
     same = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain, guarded)]
     plain3, guarded3 = _fp16_run(rank, world, False, 3), _fp16_run(rank, world, True, 3)

@@ -34,13 +34,7 @@ class NanTrainer(Trainer):
         return loss
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch, tmp_path):
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-                       ("HF_HOME", str(tmp_path / "hf_home")), ("WANDB_DISABLED", "true"),
-                       ("DISABLE_MLFLOW_INTEGRATION", "TRUE")):
-        monkeypatch.setenv(key, value)
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("hf_offline")
 
 
 def _model():

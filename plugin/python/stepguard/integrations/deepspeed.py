@@ -196,6 +196,16 @@ def _check_engine(engine):
         refuse = "ZeRO with CPU offload (its optimizer steps on host copies)"
     elif type(engine).__name__ == "PipelineEngine":
         refuse = "pipeline parallelism (PipelineEngine)"
+    elif getattr(engine, "has_moe_layers", False):
+        refuse = ("mixture-of-experts layers (DeepSpeed's norm counts each rank's experts once "
+                  "and the dense parameters across ranks; the guard's layout would count every "
+                  "expert as a replica, and a binding clip would clip wrongly)")
+    elif (type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
+          or getattr(engine.optimizer, "_uses_muon", False)
+          or getattr(engine.optimizer, "use_muon", False)):
+        refuse = ("the Muon optimizer (DeepSpeed's step orthogonalises the update first, "
+                  "_prepare_muon_updates; the integration's update would step on the raw "
+                  "gradient)")
     if refuse:
         raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
 

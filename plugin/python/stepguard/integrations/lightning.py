@@ -35,6 +35,7 @@ from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
                     guard_options, incident_line, load_guard_state, refuse_bypass,
                     scaled_loss_unscaled, scaler_unscaled, with_sharding)
+from ._seams import Patches, check_seams
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -112,31 +113,36 @@ class StepguardCallback(pl.Callback):
     """
 
     def __init__(self, policy: Optional[str] = None, *, log_metrics: bool = True,
-                 **guard_options: Any) -> None:
+                 allow_untested_framework: bool = False, **guard_options: Any) -> None:
         self.policy = policy
         self.log_metrics = log_metrics
+        self.allow_untested_framework = allow_untested_framework
         self.guard_options = guard_options
         self.guards: List[_LightningGuard] = []
         self.incidents: List[Dict[str, Any]] = []
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
-        self._patched: Optional[pl.LightningModule] = None
-        self._plugin: Any = None  # the precision plugin whose clip goes by the agreed norm
-        self._scaled_plugin: Any = None  # ... whose GradScaler steps go through the guard
+        self._patches = Patches()  # every attribute written on Lightning's objects, undone
         self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         check_version("lightning", pl.__version__)
+        check_seams("lightning", self.allow_untested_framework)
+        self.detach()  # what a fit that raised left (Lightning runs no teardown then)
         scaler = self._scaler(trainer)
         options = guard_options(self.guard_options, self.policy)
         layout = options.pop("layout", None)  # the port's (every optimizer's port is one)
         named = list(pl_module.named_parameters())  # the module's names, not DDP's "module."
         guards = []
+        kept = {id(guard.optimizer): guard for guard in self.guards}  # a fit before this one's
         for optimizer in trainer.strategy.optimizers:
             if isinstance(optimizer, GuardedOptimizer) and not isinstance(optimizer,
                                                                           _LightningGuard):
                 raise ValueError("stepguard: configure_optimizers returned a GuardedOptimizer; "
                                  "return the plain optimizer, StepguardCallback wraps it")
-            if not isinstance(optimizer, _LightningGuard):
+            if id(optimizer) in kept:
+                optimizer = kept[id(optimizer)]
+                self._watches.append(refuse_bypass(optimizer, "Lightning"))
+            elif not isinstance(optimizer, _LightningGuard):
                 optimizer = _LightningGuard(optimizer, named,
                                             port=TrainerPort(optimizer, named, scaler, layout),
                                             **with_sharding(options, optimizer))
@@ -150,7 +156,8 @@ class StepguardCallback(pl.Callback):
             self._records = None
         elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
             load_guard_state(guards[0], None, trainer.ckpt_path)
-        trainer.strategy.optimizers = guards  # Lightning wraps each in a fresh LightningOptimizer
+        # Lightning wraps each in a fresh LightningOptimizer (the property's setter).
+        self._patches.set_property(trainer.strategy, "optimizers", guards)
         self.guards = guards
         self._hold_schedulers(trainer, pl_module)
         self._clip_from_verdict(trainer)
@@ -211,7 +218,6 @@ class StepguardCallback(pl.Callback):
         # attribute in front of it hands the clip to the guarded step, which clips from the
         # guard's agreed norm, on applied steps only. Other optimizers clip as Lightning does.
         plugin = trainer.precision_plugin
-        plugin.__dict__.pop("clip_grad_by_norm", None)  # left by a fit that failed
         original = plugin.clip_grad_by_norm
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
@@ -221,8 +227,7 @@ class StepguardCallback(pl.Callback):
             else:
                 guard.max_norm = float(clip_val)
 
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-        self._plugin = plugin
+        self._patches.set(plugin, "clip_grad_by_norm", clip_grad_by_norm)
 
     def _step_what_the_scaler_skips(self, trainer: "pl.Trainer") -> None:
         # Under '16-mixed' the plugin's optimizer_step runs the closure, unscales, takes the
@@ -231,7 +236,6 @@ class StepguardCallback(pl.Callback):
         # backs the scale off. The guard's decision on that step is carried out after it: a
         # skip, or the policy's rollback or abort. Growth and backoff stay the scaler's.
         plugin = trainer.precision_plugin
-        plugin.__dict__.pop("optimizer_step", None)  # left by a fit that failed
         original = plugin.optimizer_step
 
         def optimizer_step(optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
@@ -244,22 +248,19 @@ class StepguardCallback(pl.Callback):
                 return guard.step_the_scaler_skipped()
             return out
 
-        plugin.optimizer_step = optimizer_step
-        self._scaled_plugin = plugin
+        self._patches.set(plugin, "optimizer_step", optimizer_step)
 
     def _hold_schedulers(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Lightning steps schedulers by calling the module's lr_scheduler_step hook (the user's
         # override included) after the optimizer step; an instance attribute in front of it lets
         # a step-interval scheduler move only when its optimizer's step was applied.
-        pl_module.__dict__.pop("lr_scheduler_step", None)  # left by a fit that failed
         original = pl_module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
             if not self._holds(trainer, scheduler):
                 original(scheduler, metric)
 
-        pl_module.lr_scheduler_step = lr_scheduler_step
-        self._patched = pl_module
+        self._patches.set(pl_module, "lr_scheduler_step", lr_scheduler_step)
 
     def _holds(self, trainer: "pl.Trainer", scheduler: Any) -> bool:
         configs = [c for c in trainer.lr_scheduler_configs if c.scheduler is scheduler]
@@ -298,18 +299,20 @@ class StepguardCallback(pl.Callback):
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                  stage: str) -> None:
-        if self._patched is not None:
-            self._patched.__dict__.pop("lr_scheduler_step", None)
-            self._patched = None
-        if self._plugin is not None:
-            self._plugin.__dict__.pop("clip_grad_by_norm", None)
-            self._plugin = None
-        if self._scaled_plugin is not None:
-            self._scaled_plugin.__dict__.pop("optimizer_step", None)
-            self._scaled_plugin = None
+        self.detach()
+
+    def detach(self) -> "StepguardCallback":
+        """Undoes what ``on_fit_start`` set (Lightning calls it at teardown; the next fit's
+        start calls it after a fit that raised): the strategy's optimizers are the plain ones
+        again, the instance attributes in front of the precision plugin's clip and
+        optimizer_step and of the module's lr_scheduler_step are gone, the hooks on the wrapped
+        optimizers removed. ``guards`` keep their state: the next fit with this callback goes
+        on with them. Returns the callback."""
         for handle in self._watches:
             handle.remove()
         self._watches = []
+        self._patches.restore()
+        return self
 
     # The guard's decision state (detector statistics, LR factor, loss scale, counts) rides in
     # the checkpoint as this callback's state; the optimizer state stays plain.

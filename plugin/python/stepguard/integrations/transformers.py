@@ -61,6 +61,7 @@ from .. import _files
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
                     incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
+from ._seams import Patches, check_seams
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -90,12 +91,19 @@ class StepguardCallback(transformers.TrainerCallback):
     ``StepReport`` of the last step).
     """
 
-    def __init__(self, policy=None, **guard_options):
+    def __init__(self, policy=None, *, allow_untested_framework=False, **guard_options):
         self.policy = policy
+        self.allow_untested_framework = allow_untested_framework
         self.guard_options = guard_options
         self.guard = None
         self.last_report = None
         self._attached = False
+        self._trainer = None      # the Trainer attach() patched
+        self._patches = Patches()  # every attribute written on the Trainer's objects
+        self._callbacks_before = None  # the Trainer's callback list before attach()
+        self._watch = None        # the hook refusing a step that passes the guard by
+        self._overflow_before = None  # the AcceleratedOptimizer's _is_overflow before the guard
+        self._seams_checked = False
         self._incidents = []     # since the last log
         self._logged_step = None
         self._resume_from = None  # the checkpoint folder train() resumes from
@@ -103,13 +111,32 @@ class StepguardCallback(transformers.TrainerCallback):
         self._told_skip = False
         self._optimizer = None    # the Trainer's AcceleratedOptimizer
 
+    def _check_seams(self):
+        """The transformers and accelerate functions the integration relies on are the tested
+        releases' (stepguard.integrations._seams); once per callback."""
+        if not self._seams_checked:
+            check_seams("transformers", self.allow_untested_framework)
+            self._seams_checked = True
+
     def attach(self, trainer):
         """Adds the callback to ``trainer`` (first, so that reporters see its log entries) and
         hands the guard each step's loss and, under DDP or one process, the gradient clipping.
-        Call it once, before ``trainer.train()``; returns the callback."""
+        Call it once, before ``trainer.train()``; returns the callback. ``detach()`` undoes it.
+        Refused when the framework functions it relies on differ from the tested releases'
+        (``allow_untested_framework=True`` runs anyway, with a warning), and on a Trainer that
+        another StepguardCallback is attached to."""
         if self._attached:
-            return self
+            if trainer is self._trainer:
+                return self
+            raise RuntimeError("stepguard: this StepguardCallback is attached to another Trainer; "
+                               "detach() it first, or give each Trainer a callback of its own")
+        other = getattr(vars(trainer).get("training_step"), "stepguard_callback", None)
+        if other is not None:
+            raise RuntimeError("stepguard: this Trainer has a StepguardCallback attached already "
+                               "(one guard per Trainer); detach() that one first")
+        self._check_seams()
         handler = trainer.callback_handler
+        self._callbacks_before = list(handler.callbacks)
         if self in handler.callbacks:
             handler.callbacks.remove(self)
         handler.callbacks.insert(0, self)
@@ -122,7 +149,8 @@ class StepguardCallback(transformers.TrainerCallback):
                 self.guard.add_loss(loss)
             return loss
 
-        trainer.training_step = guarded_training_step
+        guarded_training_step.stepguard_callback = self
+        self._patches.set(trainer, "training_step", guarded_training_step)
         train = trainer.train
 
         def guarded_train(resume_from_checkpoint=None, *args, **kwargs):
@@ -134,7 +162,7 @@ class StepguardCallback(transformers.TrainerCallback):
             self._resume_from = checkpoint
             return train(resume_from_checkpoint, *args, **kwargs)
 
-        trainer.train = guarded_train
+        self._patches.set(trainer, "train", guarded_train)
         accelerator = trainer.accelerator
         kind = accelerator.distributed_type
         if kind == DistributedType.NO or kind.value.startswith("MULTI_"):
@@ -153,8 +181,31 @@ class StepguardCallback(transformers.TrainerCallback):
                 guard.max_norm = max_norm
                 return torch.tensor(verdict.grad_norm)
 
-            accelerator.clip_grad_norm_ = clip_from_verdict_
+            self._patches.set(accelerator, "clip_grad_norm_", clip_from_verdict_)
         self._attached = True
+        self._trainer = trainer
+        return self
+
+    def detach(self):
+        """Undoes ``attach()`` and what ``train()`` set up: every attribute the callback wrote on
+        the Trainer, its accelerator and its AcceleratedOptimizer is put back (the optimizer
+        steps unguarded again), the hook on the wrapped optimizer is removed and the callback
+        leaves the Trainer's list. ``guard`` keeps its state: a later ``attach()`` and
+        ``train()`` guard on with it. Returns the callback."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        if self._optimizer is not None and self._overflow_before is not None:
+            self._optimizer._is_overflow = self._overflow_before
+        self._patches.restore()
+        if self._trainer is not None:
+            callbacks = self._trainer.callback_handler.callbacks
+            callbacks[:] = [c for c in callbacks if c is not self]
+            if self._callbacks_before is not None and self in self._callbacks_before:
+                callbacks.insert(self._callbacks_before.index(self), self)
+        self._attached = False
+        self._trainer = None
+        self._optimizer = None
         return self
 
     # -- the Trainer's events -----------------------------------------------------------------
@@ -172,6 +223,9 @@ class StepguardCallback(transformers.TrainerCallback):
                 "stepguard: this accelerate's AcceleratedOptimizer has no step_was_skipped / "
                 "_is_overflow (accelerate 1.15 has them): the Trainer could not be told that a "
                 "step was not applied, and its LR schedule would move on skipped steps")
+        self._check_seams()
+        if optimizer is not self._optimizer:
+            self._overflow_before = getattr(optimizer, "_is_overflow", None)
         self._optimizer = optimizer
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
@@ -184,19 +238,26 @@ class StepguardCallback(transformers.TrainerCallback):
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError("stepguard: fp16 with a %s; the integration follows accelerate's "
                              "torch.amp.GradScaler" % type(scaler).__name__)
-        named = list(model.named_parameters())
-        options = guard_options(self.guard_options, self.policy)
-        port = TrainerPort(optimizer.optimizer, named, scaler, layout=options.pop("layout", None))
-        self.guard = _TrainerGuard(optimizer.optimizer, named, port=port,
-                                   **with_sharding(options, optimizer.optimizer))
-        refuse_bypass(self.guard, "the HF Trainer")
-        optimizer.optimizer = self.guard
+        if self.guard is None or self.guard.optimizer is not optimizer.optimizer:
+            named = list(model.named_parameters())
+            options = guard_options(self.guard_options, self.policy)
+            port = TrainerPort(optimizer.optimizer, named, scaler,
+                               layout=options.pop("layout", None))
+            self.guard = _TrainerGuard(optimizer.optimizer, named, port=port,
+                                       **with_sharding(options, optimizer.optimizer))
+        else:  # attached again after detach(): the same guard, its state kept
+            self.guard.drop_pending()
+            self.guard.loss = None
+        if self._watch is not None:
+            self._watch.remove()
+        self._watch = refuse_bypass(self.guard, "the HF Trainer")
+        self._patches.set(optimizer, "optimizer", self.guard)
         if scaler is not None:
             # fp16: the AcceleratedOptimizer steps through scaler.step() the step method it took
             # at setup (the wrapped optimizer's); the guard's instead.
-            optimizer._optimizer_original_step_method = self.guard.step
-            optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer,
-                                                                            self.guard.step)
+            self._patches.set(optimizer, "_optimizer_original_step_method", self.guard.step)
+            self._patches.set(optimizer, "_optimizer_patched_step_method",
+                              patch_optimizer_step(optimizer, self.guard.step))
         self._load_guard_state(args)
         self._figures = Figures(self.guard)
         if not self._attached:

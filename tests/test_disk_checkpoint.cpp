@@ -149,8 +149,8 @@ TEST(GuardResume, ADirectoryOfAnotherRunIsRefusedUnlessResumedFrom) {
 }
 
 // The same run id restarted without resuming (resume() refused the checkpoints: another
-// optimizer, another model; or was never called): its first step is refused and the run's checkpoints stay.
-// Starting would have pruned all of them at the first commit.
+// optimizer, another model; or was never called): its first step is refused and the run's
+// checkpoints stay. Starting would have pruned all of them at the first commit.
 TEST(GuardResume, ARunThatDidNotResumeItsOwnCheckpointsDeletesNone) {
   const std::string dir = fresh_dir("refused_own");
   train_with_checkpoints(dir, 11, "exp1");  // 3, 6, 9 visible

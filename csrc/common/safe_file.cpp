@@ -86,15 +86,6 @@ bool read_regular_file(const std::string& path, std::int64_t max_bytes, std::str
   return true;
 }
 
-std::string read_regular_file_or_throw(const std::string& path, std::int64_t max_bytes,
-                                       const std::string& what) {
-  std::string text, why;
-  if (!read_regular_file(path, max_bytes, &text, &why)) {
-    throw FileError(path + ": cannot read " + what + ": " + why);
-  }
-  return text;
-}
-
 RegularFileLines::RegularFileLines(const std::string& path, std::int64_t max_bytes,
                                    std::size_t max_line_bytes, const std::string& what)
     : path_(path), max_line_bytes_(max_line_bytes) {

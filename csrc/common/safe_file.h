@@ -52,10 +52,6 @@ int open_regular_file(const std::string& path, std::int64_t max_bytes, std::stri
 bool read_regular_file(const std::string& path, std::int64_t max_bytes, std::string* out,
                        std::string* why);
 
-/// read_regular_file() that throws FileError "PATH: cannot read <what>: WHY" instead.
-std::string read_regular_file_or_throw(const std::string& path, std::int64_t max_bytes,
-                                       const std::string& what);
-
 /// Lines of a regular file, read as a stream: the file is checked as open_regular_file() does,
 /// and a line longer than `max_line_bytes` is an error (a file of zeros without a newline is not
 /// read into memory whole). Not thread-safe.

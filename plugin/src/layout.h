@@ -55,10 +55,10 @@ std::uint64_t text_digest(const std::string& text) noexcept;
 
 /// Checks on every rank, in one collective, that the ranks fit together: their settings alike
 /// (`settings`), their lists too: the replicas alike on every rank (count and elements), the
-/// other gradients' copies adding up to whole elements and whole tensors. Throws c10::Error on every rank, naming
-/// what differs and each rank's value or counts, when they do not. Returns whether every rank
-/// holds replicas only (then replicas can be fingerprinted, and blame needs no exchange). The
-/// collective's buffer is on `device` (the parameters'). One process: no collective,
+/// other gradients' copies adding up to whole elements and whole tensors. Throws c10::Error on
+/// every rank, naming what differs and each rank's value or counts, when they do not. Returns
+/// whether every rank holds replicas only (then replicas can be fingerprinted, and blame needs no
+/// exchange). The collective's buffer is on `device` (the parameters'). One process: no collective,
 /// `mine.all_replicas`.
 bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine,
                      const RankSettings& settings, const at::Device& device);

@@ -117,8 +117,6 @@ def _guard(steps):
 
 
 def _callback(guard, resume_from=None):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
     from stepguard.integrations.transformers import StepguardCallback
 
     callback = StepguardCallback()

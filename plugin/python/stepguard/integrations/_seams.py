@@ -130,9 +130,6 @@ class Patches:
         setattr(obj, name, value)
         self._undo.append((obj, name, before, value, True))
 
-    def __len__(self):
-        return len(self._undo)
-
     def restore(self):
         while self._undo:
             obj, name, before, value, through_property = self._undo.pop()

@@ -5,12 +5,13 @@ GuardedOptimizer runs."""
 import contextlib
 import os
 import threading
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C, _log
+from . import _C, _amp, _log
+from ._guard_setup import (check_default_group, check_zero_group, checked_scaler,
+                           init_hook_tables)
 from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, check_name, is_zero_redundancy
@@ -55,6 +56,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         metrics_run_label, loss_scaling, sharded_gradients, collective_timeout (seconds),
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
         checkpoints belong to).
+        grad_scaler: the ``torch.amp.GradScaler`` that steps the guard (PyTorch's fp16 recipe:
+            ``scaler.scale(loss).backward(); scaler.step(guard, loss.detach());
+            scaler.update()``). The scaler calls the guard on every step, the ones it would
+            leave out included; the guard judges the gradients the scaler unscaled (its
+            ``unscale_`` runs once, as GradScaler runs it), with the scaler's scale; an overflow
+            is the ``overflow`` signal, skipped on every rank, and every rank's scaler backs off
+            (a fault of one rank alone included); growth and backoff stay the scaler's. A guard
+            stepped by a GradScaler it was not given refuses the step.
         layout: how the ranks hold each parameter's gradient, one ``stepguard.Placement`` per
             parameter of the optimizer's param groups in order (``replica()``, the default for
             all; ``replicated(n)``, ``shard(n)``, ``absent()``), so that every element of the job
@@ -104,21 +113,26 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  policy_yaml: Optional[str] = None,
                  process_group: Optional[Any] = None, store: Optional[Any] = None,
                  port: Optional[TorchOptimPort] = None,
-                 layout: Optional[Sequence["_C.Placement"]] = None, **options: Any) -> None:
+                 layout: Optional[Sequence["_C.Placement"]] = None,
+                 grad_scaler: Optional["torch.amp.GradScaler"] = None, **options: Any) -> None:
         # The wrapped optimizer holds the state (param_groups, state and defaults pass through to
         # it), so Optimizer.__init__, which would rebuild them, is not called; what else it sets
         # up is: the hook tables its public registrars (register_step_pre_hook, ...) fill.
-        _init_hook_tables(self)
+        init_hook_tables(self)
         guard_options = _options(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
-            _check_zero_group(optimizer, process_group)
-        _check_default_group(process_group)
+            check_zero_group(optimizer, process_group)
+        check_default_group(process_group)
         if layout is not None and port is not None:
             raise ValueError("stepguard: give the layout to the port (its layout()) or to the "
                              "guard, not both")
+        self._grad_scaler = checked_scaler(grad_scaler, port, guard_options)
         self.optimizer = optimizer
-        self._port = port if port is not None else TorchOptimPort(optimizer, named_parameters,
-                                                                  layout=layout)
+        if port is None:
+            port = (TorchOptimPort(optimizer, named_parameters, layout=layout)
+                    if grad_scaler is None else
+                    _amp.ScalerPort(optimizer, named_parameters, grad_scaler, layout=layout))
+        self._port = port
         if getattr(self._port, "dtensors", False) and not guard_options.sharded_gradients:
             raise ValueError(
                 "stepguard: the parameters are DTensors (FSDP2's fully_shard): each rank holds a "
@@ -199,6 +213,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """
         with self._one_call("step()"):
             self._port.failure = None
+            self._unscale()
             try:
                 report = self._guard.step(self._loss_of(closure))
             except _C.StepguardError as error:
@@ -214,6 +229,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 raise failure from error
             finally:
                 self._recorded_loss = None
+            if self._grad_scaler is not None:
+                _amp.agree_overflow(self._grad_scaler, self, report.nonfinite_count)
         return self._after_step(report)
 
     def verdict(self, loss: Optional[torch.Tensor] = None) -> "_C.Verdict":
@@ -225,8 +242,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         Nothing of the guard's but ``stats()`` in between. ``loss`` as for ``step(loss)``
         (None: the one given to ``record_loss``, or none)."""
         with self._one_call("verdict()"):
+            self._unscale()
             v = self._guard.verdict(self._loss_of(loss))
             self._recorded_loss = None
+            if self._grad_scaler is not None:
+                _amp.agree_overflow(self._grad_scaler, self, v.nonfinite_count)
         return v
 
     def settle(self, verdict: "_C.Verdict", applied: bool) -> StepReport:
@@ -257,6 +277,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._stepping.release()
+
+    # torch.amp.GradScaler's seam for optimizers that take part in loss scaling: its step()
+    # calls ours on every step (the ones with Inf/NaN gradients included) with the attributes
+    # grad_scale and found_inf set; a guard given no grad_scaler refuses such a step.
+    _step_supports_amp_scaling = True
+
+    def _unscale(self):
+        scaler = self._grad_scaler
+        if scaler is None:
+            if "found_inf" in vars(self):  # set by a GradScaler's step() around ours
+                del self.found_inf, self.grad_scale  # as the scaler left the guard: unchanged
+                raise ValueError(
+                    "stepguard: a torch.amp.GradScaler steps this guard, which was not given "
+                    "it: build the guard with GuardedOptimizer(..., grad_scaler=scaler), so that "
+                    "it judges the unscaled gradients with the scaler's scale and every rank's "
+                    "scaler backs off on an overflow of any rank")
+            return
+        if scaler.is_enabled():
+            _amp.unscale_once(scaler, self)
 
     def _loss_of(self, closure):
         if closure is None:
@@ -450,47 +489,3 @@ def _with_module_probes(fn, model, guard):
             for h in handles:
                 h.remove()
     return replay
-
-
-def _init_hook_tables(optimizer):
-    """The hook tables torch.optim.Optimizer.__init__ creates, under the names its public
-    registrars (``register_step_pre_hook`` and the rest) and ``profile_hook_step`` use."""
-    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                 "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-        setattr(optimizer, name, OrderedDict())
-
-
-def _check_default_group(process_group):
-    """With torch.distributed running on several ranks, a guard without a group would decide on
-    each rank alone: one rank skips a NaN step the others apply, and the replicas part silently."""
-    if process_group is not None or not torch.distributed.is_available():
-        return
-    if not torch.distributed.is_initialized():
-        return
-    world = torch.distributed.get_world_size()
-    if world > 1:
-        raise ValueError(
-            "stepguard: torch.distributed runs %d ranks but the guard was given no "
-            "process_group, so each rank would decide alone (a step skipped on one rank and "
-            "applied on another parts the replicas); pass process_group=dist.group.WORLD (or the "
-            "group the gradients are averaged over)" % world)
-
-
-def _check_zero_group(optimizer, process_group):
-    """A ZeRO optimizer steps collectively: every rank of its group must take the same decision,
-    so the guard must agree across at least those ranks."""
-    if optimizer.world_size == 1:
-        return
-    if process_group is None:
-        raise ValueError(
-            "stepguard: this ZeroRedundancyOptimizer shards its state over %d ranks; give the "
-            "guard process_group= (its group, e.g. dist.group.WORLD) so that every rank takes the "
-            "same decision (a step skipped on one rank only would leave the others waiting in "
-            "its parameter broadcast)" % optimizer.world_size)
-    size = process_group.size()
-    if size < optimizer.world_size:
-        raise ValueError(
-            "stepguard: the guard's process_group has %d ranks, fewer than the %d this "
-            "ZeroRedundancyOptimizer shards its state over; give it the optimizer's group or one "
-            "that contains it" % (size, optimizer.world_size))

@@ -11,8 +11,10 @@ import warnings
 import torch
 from packaging.version import InvalidVersion, Version
 
+from .._amp import (GRAD_SCALER_FLOOR, ScalerPort, scaled_loss_unscaled, scaler_unscaled,
+                    unscale_once)
 from .._guard import GuardedOptimizer
-from .._port import TorchOptimPort, is_dtensor
+from .._port import is_dtensor
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
            "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
@@ -174,52 +176,10 @@ def load_guard_state(guard, record, where):
     return True
 
 
-#: torch's GradScaler halves its scale on every overflow with no floor of its own; at or below
-#: this scale the guard takes an overflow for one the scale cannot fix (fp16 gradients beyond
-#: 65504 unscaled) and escalates by the policy, as at DeepSpeed's and Megatron's min_scale.
-GRAD_SCALER_FLOOR = 1.0
-
-
-class TrainerPort(TorchOptimPort):
+class TrainerPort(ScalerPort):
     """A torch optimizer a Trainer steps (Lightning, HF): the Trainer decides the loss scale, so
-    the guard scales nothing of its own (a policy's ``loss_scale`` section, a preset's, is the
-    Trainer's). Under fp16 (Lightning's '16-mixed', HF and accelerate's fp16) torch's
-    ``scaler`` owns the scale: its ``unscale_`` has run when the guard reads the gradients, so
-    they arrive unscaled; the scale given to the guard is the one this step's backward used (the
-    scaler's ``update()`` comes after the step). No scaler (bf16, fp32), or one built with
-    ``enabled=False``: no framework scale."""
-
-    def __init__(self, optimizer, named_parameters, scaler=None, layout=None):
-        super().__init__(optimizer, named_parameters, layout=layout)
-        self.scaler = scaler
-
-    def framework_loss_scale(self):
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        return float(self.scaler.get_scale()), GRAD_SCALER_FLOOR, False
-
-
-def scaler_unscaled(scaler, optimizer):
-    """Whether ``scaler.unscale_(optimizer)`` ran since the scaler's last ``update()`` (torch
-    refuses a second call)."""
-    from torch.amp.grad_scaler import OptState
-    return scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.READY
-
-
-def unscale_once(scaler, optimizer):
-    """``scaler.unscale_(optimizer)`` unless it ran already this step (a framework's own clip
-    may have called it)."""
-    if not scaler_unscaled(scaler, optimizer):
-        scaler.unscale_(optimizer)
-
-
-def scaled_loss_unscaled(loss, scaler):
-    """``loss`` as the step's loss for the guard: divided by ``scaler``'s scale when the
-    framework hands over the loss it scaled for backward (Lightning's on_before_backward)."""
-    if scaler is None or not scaler.is_enabled():
-        return loss
-    # The scale as the scaler's own device tensor: no read to the host per micro-batch.
-    return loss.detach().float() / scaler._get_scale_async().float()
+    the guard scales nothing of its own; under fp16 (Lightning's '16-mixed', HF and accelerate's
+    fp16) torch's ``scaler`` owns it (``stepguard._amp.ScalerPort``)."""
 
 
 class SeamGuard(GuardedOptimizer):
@@ -231,6 +191,10 @@ class SeamGuard(GuardedOptimizer):
     a plain guarded step. torch's step hooks fire around it once. The state dict is the wrapped
     optimizer's, so the framework's checkpoints keep their format and load with or without
     stepguard; the guard's own state travels beside it (``guard_state_dict``)."""
+
+    # The framework's scaler steps the guard as it steps any optimizer (it leaves the step out
+    # on Inf/NaN; step_the_scaler_skipped carries that step out) and unscales before the seam.
+    _step_supports_amp_scaling = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

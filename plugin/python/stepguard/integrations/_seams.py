@@ -150,8 +150,17 @@ _T = "transformers.trainer.Trainer."
 _A = "accelerate.optimizer.AcceleratedOptimizer."
 _L = "lightning.pytorch."
 _P = _L + "plugins.precision."
+_G = "torch.amp.grad_scaler."
 
 TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
+    "torch": {  # torch 2.11 to 2.15 (the GradScaler every fp16 path follows): from 2.11 to
+        # 2.15 these functions changed in type annotations and comments only
+        _G + "_refresh_per_optimizer_state": {"05f47f57e3acce72"},
+        _G + "GradScaler.step": {"80cfc1b352a30253", "5eeec9507c88acc2", "da79c11f105af61a"},
+        _G + "GradScaler.unscale_": {"a77af99eefc53b5a", "a92e0a34cc0ff79b"},
+        _G + "GradScaler.update": {"a23591b2659c08b7", "bc164e9303e930f9"},
+        _G + "GradScaler._get_scale_async": {"e7b828f54abaffc8", "2a31ddcf0563175a"},
+    },
     "transformers": {  # transformers 5.24.0, accelerate 1.15.0
         "transformers.trainer_callback.CallbackHandler.call_event": {"071d54bba7a7274b"},
         _T + "training_step": {"caa7e68f3335f9ae"},
@@ -187,6 +196,21 @@ TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
 }
 
 SEAMS: Dict[str, List[Seam]] = {
+    "torch": [
+        Seam(_G + "GradScaler.step", "follows",
+             "_step_supports_amp_scaling: the scaler calls the guard's step on every step, the "
+             "ones it would leave out included", (_G + "GradScaler.step",), restored=False),
+        Seam(_G + "GradScaler._per_optimizer_states", "reads",
+             "whether unscale_ ran this step (its stage), so that it runs once",
+             (_G + "_refresh_per_optimizer_state", _G + "GradScaler.unscale_"), restored=False),
+        Seam(_G + "GradScaler._per_optimizer_states", "writes",
+             "an overflow of any rank is recorded in every rank's found-inf tensors, so that "
+             "every rank's update() backs off", (_G + "GradScaler.step", _G + "GradScaler.update"),
+             restored=False),
+        Seam(_G + "GradScaler._get_scale_async", "calls",
+             "the scale as a device tensor, to unscale a scaled loss without a host read",
+             (_G + "GradScaler._get_scale_async",), restored=False),
+    ],
     "transformers": [
         Seam("transformers.trainer_callback.CallbackHandler.callbacks", "writes",
              "the callback goes first, so that reporters see its log entries",

@@ -164,8 +164,7 @@ class StepguardCallback(pl.Callback):
         if scaler is not None:
             self._step_what_the_scaler_skips(trainer)
 
-    @staticmethod
-    def _scaler(trainer: "pl.Trainer") -> Any:
+    def _scaler(self, trainer: "pl.Trainer") -> Any:
         """The precision plugin's GradScaler ('16-mixed'), or None. A plugin that keeps a
         scaler elsewhere than Lightning's MixedPrecision does is refused: its overflow steps
         would pass the guard by."""
@@ -180,6 +179,7 @@ class StepguardCallback(pl.Callback):
         if not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError("stepguard: precision='16-mixed' with a %s; the integration "
                              "follows torch.amp.GradScaler" % type(scaler).__name__)
+        check_seams("torch", self.allow_untested_framework)
         return scaler
     def _guard_of(self, optimizer: Any) -> Optional[_LightningGuard]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's

@@ -238,6 +238,8 @@ class StepguardCallback(transformers.TrainerCallback):
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError("stepguard: fp16 with a %s; the integration follows accelerate's "
                              "torch.amp.GradScaler" % type(scaler).__name__)
+        if scaler is not None:
+            check_seams("torch", self.allow_untested_framework)
         if self.guard is None or self.guard.optimizer is not optimizer.optimizer:
             named = list(model.named_parameters())
             options = guard_options(self.guard_options, self.policy)

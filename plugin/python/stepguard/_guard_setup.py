@@ -1,0 +1,68 @@
+"""The checks a GuardedOptimizer makes when it is built, and the hook tables it sets up: kept
+apart from the guard's step (stepguard/_guard.py)."""
+
+from collections import OrderedDict
+
+import torch
+
+from . import _amp
+
+
+def init_hook_tables(optimizer):
+    """The hook tables torch.optim.Optimizer.__init__ creates, under the names its public
+    registrars (``register_step_pre_hook`` and the rest) and ``profile_hook_step`` use."""
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                 "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+        setattr(optimizer, name, OrderedDict())
+
+
+def checked_scaler(scaler, port, options):
+    if scaler is None:
+        return None
+    _amp.check_grad_scaler(scaler)
+    if port is not None:
+        raise ValueError("stepguard: give grad_scaler to the guard or a port, not both (the "
+                         "port then owns the loss scale)")
+    if options.loss_scaling:
+        raise ValueError("stepguard: loss_scaling=True and grad_scaler: two owners of one loss "
+                         "scale; keep the GradScaler (the guard follows its scale) or the "
+                         "guard's own scaling (guard.scale_loss), not both")
+    from .integrations._seams import check_seams
+    check_seams("torch")
+    return scaler
+
+
+def check_default_group(process_group):
+    """With torch.distributed running on several ranks, a guard without a group would decide on
+    each rank alone: one rank skips a NaN step the others apply, and the replicas part silently."""
+    if process_group is not None or not torch.distributed.is_available():
+        return
+    if not torch.distributed.is_initialized():
+        return
+    world = torch.distributed.get_world_size()
+    if world > 1:
+        raise ValueError(
+            "stepguard: torch.distributed runs %d ranks but the guard was given no "
+            "process_group, so each rank would decide alone (a step skipped on one rank and "
+            "applied on another parts the replicas); pass process_group=dist.group.WORLD (or the "
+            "group the gradients are averaged over)" % world)
+
+
+def check_zero_group(optimizer, process_group):
+    """A ZeRO optimizer steps collectively: every rank of its group must take the same decision,
+    so the guard must agree across at least those ranks."""
+    if optimizer.world_size == 1:
+        return
+    if process_group is None:
+        raise ValueError(
+            "stepguard: this ZeroRedundancyOptimizer shards its state over %d ranks; give the "
+            "guard process_group= (its group, e.g. dist.group.WORLD) so that every rank takes the "
+            "same decision (a step skipped on one rank only would leave the others waiting in "
+            "its parameter broadcast)" % optimizer.world_size)
+    size = process_group.size()
+    if size < optimizer.world_size:
+        raise ValueError(
+            "stepguard: the guard's process_group has %d ranks, fewer than the %d this "
+            "ZeroRedundancyOptimizer shards its state over; give it the optimizer's group or one "
+            "that contains it" % (size, optimizer.world_size))

@@ -7,10 +7,13 @@ it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times 
 SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
 
 usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT | fp16 |
-fp16-twin]
+fp16-twin | ds | ds-save | ds-resume CHECKPOINT | ds-clean | ds-twin | ds-offload]
 (save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...);
 fp16: TrainingArguments(fp16=True) with accelerate's GradScaler (see fp16_on_cpu), the schedule
-FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard)
+FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard; ds*: the same runs through
+DeepSpeed, TrainingArguments(deepspeed=DS_CONFIG) (ZeRO 2, fp32, the Trainer's "auto" values);
+ds-clean: no faults and no clip; ds-twin: the same without stepguard; ds-offload: the optimizer
+offloaded to CPU, which attach() refuses: the message is written instead of a run)
 """
 
 import hashlib
@@ -44,6 +47,16 @@ FP16_SCHEDULE = {"MAX_STEPS": 20, "NAN_STEP": 11, "GRAD_STEP": 13, "SPIKE_STEP":
 LR_SCHEDULE = "linear"
 INIT_SCALE = 2.0 ** 24
 GROWTH_INTERVAL = 3
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+             "zero_optimization": {"stage": 2}}
+
+
+def _ds_config(mode):
+    config = json.loads(json.dumps(DS_CONFIG))
+    if mode == "offload":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return config
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -119,10 +132,15 @@ class Recorder(TrainerCallback):
 def main():
     out, policy = sys.argv[1], sys.argv[2]
     mode = sys.argv[3] if len(sys.argv) > 3 else None
+    deepspeed = mode is not None and mode.startswith("ds")
+    if deepspeed:
+        mode = mode[3:] or None
     resume = sys.argv[4] if mode == "resume" else None
     fp16 = mode in ("fp16", "fp16-twin")
     if fp16:
         globals().update(FP16_SCHEDULE)
+    if mode in ("clean", "twin"):  # no faults, no clip: the guarded run is the twin's bitwise
+        globals().update(NAN_STEP=0, GRAD_STEP=0, SPIKE_STEP=0, MAX_GRAD_NORM=0.0)
     # torchrun starts each worker in a session of its own: the test kills these on a timeout.
     with open(os.path.join(out, "pid%s" % os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
@@ -137,7 +155,7 @@ def main():
         lr_scheduler_type=LR_SCHEDULE, warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
         logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo",
         save_strategy="steps" if mode in ("save", "resume") else "no", save_steps=SAVE_EVERY,
-        fp16=fp16,
+        fp16=fp16, deepspeed=_ds_config(mode) if deepspeed else None,
         seed=7, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
     trainer = FaultyTrainer(model=model, args=args, train_dataset=RandomTokens(256, 16, 64))
     rank = args.process_index
@@ -153,7 +171,17 @@ def main():
     dict(model.named_parameters())[GRAD_TENSOR].register_hook(nan_gradient)
     # One trace_path for both ranks: rank 0 writes it, rank 1 trace.jsonl.rank1.
     sg = None
-    if mode != "fp16-twin":
+    if mode == "offload":
+        try:
+            StepguardCallback(policy=policy).attach(trainer)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        with open(os.path.join(out, "rank%d.json" % rank), "w") as f:
+            json.dump({"refused": refused, "callbacks": [
+                type(c).__name__ for c in trainer.callback_handler.callbacks]}, f)
+        return
+    if mode not in ("fp16-twin", "twin"):
         sg = StepguardCallback(policy=policy, collective_timeout=60,
                                trace_path=os.path.join(out, "trace.jsonl")).attach(trainer)
     recorder = Recorder(sg, trainer if fp16 else None)
@@ -161,6 +189,12 @@ def main():
     result = trainer.train(resume_from_checkpoint=resume)
 
     assert rank == dist.get_rank()
+    left = None
+    if deepspeed and sg is not None:  # detach() takes the guard out of the engine
+        sg.detach()
+        engine = trainer.model_wrapped
+        left = [n for n in ("backward", "scale") if n in vars(engine)] + [
+            "optimizer.step" for n in ("step",) if n in vars(engine.optimizer)]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(flat, os.path.join(out, "rank%d.pt" % rank))
     record = {
@@ -174,6 +208,9 @@ def main():
         "spike_step": SPIKE_STEP, "spike_rank": SPIKE_RANK, "max_grad_norm": MAX_GRAD_NORM,
         "totals": sg.guard.stats().totals.to_dict() if sg else None,
         "callback_order": [type(c).__name__ for c in trainer.callback_handler.callbacks],
+        "engine": type(trainer.model_wrapped).__name__,
+        "skipped_steps": getattr(trainer.model_wrapped, "skipped_steps", None),
+        "left_after_detach": left,
         "steps": recorder.steps, "log_history": trainer.state.log_history,
     }
     with open(os.path.join(out, "rank%d.json" % rank), "w") as f:

@@ -46,7 +46,7 @@ def _kill(proc, out):
 def _run_ranks(out, *mode):
     import stepguard
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(stepguard.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_HOME=os.path.join(out, "hf_home"),
                TOKENIZERS_PARALLELISM="false", DISABLE_MLFLOW_INTEGRATION="TRUE",
                WANDB_DISABLED="true",
@@ -73,7 +73,9 @@ def _run_ranks(out, *mode):
     for r in range(WORLD):
         with open(os.path.join(out, "rank%d.json" % r)) as f:
             ranks.append(json.load(f))
-        ranks[-1]["params"] = torch.load(os.path.join(out, "rank%d.pt" % r))
+        params = os.path.join(out, "rank%d.pt" % r)
+        if os.path.exists(params):
+            ranks[-1]["params"] = torch.load(params)
     return ranks, text
 
 

@@ -151,6 +151,7 @@ _A = "accelerate.optimizer.AcceleratedOptimizer."
 _L = "lightning.pytorch."
 _P = _L + "plugins.precision."
 _G = "torch.amp.grad_scaler."
+_D = "accelerate.utils.deepspeed."
 
 TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
     "torch": {  # torch 2.11 to 2.15 (the GradScaler every fp16 path follows): from 2.11 to
@@ -162,6 +163,8 @@ TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
         _G + "GradScaler._get_scale_async": {"e7b828f54abaffc8", "2a31ddcf0563175a"},
     },
     "transformers": {  # transformers 5.24.0, accelerate 1.15.0
+        _D + "DeepSpeedEngineWrapper.backward": {"c0a15bc3d4837d6d"},
+        _D + "DeepSpeedOptimizerWrapper.step_was_skipped": {"e43ba2a8155e3465"},
         "transformers.trainer_callback.CallbackHandler.call_event": {"071d54bba7a7274b"},
         _T + "training_step": {"caa7e68f3335f9ae"},
         _T + "_run_epoch": {"20e0f3da01994864"},
@@ -240,6 +243,16 @@ SEAMS: Dict[str, List[Seam]] = {
         Seam(_T + "_save_checkpoint", "follows",
              "the guard's state file goes into the folder the Trainer just wrote",
              (_T + "_save_checkpoint",), restored=False),
+        Seam(_D + "DeepSpeedEngineWrapper.backward", "follows",
+             "DeepSpeed: the Trainer's backward runs the engine's backward and step, where the "
+             "guard decides", (_D + "DeepSpeedEngineWrapper.backward", _T + "training_step"),
+             restored=False),
+        Seam(_D + "DeepSpeedOptimizerWrapper.step_was_skipped", "follows",
+             "DeepSpeed: a step the guard did not apply (DeepSpeed's overflow) holds the "
+             "Trainer's LR schedule",
+             (_D + "DeepSpeedOptimizerWrapper.step_was_skipped",
+              "accelerate.accelerator.Accelerator.optimizer_step_was_skipped", _T + "_run_epoch"),
+             restored=False),
     ],
     "lightning": [
         Seam(_L + "core.optimizer.LightningOptimizer._optimizer", "reads",

@@ -42,8 +42,11 @@ turns nothing of the guard's on; ``loss_scaling=True`` is refused. ZeRO 3 (fp32,
 each rank's partition of every parameter in the flat fp32 masters of each sub-group, read at one
 piece per parameter (the partition padding left out) with the step's averaged gradients; a
 rollback puts the masters back into the partitioned lp parameters as DeepSpeed's checkpoint
-load does. Refused, with a message: fp16 without ZeRO, CPU offload (its optimizer steps host
-copies the guard does not read) and pipeline engines.
+load does. Refused, with a message: fp16 without ZeRO, optimizer offload to CPU or NVMe (its
+optimizer steps host copies the guard does not read) and pipeline engines (``check_config``
+tells what a config alone shows, before the engine exists). ``EngineGuard.detach()`` gives the
+engine back its own methods; the HF Trainer's DeepSpeed path uses this integration
+(``stepguard.integrations.transformers``).
 """
 
 import warnings
@@ -55,6 +58,7 @@ from .._port import TorchOptimPort
 from ._core import check_version, finish_step, guard_options, load_guard_state
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
                                  _Zero3Layout, _ZeroLayout)
+from ._seams import Patches
 
 
 def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
@@ -98,9 +102,25 @@ class EngineGuard:
         # Instance attributes over the engine's and its optimizer's methods: the engine calls
         # these names (engine._take_model_step: self.optimizer.step(), then .overflow), and
         # nothing else of DeepSpeed changes. backward() and scale() (DeepSpeed's manual path,
-        # engine.scale(loss).backward()) hand the guard the loss.
-        engine.backward, engine.scale = self._backward, self._scale
-        ds_optimizer.step = self._step
+        # engine.scale(loss).backward()) hand the guard the loss. detach() takes them out.
+        self._patches = Patches()
+        self.attach()
+
+    def attach(self):
+        """Puts the guard (back) into the engine; ``guard_engine`` does it. Returns self."""
+        if vars(self.engine).get("backward") != self._backward:
+            self._patches.set(self.engine, "backward", self._backward)
+            self._patches.set(self.engine, "scale", self._scale)
+            self._patches.set(self.engine.optimizer, "step", self._step)
+        return self
+
+    def detach(self):
+        """Takes the guard out of the engine: its ``backward``, ``scale`` and its optimizer's
+        ``step`` are DeepSpeed's again (the engine steps unguarded). ``guard`` keeps its state,
+        and ``attach()`` puts it back."""
+        self._patches.restore()
+        self._losses = []
+        self._expected = None
 
     def record_loss(self, loss):
         """This micro-batch's loss, for a loop that calls ``loss.backward()`` itself instead of
@@ -123,6 +143,12 @@ class EngineGuard:
         load_guard_state(self.guard, (client_state or {}).get("stepguard"),
                          "this DeepSpeed client state")
 
+    @staticmethod
+    def _step_loss(losses):
+        """The step's loss from its micro-batches' (engine.backward scales each by the
+        accumulation steps itself): their mean."""
+        return torch.stack(losses).mean()
+
     def _backward(self, loss, *args, **kwargs):
         self.record_loss(loss)
         return self._ds_backward(loss, *args, **kwargs)
@@ -133,7 +159,7 @@ class EngineGuard:
 
     def _step(self, closure=None):
         self._check_last_step()
-        loss = torch.stack(self._losses).mean() if self._losses else None
+        loss = self._step_loss(self._losses) if self._losses else None
         self._losses = []
         # The verdict first (the step's one collective); an applied step is DeepSpeed's update
         # with the agreed norm as its norm (no second norm, no second all-reduce).
@@ -184,16 +210,39 @@ class EngineGuard:
                                                       skipped, expected))
 
 
+_FP16_WITHOUT_ZERO = ("fp16 without ZeRO (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
+                      "apply the loss scale in engine.backward() while their step divides by "
+                      "it; upstream PR #8393); use ZeRO 1, 2 or 3, bf16 or fp32")
+_OFFLOAD = ("ZeRO with optimizer offload to CPU or NVMe (its optimizer steps on host copies the "
+            "guard does not read)")
+
+
+def check_config(config):
+    """Refuses, before ``deepspeed.initialize``, what the DeepSpeed ``config`` (a dict) alone
+    shows the integration cannot guard (values still ``"auto"`` are left to ``guard_engine``,
+    which checks the engine)."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    fp16 = (config.get("fp16") or {}).get("enabled", False)
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    refuse = None
+    if fp16 is True and stage == 0:
+        refuse = _FP16_WITHOUT_ZERO
+    elif isinstance(stage, int) and stage > 0 and offload in ("cpu", "nvme"):
+        refuse = _OFFLOAD
+    if refuse:
+        raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
+
+
 def _check_engine(engine):
     refuse = None
     if getattr(engine, "optimizer", None) is None:
         refuse = "an engine without an optimizer (deepspeed.initialize got none)"
     elif engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
-        refuse = ("fp16 without ZeRO (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
-                  "apply the loss scale in engine.backward() while their step divides by it; "
-                  "upstream PR #8393); use ZeRO 1, 2 or 3, bf16 or fp32")
-    elif engine.zero_optimization() and engine.zero_cpu_offload():
-        refuse = "ZeRO with CPU offload (its optimizer steps on host copies)"
+        refuse = _FP16_WITHOUT_ZERO
+    elif engine.zero_optimization() and (engine.zero_cpu_offload()
+                                         or engine.zero_nvme_offload_optimizer()):
+        refuse = _OFFLOAD
     elif type(engine).__name__ == "PipelineEngine":
         refuse = "pipeline parallelism (PipelineEngine)"
     elif getattr(engine, "has_moe_layers", False):

@@ -45,8 +45,20 @@ a step whose gradients overflow is skipped by the scaler's own path and the scal
 grows by the scaler's rules; what the scale cannot fix (a NaN loss, the scale down to
 ``GRAD_SCALER_FLOOR``) goes by the policy.
 
-Not covered: DeepSpeed and FSDP through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data iterator is out of
-reach; the batch of the bad step itself is dropped, and the callback says so once per run).
+DeepSpeed (``TrainingArguments(deepspeed=...)``, accelerate's DeepSpeed plugin): the callback hands
+the Trainer's engine to ``stepguard.integrations.deepspeed`` at ``on_train_begin`` (what that
+integration guards, it guards here: ZeRO 0-3, fp32, bf16, fp16 under ZeRO); the guard decides
+inside the engine's step, which accelerate runs from the Trainer's backward, and a step it did not
+apply takes DeepSpeed's own overflow path, which the Trainer reads as a skipped step. The step's
+loss is the sum of the micro-batch losses the Trainer hands the engine (the Trainer's logged
+loss); the guard's state goes in the same ``stepguard_rank<r>.pt`` beside DeepSpeed's checkpoint
+in the Trainer's folder. ``attach()`` is needed there (the engine is the Trainer's), and a
+DeepSpeed configuration the integration cannot guard (optimizer offload, fp16 without ZeRO) is
+refused at ``attach()``.
+
+Not covered: FSDP through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data
+iterator is out of reach; the batch of the bad step itself is dropped, and the callback says so
+once per run).
 """
 
 import os
@@ -62,6 +74,7 @@ from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
                     incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
 from ._seams import Patches, check_seams
+from .deepspeed import EngineGuard, check_config
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -70,6 +83,16 @@ _INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reas
 # where the Trainer measures the grad norm; the Trainer's optimizer.step() then clips from the
 # agreed norm, runs the update the verdict allows and settles).
 _TrainerGuard = SeamGuard
+
+
+class _TrainerEngineGuard(EngineGuard):
+    """The DeepSpeed integration's guard in the engine of a Trainer: the Trainer hands the
+    engine each micro-batch's loss already divided by the accumulation steps (it turns
+    DeepSpeed's own division off), so the step's loss is their sum, the loss the Trainer logs."""
+
+    @staticmethod
+    def _step_loss(losses):
+        return torch.stack(losses).sum()
 
 
 def _state_file(checkpoint, rank):
@@ -110,6 +133,8 @@ class StepguardCallback(transformers.TrainerCallback):
         self._figures = None
         self._told_skip = False
         self._optimizer = None    # the Trainer's AcceleratedOptimizer
+        self._engine_guard = None  # under DeepSpeed: the guard inside the Trainer's engine
+        self._seen_report = None  # under DeepSpeed: the engine guard's report handled last
 
     def _check_seams(self):
         """The transformers and accelerate functions the integration relies on are the tested
@@ -135,6 +160,11 @@ class StepguardCallback(transformers.TrainerCallback):
             raise RuntimeError("stepguard: this Trainer has a StepguardCallback attached already "
                                "(one guard per Trainer); detach() that one first")
         self._check_seams()
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            # What the DeepSpeed configuration alone shows cannot be guarded, said now rather
+            # than at the first step (the engine itself is checked at on_train_begin).
+            check_version("deepspeed")
+            check_config(trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
         handler = trainer.callback_handler
         self._callbacks_before = list(handler.callbacks)
         if self in handler.callbacks:
@@ -145,8 +175,8 @@ class StepguardCallback(transformers.TrainerCallback):
         def guarded_training_step(*args, **kwargs):
             # The loss of each micro-batch (no callback event carries it).
             loss = training_step(*args, **kwargs)
-            if torch.is_tensor(loss) and self.guard is not None:
-                self.guard.add_loss(loss)
+            if torch.is_tensor(loss) and isinstance(self.guard, _TrainerGuard):
+                self.guard.add_loss(loss)  # (under DeepSpeed the engine's backward hands it)
             return loss
 
         guarded_training_step.stepguard_callback = self
@@ -197,6 +227,8 @@ class StepguardCallback(transformers.TrainerCallback):
             self._watch = None
         if self._optimizer is not None and self._overflow_before is not None:
             self._optimizer._is_overflow = self._overflow_before
+        if self._engine_guard is not None:
+            self._engine_guard.detach()
         self._patches.restore()
         if self._trainer is not None:
             callbacks = self._trainer.callback_handler.callbacks
@@ -212,6 +244,9 @@ class StepguardCallback(transformers.TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         check_version("transformers")
         check_version("accelerate")
+        if type(optimizer).__name__ == "DeepSpeedOptimizerWrapper":
+            self._guard_engine(args)
+            return
         if type(optimizer) is not AcceleratedOptimizer:
             raise TypeError(
                 "stepguard: StepguardCallback guards the Trainer's AcceleratedOptimizer; got %s "
@@ -267,6 +302,30 @@ class StepguardCallback(transformers.TrainerCallback):
                            "(callback.attach(trainer)): the guard sees no loss, so its loss "
                            "detectors are off, and it sees the gradients after clipping")
 
+    def _guard_engine(self, args):
+        """DeepSpeed through the Trainer: the DeepSpeed integration's guard in its engine (the
+        same one again on a later train() of this engine; its state carried to a new one)."""
+        if self._trainer is None:
+            raise RuntimeError(
+                "stepguard: the Trainer runs DeepSpeed: call callback.attach(trainer) before "
+                "train() (the guard goes inside the Trainer's DeepSpeed engine)")
+        engine = self._trainer.model_wrapped
+        old = self._engine_guard
+        if old is None or old.engine is not engine:
+            options = dict(self.guard_options)
+            options.pop("layout", None)  # the engine's own layout
+            new = _TrainerEngineGuard(engine, policy=self.policy, **options)
+            if old is not None:
+                old.detach()
+                new.guard.load_guard_state_dict(old.guard.guard_state_dict())
+            self._engine_guard = new
+        else:  # attached again after detach(), or a second train(): its state kept
+            old.attach()
+        self.guard = self._engine_guard.guard
+        self._seen_report = self._engine_guard.last_report
+        self._load_guard_state(args)
+        self._figures = Figures(self.guard)
+
     def _load_guard_state(self, args):
         """The guard's state from the checkpoint train() resumes from, on every rank."""
         checkpoint, self._resume_from = self._resume_from, None
@@ -302,7 +361,7 @@ class StepguardCallback(transformers.TrainerCallback):
         return guard.take_verdict()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.guard is not None:
+        if self.guard is not None and self._engine_guard is None:
             self.guard.last_report = None
             if self._optimizer.scaler is not None:
                 # fp16: the scaler calls the guard's step on finite gradients only; the verdict
@@ -312,20 +371,30 @@ class StepguardCallback(transformers.TrainerCallback):
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.guard is None:
             return
-        report, self.guard.last_report = self.guard.last_report, None
-        if report is None and self.guard.pending is not None:
-            # fp16: accelerate's GradScaler found Inf or NaN on this rank and left the guard's
-            # step out (it backed the scale off); the guard's decision is carried out now.
-            report = self.guard.step_the_scaler_skipped()
-            self.guard.last_report = None
-        if report is None:  # the AcceleratedOptimizer did not step
-            return
+        if self._engine_guard is not None:
+            # DeepSpeed: the engine stepped inside the Trainer's backward (accelerate's
+            # DeepSpeedEngineWrapper); a step the guard did not apply took DeepSpeed's overflow
+            # path, which the Trainer reads (DeepSpeedOptimizerWrapper.step_was_skipped).
+            report = self._engine_guard.last_report
+            if report is None or report is self._seen_report:
+                return
+            self._seen_report = report
+        else:
+            report, self.guard.last_report = self.guard.last_report, None
+            if report is None and self.guard.pending is not None:
+                # fp16: accelerate's GradScaler found Inf or NaN on this rank and left the
+                # guard's step out (it backed the scale off); the guard's decision is carried
+                # out now.
+                report = self.guard.step_the_scaler_skipped()
+                self.guard.last_report = None
+            if report is None:  # the AcceleratedOptimizer did not step
+                return
+            # Trainer reads accelerator.optimizer_step_was_skipped, i.e. AcceleratedOptimizer.
+            # step_was_skipped, which returns this attribute (set by accelerate for a
+            # GradScaler overflow), to leave the LR scheduler alone on this step.
+            optimizer._is_overflow = not report.applied
         self.last_report = report
         self._figures.update(report)
-        # Trainer reads accelerator.optimizer_step_was_skipped, i.e. AcceleratedOptimizer.
-        # step_was_skipped, which returns this attribute (set by accelerate for a GradScaler
-        # overflow), to leave the LR scheduler alone on this step.
-        optimizer._is_overflow = not report.applied
         if report.batches_to_skip and not self._told_skip:
             self._told_skip = True
             logger.warning("stepguard: the policy's rollback asks to drop the next %d batch(es); "

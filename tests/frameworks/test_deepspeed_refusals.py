@@ -78,3 +78,19 @@ def test_moe_and_muon_are_refused_naming_why():
     assert "the Muon optimizer" in got["muon"], got
     assert "the Muon optimizer" in got["muon_bf16_zero1"], got
     assert got["muon_bf16_zero1_built"] == "DeepSpeedZeroOptimizer", got
+
+
+def test_check_config_refuses_what_a_config_alone_shows_and_leaves_auto_to_the_engine():
+    """``check_config`` (HF's attach, Lightning's fit start): before any engine exists."""
+    import pytest
+    zero = lambda stage, **kw: {"zero_optimization": dict({"stage": stage}, **kw)}
+    for config in (zero(2, offload_optimizer={"device": "cpu"}),
+                   zero(3, offload_optimizer={"device": "nvme"})):
+        with pytest.raises(ValueError, match="offload to CPU or NVMe"):
+            sg_deepspeed.check_config(config)
+    with pytest.raises(ValueError, match="fp16 without ZeRO"):
+        sg_deepspeed.check_config({"fp16": {"enabled": True}})
+    for config in ({}, zero(2), zero(3, offload_optimizer={"device": "none"}),
+                   {"fp16": {"enabled": "auto"}}, dict(zero(2), fp16={"enabled": True}),
+                   zero("auto", offload_optimizer={"device": "cpu"})):
+        sg_deepspeed.check_config(config)  # accepted here; the engine is checked later

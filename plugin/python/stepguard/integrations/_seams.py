@@ -195,6 +195,10 @@ TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
             {"22d56e420c87bb4b"},
         _L + "core.module.LightningModule.lr_scheduler_step": {"06ccae3fd55c26e1"},
         _L + "trainer.trainer.Trainer._run": {"0e40bcef34b9204d"},
+        _P + "deepspeed.DeepSpeedPrecision.backward": {"9c20e5c7253ee0e9"},
+        _P + "deepspeed.DeepSpeedPrecision.optimizer_step": {"589337edf4caeb87"},
+        _L + "strategies.deepspeed.DeepSpeedStrategy._initialize_deepspeed_train":
+            {"1cc70fcd1d0fcefd"},
     },
 }
 
@@ -276,8 +280,16 @@ SEAMS: Dict[str, List[Seam]] = {
              (_L + "core.module.LightningModule.lr_scheduler_step",
               _L + "loops.training_epoch_loop._TrainingEpochLoop._update_learning_rates")),
         Seam(_L + "trainer.trainer.Trainer._run", "follows",
-             "the callback's saved state is loaded before on_fit_start",
-             (_L + "trainer.trainer.Trainer._run",), restored=False),
+             "the callback's saved state is loaded before on_fit_start (DeepSpeedStrategy: "
+             "before on_train_start)", (_L + "trainer.trainer.Trainer._run",), restored=False),
+        Seam(_P + "deepspeed.DeepSpeedPrecision.optimizer_step", "follows",
+             "DeepSpeed: Lightning's backward and step are the engine's, where the guard "
+             "decides", (_P + "deepspeed.DeepSpeedPrecision.backward",
+                         _P + "deepspeed.DeepSpeedPrecision.optimizer_step"), restored=False),
+        Seam(_L + "strategies.deepspeed.DeepSpeedStrategy._initialize_deepspeed_train",
+             "follows", "DeepSpeed: Lightning steps the LR schedulers (not the engine), so the "
+             "callback holds them", (_L + "strategies.deepspeed.DeepSpeedStrategy."
+                                     "_initialize_deepspeed_train",), restored=False),
     ],
 }
 

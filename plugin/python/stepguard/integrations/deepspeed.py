@@ -234,6 +234,30 @@ def check_config(config):
         raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
 
 
+class _TrainerEngineGuard(EngineGuard):
+    """The guard in the engine of a Trainer (HF's, Lightning's DeepSpeedStrategy): the Trainer
+    hands the engine each micro-batch's loss already divided by the accumulation steps, so the
+    step's loss is their sum, the loss the Trainer logs."""
+
+    @staticmethod
+    def _step_loss(losses):
+        return torch.stack(losses).sum()
+
+
+def guard_trainer_engine(engine, previous, policy, options):
+    """The guard in a Trainer's engine: ``previous`` (an earlier fit's) put back when it guards
+    this engine, else a new one that goes on with ``previous``'s state."""
+    if previous is not None and previous.engine is engine:
+        return previous.attach()
+    options = dict(options)
+    options.pop("layout", None)  # the engine's own
+    guard = _TrainerEngineGuard(engine, policy=policy, **options)
+    if previous is not None:
+        previous.detach()
+        guard.guard.load_guard_state_dict(previous.guard.guard_state_dict())
+    return guard
+
+
 def _check_engine(engine):
     refuse = None
     if getattr(engine, "optimizer", None) is None:

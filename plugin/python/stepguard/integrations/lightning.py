@@ -13,7 +13,15 @@ applies, skips or rolls back the step together. A step the guard did not apply d
 step-interval LR schedulers, and after a rollback the batches the policy says to drop
 (``skip_batches``) are run but not stepped. Each step's figures reach the trainer's loggers
 through ``pl_module.log`` (``stepguard/grad_norm``...); each incident is logged on rank 0 as one
-line naming its ranks and tensors. Imports Lightning (``lightning.pytorch``, else
+line naming its ranks and tensors.
+
+Under ``DeepSpeedStrategy`` the callback hands the strategy's engine to
+``stepguard.integrations.deepspeed`` at train start (after Lightning restored a checkpoint into
+the engine): the guard decides inside the engine's step, a step it did not apply takes
+DeepSpeed's own overflow path and holds the step schedulers, the step's loss is the sum of the
+micro-batch losses Lightning hands ``engine.backward``, and the guard's state rides in the
+callback's state inside DeepSpeed's checkpoint. A DeepSpeed configuration the integration cannot
+guard (optimizer offload, fp16 without ZeRO, MoE, Muon) is refused at fit start. Imports Lightning (``lightning.pytorch``, else
 ``pytorch_lightning``) when this module is imported; ``import stepguard`` never does.
 """
 
@@ -36,6 +44,7 @@ from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_versio
                     guard_options, incident_line, load_guard_state, refuse_bypass,
                     scaled_loss_unscaled, scaler_unscaled, with_sharding)
 from ._seams import Patches, check_seams
+from .deepspeed import _check_engine, check_config, guard_trainer_engine
 
 __all__ = ["StepguardCallback", "OUTCOME_CODES"]
 
@@ -95,7 +104,8 @@ class StepguardCallback(pl.Callback):
             torch.distributed runs several ranks.
 
     After ``fit``: ``guards`` (e.g. ``guards[0].stats().totals``) and ``incidents`` (each incident's
-    dict, on every rank). An aborted step stops the trainer (``should_stop``). Under manual
+    dict, on every rank); ``last_report``: the newest step's ``StepReport`` (None for a batch a
+    rollback dropped). An aborted step stops the trainer (``should_stop``). Under manual
     optimization ``opt.step()`` returns the ``StepReport``; step your schedulers when
     ``report.applied``. Precision '32-true', 'bf16-mixed' or '16-mixed'. Under '16-mixed'
     Lightning's GradScaler owns the loss scale: the guard judges the unscaled gradients with the
@@ -123,11 +133,25 @@ class StepguardCallback(pl.Callback):
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
         self._patches = Patches()  # every attribute written on Lightning's objects, undone
         self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
+        self.last_report: Any = None  # the newest step's report (any optimizer's)
+        self._engine: Any = None  # DeepSpeedStrategy: the guard in its engine
+        self._engine_seen: Any = None  # the engine guard's report handled last
+        self._engine_figures: Optional[Figures] = None
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         check_version("lightning", pl.__version__)
         check_seams("lightning", self.allow_untested_framework)
         self.detach()  # what a fit that raised left (Lightning runs no teardown then)
+        engine = _deepspeed_engine(trainer)
+        if engine is not None:
+            # Refused now what cannot be guarded; the guard goes into the engine at train
+            # start, after Lightning restored a checkpoint into it (DeepSpeedStrategy restores
+            # after on_fit_start).
+            check_version("deepspeed")
+            check_config(trainer.strategy.config)
+            _check_engine(engine)
+            self._hold_schedulers(trainer, pl_module)
+            return
         scaler = self._scaler(trainer)
         options = guard_options(self.guard_options, self.policy)
         layout = options.pop("layout", None)  # the port's (every optimizer's port is one)
@@ -164,6 +188,21 @@ class StepguardCallback(pl.Callback):
         if scaler is not None:
             self._step_what_the_scaler_skips(trainer)
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        engine = _deepspeed_engine(trainer)
+        if engine is None:
+            return
+        self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options)
+        guard = self._engine.guard
+        if self._records is not None:
+            load_guard_state(guard, self._records[0], "this checkpoint")
+            self._records = None
+        elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
+            load_guard_state(guard, None, trainer.ckpt_path)
+        self.guards = [guard]
+        self._engine_seen = self._engine.last_report
+        self._engine_figures = Figures(guard)
+
     def _scaler(self, trainer: "pl.Trainer") -> Any:
         """The precision plugin's GradScaler ('16-mixed'), or None. A plugin that keeps a
         scaler elsewhere than Lightning's MixedPrecision does is refused: its overflow steps
@@ -192,8 +231,8 @@ class StepguardCallback(pl.Callback):
                            loss: torch.Tensor) -> None:
         # The loss backward runs on (divided by accumulate_grad_batches): summed over the
         # micro-batches of a step, the step's mean loss.
-        if not torch.is_tensor(loss) or loss.numel() != 1:
-            return
+        if not torch.is_tensor(loss) or loss.numel() != 1 or self._engine is not None:
+            return  # (DeepSpeed: the engine's backward hands the guard the loss)
         # Under '16-mixed' Lightning hands over the loss its GradScaler scaled for backward.
         loss = scaled_loss_unscaled(loss, getattr(trainer.precision_plugin, "scaler", None))
         for guard in self.guards:
@@ -267,6 +306,9 @@ class StepguardCallback(pl.Callback):
         if configs and configs[0].interval != "step":
             return False  # epoch schedulers count epochs, not steps
         target = getattr(scheduler, "optimizer", None)
+        if self._engine is not None and target is self._engine.guard.optimizer:
+            report = self._engine.last_report  # DeepSpeed: the engine's optimizer's step
+            return report is not None and not report.applied
         for guard in self.guards:
             if target is guard or target is guard.optimizer:
                 return guard.held_back
@@ -274,23 +316,34 @@ class StepguardCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._engine is not None:  # DeepSpeed: a new report when the engine stepped
+            report = self._engine.last_report
+            if report is not None and report is not self._engine_seen:
+                self._engine_seen = report
+                self._engine_figures.update(report)
+                self._after_step(trainer, pl_module, report, self._engine_figures, "stepguard/")
+            return
         for i, guard in enumerate(self.guards):
             if not guard.fresh:
                 continue  # accumulating gradients: no step this batch
             guard.fresh = False
-            report = guard.last_report
-            if report is not None and report.incident is not None:
-                self._incident(trainer, report)
-            if report is not None and report.aborted:
-                log.error("stepguard: step %d aborted training: %s", report.step,
-                          (report.incident or {}).get("reason", ""))
-                trainer.should_stop = True
-            if self.log_metrics:
-                prefix = "stepguard/" if len(self.guards) == 1 else "stepguard/%d/" % i
-                # From the reports: stats() would wait for the snapshot copy the step began.
-                metrics = guard.figures.step_figures()
-                pl_module.log_dict({prefix + k: float(v) for k, v in metrics.items()},
-                                   on_step=True, on_epoch=False, batch_size=1)
+            prefix = "stepguard/" if len(self.guards) == 1 else "stepguard/%d/" % i
+            self._after_step(trainer, pl_module, guard.last_report, guard.figures, prefix)
+
+    def _after_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", report: Any,
+                    figures: Figures, prefix: str) -> None:
+        self.last_report = report
+        if report is not None and report.incident is not None:
+            self._incident(trainer, report)
+        if report is not None and report.aborted:
+            log.error("stepguard: step %d aborted training: %s", report.step,
+                      (report.incident or {}).get("reason", ""))
+            trainer.should_stop = True
+        if self.log_metrics:
+            # From the reports: stats() would wait for the snapshot copy the step began.
+            metrics = figures.step_figures()
+            pl_module.log_dict({prefix + k: float(v) for k, v in metrics.items()},
+                               on_step=True, on_epoch=False, batch_size=1)
 
     def _incident(self, trainer: "pl.Trainer", report: Any) -> None:
         self.incidents.append(dict(report.incident))
@@ -311,6 +364,8 @@ class StepguardCallback(pl.Callback):
         for handle in self._watches:
             handle.remove()
         self._watches = []
+        if self._engine is not None:
+            self._engine.detach()
         self._patches.restore()
         return self
 
@@ -321,3 +376,12 @@ class StepguardCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._records = list(state_dict.get("records", [])) or None
+
+
+def _deepspeed_engine(trainer: "pl.Trainer") -> Any:
+    """The DeepSpeed engine of a fit under ``DeepSpeedStrategy`` (set up before on_fit_start),
+    or None."""
+    strategy = trainer.strategy
+    if not any(cls.__name__ == "DeepSpeedStrategy" for cls in type(strategy).__mro__):
+        return None
+    return strategy.model

@@ -74,7 +74,7 @@ from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
                     incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
 from ._seams import Patches, check_seams
-from .deepspeed import EngineGuard, check_config
+from .deepspeed import check_config, guard_trainer_engine
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -83,16 +83,6 @@ _INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reas
 # where the Trainer measures the grad norm; the Trainer's optimizer.step() then clips from the
 # agreed norm, runs the update the verdict allows and settles).
 _TrainerGuard = SeamGuard
-
-
-class _TrainerEngineGuard(EngineGuard):
-    """The DeepSpeed integration's guard in the engine of a Trainer: the Trainer hands the
-    engine each micro-batch's loss already divided by the accumulation steps (it turns
-    DeepSpeed's own division off), so the step's loss is their sum, the loss the Trainer logs."""
-
-    @staticmethod
-    def _step_loss(losses):
-        return torch.stack(losses).sum()
 
 
 def _state_file(checkpoint, rank):
@@ -309,18 +299,9 @@ class StepguardCallback(transformers.TrainerCallback):
             raise RuntimeError(
                 "stepguard: the Trainer runs DeepSpeed: call callback.attach(trainer) before "
                 "train() (the guard goes inside the Trainer's DeepSpeed engine)")
-        engine = self._trainer.model_wrapped
-        old = self._engine_guard
-        if old is None or old.engine is not engine:
-            options = dict(self.guard_options)
-            options.pop("layout", None)  # the engine's own layout
-            new = _TrainerEngineGuard(engine, policy=self.policy, **options)
-            if old is not None:
-                old.detach()
-                new.guard.load_guard_state_dict(old.guard.guard_state_dict())
-            self._engine_guard = new
-        else:  # attached again after detach(), or a second train(): its state kept
-            old.attach()
+        self._engine_guard = guard_trainer_engine(self._trainer.model_wrapped,
+                                                  self._engine_guard, self.policy,
+                                                  self.guard_options)
         self.guard = self._engine_guard.guard
         self._seen_report = self._engine_guard.last_report
         self._load_guard_state(args)

@@ -124,17 +124,17 @@ def _run(rank, world, precision, distributed_optimizer):
     return {"steps": steps, "optimizer": type(inner).__name__}
 
 
-def _moe_is_refused():
-    """A model whose config has MoE experts is refused at construction: Megatron would call
-    grad_scale_func for the auxiliary loss's scale, and the guard would take it for the loss."""
+def _mtp_is_refused():
+    """A model with multi-token prediction is refused at construction (not run with the guard;
+    MoE models are guarded: test_megatron_moe.py)."""
     from stepguard.integrations.megatron import GuardedMegatronOptimizer
 
     model, config, megatron_optimizer = _build("fp32", False)
-    config.num_moe_experts = 2
+    config.mtp_num_layers = 1
     try:
         GuardedMegatronOptimizer(megatron_optimizer, model, policy=POLICY)
     except ValueError as e:
-        return "MoE" in str(e)
+        return "multi-token-prediction" in str(e)
     return False
 
 
@@ -191,7 +191,7 @@ def _rank_main(rank, world, port, out_dir, configs):
     for precision, distributed_optimizer in configs:
         key = "%s-%s" % (precision, "distopt" if distributed_optimizer else "ddp")
         results[key] = _run(rank, world, precision, distributed_optimizer)
-    results["moe_refused"] = _moe_is_refused()
+    results["mtp_refused"] = _mtp_is_refused()
     results["megatron_preset"] = _megatron_preset_steps_as_megatron(rank)
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
@@ -252,7 +252,7 @@ def test_fp32_bf16_and_the_distributed_optimizer_on_two_ranks():
 def test_bf16_distributed_optimizer_on_one_rank():
     ranks = _launch(1, [("bf16", True)])
     _check(ranks, "bf16-distopt", 1)
-    assert ranks[0]["moe_refused"] is True
+    assert ranks[0]["mtp_refused"] is True
 
 
 def test_the_megatron_version_is_checked_against_the_tested_range():

@@ -87,6 +87,32 @@ def _optimizer_state(inner):
     return _flat(out)
 
 
+def _batches(position, dp_rank):
+    """The step's MICRO micro-batches of tokens, from data position ``position`` on."""
+    out = []
+    for i in range(MICRO):
+        g = torch.Generator().manual_seed(100 * (position + i) + dp_rank)
+        out.append(torch.randint(0, 64, (2, 8), generator=g))
+    return out
+
+
+def _forward_step(factor, losses=None):
+    """Megatron's forward_step_func for a GPTModel: its loss times ``factor`` (NaN, a spike);
+    each micro-batch's loss appended to ``losses`` when given."""
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+        output = model(batch, positions, None, labels=batch)
+
+        def loss_func(output):
+            loss = output.float().mean() * factor
+            if losses is not None:
+                losses.append(loss.detach().clone())
+            return loss, {"loss": loss.detach().clone()}
+        return output, loss_func
+    return forward_step
+
+
 def _count_collectives(megatron_optimizer, inner):
     """Counts the torch.distributed calls made outside Megatron's own zero count and update."""
     counts = {"outside": 0}
@@ -154,26 +180,14 @@ def _run(rank, tp, pp, vpp, distributed_optimizer):
     position = 0
     counts = None
     for step in range(1, STEPS + 2):
-        batches = []
-        for _ in range(MICRO):
-            g = torch.Generator().manual_seed(100 * position + dp_rank)
-            batches.append(torch.randint(0, 64, (2, 8), generator=g))
-            position += 1
+        batches = _batches(position, dp_rank)
+        position += MICRO
         factor = 1.0
         if step == NAN_LOSS and last and tp_rank == 0 and dp_rank == 0:
             factor = float("nan")
         if step == SPIKE:
             factor = 300.0
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-            output = model(batch, positions, None, labels=batch)
-
-            def loss_func(output):
-                loss = output.float().mean() * factor
-                return loss, {"loss": loss.detach().clone()}
-            return output, loss_func
+        forward_step = _forward_step(factor)
 
         hooks = []
         if step == NAN_SHARD and first and tp_rank == tp - 1 and dp_rank == 0:

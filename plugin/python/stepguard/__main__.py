@@ -1,0 +1,7 @@
+"""``python -m stepguard ...``: the ``stepguard`` command (stepguard._cli)."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -7,12 +7,13 @@ it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times 
 SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
 
 usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT | fp16 |
-fp16-twin | ds | ds-save | ds-resume CHECKPOINT | ds-clean | ds-twin | ds-offload]
+fp16-twin | ds | ds-zero0 | ds-save | ds-resume CHECKPOINT | ds-clean | ds-twin | ds-offload]
 (save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...);
 fp16: TrainingArguments(fp16=True) with accelerate's GradScaler (see fp16_on_cpu), the schedule
 FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard; ds*: the same runs through
 DeepSpeed, TrainingArguments(deepspeed=DS_CONFIG) (ZeRO 2, fp32, the Trainer's "auto" values);
-ds-clean: no faults and no clip; ds-twin: the same without stepguard; ds-offload: the optimizer
+ds-zero0: ZeRO 0 (the engine steps the torch optimizer itself); ds-clean: no faults and no
+clip; ds-twin: the same without stepguard; ds-offload: the optimizer
 offloaded to CPU, which attach() refuses: the message is written instead of a run)
 """
 
@@ -56,6 +57,8 @@ def _ds_config(mode):
     config = json.loads(json.dumps(DS_CONFIG))
     if mode == "offload":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if mode == "zero0":
+        config["zero_optimization"]["stage"] = 0
     return config
 
 
@@ -193,8 +196,14 @@ def main():
     if deepspeed and sg is not None:  # detach() takes the guard out of the engine
         sg.detach()
         engine = trainer.model_wrapped
-        left = [n for n in ("backward", "scale") if n in vars(engine)] + [
-            "optimizer.step" for n in ("step",) if n in vars(engine.optimizer)]
+        left = [n for n in ("backward", "scale", "clip_fp32_gradients") if n in vars(engine)]
+        left += ["optimizer.step" for n in ("step",) if n in vars(engine.optimizer)]
+        if engine.optimizer is engine.basic_optimizer and "overflow" in vars(engine.optimizer):
+            left.append("optimizer.overflow")  # ZeRO 0: the guard gave the torch optimizer one
+        # accelerate's wrapper's flag is again what its prepare() computed from the optimizer.
+        if vars(trainer.optimizer).get("__has_overflow__") != hasattr(engine.optimizer,
+                                                                      "overflow"):
+            left.append("wrapper.__has_overflow__")
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(flat, os.path.join(out, "rank%d.pt" % rank))
     record = {

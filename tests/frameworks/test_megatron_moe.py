@@ -38,7 +38,7 @@ EXPERT = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
 CONFIGS = (False, True)  # the distributed optimizer
 
 
-def _build(ep, distributed_optimizer):
+def _build(ep, distributed_optimizer, fp16=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -47,21 +47,23 @@ def _build(ep, distributed_optimizer):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
+    dtype = torch.float16 if fp16 else torch.bfloat16
     config = TransformerConfig(num_layers=2, hidden_size=16, ffn_hidden_size=32,
                                num_attention_heads=2, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
-                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                               hidden_dropout=0.0, attention_dropout=0.0, bf16=not fp16,
+                               fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
                                num_moe_experts=EXPERTS, expert_model_parallel_size=ep,
                                moe_router_topk=2, moe_aux_loss_coeff=0.01,
                                moe_token_dispatcher_type="allgather")
     module = GPTModel(config=config, vocab_size=64, max_sequence_length=16,
                       transformer_layer_spec=get_gpt_layer_local_spec(
-                          num_experts=EXPERTS, moe_grouped_gemm=False)).to(torch.bfloat16)
+                          num_experts=EXPERTS, moe_grouped_gemm=False)).to(dtype)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
     chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=not fp16, fp16=fp16,
+                                       clip_grad=1.0,
                                        use_distributed_optimizer=distributed_optimizer)
     return [chunk], config, get_megatron_optimizer(optimizer_config, [chunk])
 
@@ -160,6 +162,19 @@ def _run(ep, distributed_optimizer):
     return {"steps": steps, "counts": counts, "ep_rank": ep_rank}
 
 
+def _fp16_refusal(ep):
+    """fp16 with MoE (each chained optimizer with its own grad scaler): refused on every rank,
+    from the config."""
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    chunks, _, megatron_optimizer = _build(ep, False, fp16=True)
+    try:
+        GuardedMegatronOptimizer(megatron_optimizer, chunks, policy=POLICY)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _rank_main(rank, world, port, out_dir, layouts):
     import json
 
@@ -177,6 +192,7 @@ def _rank_main(rank, world, port, out_dir, layouts):
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
         for distributed_optimizer in CONFIGS:
             results["ep%d-%s" % (ep, distributed_optimizer)] = _run(ep, distributed_optimizer)
+        results["fp16_refused"] = _fp16_refusal(ep)
         parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
@@ -228,6 +244,7 @@ def test_moe_expert_parallel_on_two_ranks():
     ranks = spawn_ranks(_rank_main, 2, [2], timeout=400)
     for distributed_optimizer in CONFIGS:
         _check(ranks, "ep2-%s" % distributed_optimizer)
+    assert all("fp16 with MoE" in (r["fp16_refused"] or "") for r in ranks), ranks[0]
 
 
 def test_moe_expert_parallel_with_expert_data_parallel_on_four_ranks():

@@ -6,14 +6,18 @@ loss on rank 1, a NaN gradient element on rank 1, a loss spike on rank 0."""
 
 import os
 
+import pytest
 import torch
 
 from test_transformers import WORLD, _close, _run_ranks
 
 
-def test_trainer_over_deepspeed_zero2_skips_rolls_back_and_names_the_rank(tmp_path):
+@pytest.mark.parametrize("mode", ["ds", "ds-zero0"], ids=["zero2", "zero0"])
+def test_trainer_over_deepspeed_skips_rolls_back_and_names_the_rank(tmp_path, mode):
+    """ZeRO 2, and ZeRO 0 (the engine steps the Trainer's torch optimizer itself: accelerate's
+    wrapper looked for its `overflow` at prepare(), before the guard gave it one)."""
     import deepspeed  # noqa: F401  (pinned: a missing one fails, never skips)
-    ranks, text = _run_ranks(str(tmp_path), "ds")
+    ranks, text = _run_ranks(str(tmp_path), mode)
     assert torch.isfinite(ranks[0]["params"]).all()
     assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "the replicas parted"
     for r in ranks:
@@ -51,7 +55,10 @@ def test_trainer_over_deepspeed_zero2_skips_rolls_back_and_names_the_rank(tmp_pa
             assert logs[t]["stepguard/outcome"] == by_step[t]["outcome"], (rank, t)
             done += by_step[t]["applied"]
             if by_step[t]["applied"]:
-                assert _close(by_step[t]["grad_norm"], logs[t]["grad_norm"], 1e-6), (rank, t)
+                # (ZeRO 0 with a torch optimizer: DeepSpeed reports no norm, with or without
+                # the guard, and the Trainer logs none.)
+                if mode == "ds" or "grad_norm" in logs[t]:
+                    assert _close(by_step[t]["grad_norm"], logs[t]["grad_norm"], 1e-6), (rank, t)
                 assert _close(by_step[t]["loss"], logs[t]["loss"], 1e-6), (rank, t)
         assert r["scheduler_steps"] == applied
         assert r["left_after_detach"] == [], r["left_after_detach"]

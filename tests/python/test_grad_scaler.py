@@ -155,6 +155,12 @@ def test_what_cannot_be_a_guards_scaler_is_refused_naming_it():
     with pytest.raises(ValueError, match="not both"):
         stepguard.GuardedOptimizer(opt, grad_scaler=_scaler(),
                                    port=stepguard.TorchOptimPort(opt))
+    # A closure would run its backward after the scaler's unscale: refused before anything.
+    guard = stepguard.GuardedOptimizer(opt, model.named_parameters(), grad_scaler=_scaler())
+    before = _flat(model)
+    with pytest.raises(TypeError, match="a closure with grad_scaler"):
+        guard.step(lambda: model(torch.ones(2, 8)).sum())
+    assert torch.equal(_flat(model), before) and guard.stats().step_count == 0
 
 
 def test_a_changed_grad_scaler_is_refused_at_construction(monkeypatch):
@@ -165,6 +171,10 @@ def test_a_changed_grad_scaler_is_refused_at_construction(monkeypatch):
     with pytest.raises(RuntimeError, match=r"GradScaler.update: its code differs"):
         stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                    grad_scaler=_scaler())
+    # The way past it the message names: a warning, and the guard is built.
+    with pytest.warns(RuntimeWarning, match="allow_untested_framework=True: running anyway"):
+        stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   grad_scaler=_scaler(), allow_untested_framework=True)
 
 
 # -- 2 Gloo ranks under DDP --------------------------------------------------------------------

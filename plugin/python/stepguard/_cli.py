@@ -1,9 +1,9 @@
 """The ``stepguard`` command of the pip package: runs the C++ CLI (``policy list/show/check/
 explain``, ``replay``, ``ckpt``, ``incident show``, ``demo``) the wheel carries as
 ``stepguard/bin/stepguard``, or, in a build tree's ``build/python``, the build's
-``build/bin/stepguard``. The program links LibTorch: torch's libraries (of the installed torch,
-found without importing it) and the package's own engine library are put on its library path.
-Also ``python -m stepguard ...``."""
+``build/bin/stepguard``. The program links LibTorch: the installed torch's libraries and the
+package's own engine library are put on its library path. (Running it imports the stepguard
+package, and with it torch, first.) Also ``python -m stepguard ...``."""
 
 import importlib.util
 import os

@@ -63,7 +63,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             ``unscale_`` runs once, as GradScaler runs it), with the scaler's scale; an overflow
             is the ``overflow`` signal, skipped on every rank, and every rank's scaler backs off
             (a fault of one rank alone included); growth and backoff stay the scaler's. A guard
-            stepped by a GradScaler it was not given refuses the step.
+            stepped by a GradScaler it was not given refuses the step. allow_untested_framework:
+            a torch whose GradScaler code differs from the tested releases' runs with a warning.
         layout: how the ranks hold each parameter's gradient, one ``stepguard.Placement`` per
             parameter of the optimizer's param groups in order (``replica()``, the default for
             all; ``replicated(n)``, ``shard(n)``, ``absent()``), so that every element of the job
@@ -114,7 +115,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  process_group: Optional[Any] = None, store: Optional[Any] = None,
                  port: Optional[TorchOptimPort] = None,
                  layout: Optional[Sequence["_C.Placement"]] = None,
-                 grad_scaler: Optional["torch.amp.GradScaler"] = None, **options: Any) -> None:
+                 grad_scaler: Optional["torch.amp.GradScaler"] = None,
+                 allow_untested_framework: bool = False, **options: Any) -> None:
         # The wrapped optimizer holds the state (param_groups, state and defaults pass through to
         # it), so Optimizer.__init__, which would rebuild them, is not called; what else it sets
         # up is: the hook tables its public registrars (register_step_pre_hook, ...) fill.
@@ -126,7 +128,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if layout is not None and port is not None:
             raise ValueError("stepguard: give the layout to the port (its layout()) or to the "
                              "guard, not both")
-        self._grad_scaler = checked_scaler(grad_scaler, port, guard_options)
+        self._grad_scaler = checked_scaler(grad_scaler, port, guard_options,
+                                           allow_untested_framework)
         self.optimizer = optimizer
         if port is None:
             port = (TorchOptimPort(optimizer, named_parameters, layout=layout)
@@ -212,6 +215,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
           (``report.loss`` is None, ``report.loss_given`` False).
         """
         with self._one_call("step()"):
+            if self._grad_scaler is not None and callable(closure):
+                raise TypeError("stepguard: a closure with grad_scaler: the scaler unscales "
+                                "before the guard's step, i.e. before the closure's backward "
+                                "(torch's GradScaler supports no closure either); run backward, "
+                                "then scaler.step(guard, loss)")
             self._port.failure = None
             self._unscale()
             try:

@@ -17,7 +17,7 @@ def init_hook_tables(optimizer):
         setattr(optimizer, name, OrderedDict())
 
 
-def checked_scaler(scaler, port, options):
+def checked_scaler(scaler, port, options, allow_untested=False):
     if scaler is None:
         return None
     _amp.check_grad_scaler(scaler)
@@ -29,7 +29,7 @@ def checked_scaler(scaler, port, options):
                          "scale; keep the GradScaler (the guard follows its scale) or the "
                          "guard's own scaling (guard.scale_loss), not both")
     from .integrations._seams import check_seams
-    check_seams("torch")
+    check_seams("torch", allow_untested)
     return scaler
 
 

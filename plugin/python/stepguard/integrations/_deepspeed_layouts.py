@@ -59,22 +59,29 @@ class _Layout:
     def applied(self):
         pass
 
+    def install(self, patches):
+        """Writes what the layout needs on DeepSpeed's objects through ``patches`` (the
+        EngineGuard's: detach() undoes them)."""
+
 
 class _PlainLayout(_Layout):
     """No wrapper: DeepSpeed steps the torch optimizer on the model's own parameters."""
 
     def __init__(self, engine):
+        self.engine = engine
         self.optimizer = engine.basic_optimizer
-        # The engine clips fp32 gradients just before this optimizer's step (computing their
-        # norm); the clip moves into the guarded update, from the agreed norm, so that the guard
-        # inspects (and blames) the gradients as they are and the norm is computed once.
         self.clip = engine.gradient_clipping()
-        if self.clip > 0.0:
-            engine.clip_fp32_gradients = lambda: None
         names = _names_by_id(engine)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.names = [names.get(id(p), "param_%d" % i) for i, p in enumerate(params)]
-        self.optimizer.overflow = False  # what the engine reads after the step
+
+    def install(self, patches):
+        # The engine clips fp32 gradients just before this optimizer's step (computing their
+        # norm); the clip moves into the guarded update, from the agreed norm, so that the guard
+        # inspects (and blames) the gradients as they are and the norm is computed once.
+        if self.clip > 0.0:
+            patches.set(self.engine, "clip_fp32_gradients", lambda: None)
+        patches.set(self.optimizer, "overflow", False)  # what the engine reads after the step
 
     def parameters(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]], self.names

@@ -165,6 +165,7 @@ TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
     "transformers": {  # transformers 5.24.0, accelerate 1.15.0
         _D + "DeepSpeedEngineWrapper.backward": {"c0a15bc3d4837d6d"},
         _D + "DeepSpeedOptimizerWrapper.step_was_skipped": {"e43ba2a8155e3465"},
+        _D + "DeepSpeedOptimizerWrapper.__init__": {"60c52724e6651083"},
         "transformers.trainer_callback.CallbackHandler.call_event": {"071d54bba7a7274b"},
         _T + "training_step": {"caa7e68f3335f9ae"},
         _T + "_run_epoch": {"20e0f3da01994864"},
@@ -251,6 +252,11 @@ SEAMS: Dict[str, List[Seam]] = {
              "DeepSpeed: the Trainer's backward runs the engine's backward and step, where the "
              "guard decides", (_D + "DeepSpeedEngineWrapper.backward", _T + "training_step"),
              restored=False),
+        Seam(_D + "DeepSpeedOptimizerWrapper.__has_overflow__", "writes",
+             "DeepSpeed: the Trainer reads the engine optimizer's overflow (without ZeRO the "
+             "guard gives the torch optimizer one after accelerate's prepare() looked)",
+             (_D + "DeepSpeedOptimizerWrapper.__init__",
+              _D + "DeepSpeedOptimizerWrapper.step_was_skipped")),
         Seam(_D + "DeepSpeedOptimizerWrapper.step_was_skipped", "follows",
              "DeepSpeed: a step the guard did not apply (DeepSpeed's overflow) holds the "
              "Trainer's LR schedule",
@@ -280,8 +286,9 @@ SEAMS: Dict[str, List[Seam]] = {
              (_L + "core.module.LightningModule.lr_scheduler_step",
               _L + "loops.training_epoch_loop._TrainingEpochLoop._update_learning_rates")),
         Seam(_L + "trainer.trainer.Trainer._run", "follows",
-             "the callback's saved state is loaded before on_fit_start (DeepSpeedStrategy: "
-             "before on_train_start)", (_L + "trainer.trainer.Trainer._run",), restored=False),
+             "the callback's saved state is loaded before on_fit_start (strategies that restore "
+             "after setup, DeepSpeed's, ModelParallel's, FSDP's: before on_train_start)",
+             (_L + "trainer.trainer.Trainer._run",), restored=False),
         Seam(_P + "deepspeed.DeepSpeedPrecision.optimizer_step", "follows",
              "DeepSpeed: Lightning's backward and step are the engine's, where the guard "
              "decides", (_P + "deepspeed.DeepSpeedPrecision.backward",

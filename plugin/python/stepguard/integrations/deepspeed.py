@@ -112,12 +112,14 @@ class EngineGuard:
             self._patches.set(self.engine, "backward", self._backward)
             self._patches.set(self.engine, "scale", self._scale)
             self._patches.set(self.engine.optimizer, "step", self._step)
+            self._layout.install(self._patches)
         return self
 
     def detach(self):
-        """Takes the guard out of the engine: its ``backward``, ``scale`` and its optimizer's
-        ``step`` are DeepSpeed's again (the engine steps unguarded). ``guard`` keeps its state,
-        and ``attach()`` puts it back."""
+        """Takes the guard out of the engine: its ``backward``, ``scale``, its optimizer's
+        ``step`` and what the layout wrote (without ZeRO: the engine's own fp32 clip) are
+        DeepSpeed's again (the engine steps unguarded). ``guard`` keeps its state, and
+        ``attach()`` puts it back."""
         self._patches.restore()
         self._losses = []
         self._expected = None

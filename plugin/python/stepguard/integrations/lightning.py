@@ -152,6 +152,7 @@ class StepguardCallback(pl.Callback):
             _check_engine(engine)
             self._hold_schedulers(trainer, pl_module)
             return
+        self._engine = None  # (a DeepSpeed fit before this one's: detached above)
         scaler = self._scaler(trainer)
         options = guard_options(self.guard_options, self.policy)
         layout = options.pop("layout", None)  # the port's (every optimizer's port is one)
@@ -173,35 +174,42 @@ class StepguardCallback(pl.Callback):
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
             guards.append(optimizer)
-        if self._records is not None:
-            for guard, record in zip(guards, self._records):
-                load_guard_state(guard, record, "this checkpoint")
-                guard.figures = Figures(guard)  # its counts go on from the checkpoint's
-            self._records = None
-        elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
-            load_guard_state(guards[0], None, trainer.ckpt_path)
         # Lightning wraps each in a fresh LightningOptimizer (the property's setter).
         self._patches.set_property(trainer.strategy, "optimizers", guards)
         self.guards = guards
+        if not trainer.strategy.restore_checkpoint_after_setup:
+            self._take_records(trainer)  # else Lightning restores them after on_fit_start
         self._hold_schedulers(trainer, pl_module)
         self._clip_from_verdict(trainer)
         if scaler is not None:
             self._step_what_the_scaler_skips(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Strategies that restore a checkpoint after setup (DeepSpeed, ModelParallel, FSDP)
+        # hand this callback its saved state after on_fit_start and before this.
         engine = _deepspeed_engine(trainer)
         if engine is None:
+            if trainer.strategy.restore_checkpoint_after_setup:
+                self._take_records(trainer)
             return
         self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options)
         guard = self._engine.guard
-        if self._records is not None:
-            load_guard_state(guard, self._records[0], "this checkpoint")
-            self._records = None
-        elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
-            load_guard_state(guard, None, trainer.ckpt_path)
         self.guards = [guard]
+        self._take_records(trainer)
         self._engine_seen = self._engine.last_report
         self._engine_figures = Figures(guard)
+
+    def _take_records(self, trainer: "pl.Trainer") -> None:
+        """The guards' state from the checkpoint the fit resumes from (this callback's saved
+        state), or a warning that a checkpoint without it starts the guard afresh."""
+        if self._records is not None:
+            for guard, record in zip(self.guards, self._records):
+                load_guard_state(guard, record, "this checkpoint")
+                if isinstance(guard, _LightningGuard):
+                    guard.figures = Figures(guard)  # its counts go on from the checkpoint's
+            self._records = None
+        elif trainer.ckpt_path is not None:  # Lightning gave this callback no state
+            load_guard_state(self.guards[0], None, trainer.ckpt_path)
 
     def _scaler(self, trainer: "pl.Trainer") -> Any:
         """The precision plugin's GradScaler ('16-mixed'), or None. A plugin that keeps a

@@ -94,15 +94,16 @@ class GuardedMegatronOptimizer:
         """``model``: the model chunk (or list of chunks) the optimizer was built for, which
         names the parameters in reports; the optimizer's own ``model_chunks`` when left out."""
         check_megatron_version()
-        inners = _inner_optimizers(megatron_optimizer)
-        inner = inners[0]
         chunks = getattr(megatron_optimizer, "model_chunks", None) if model is None else model
         if chunks is None or (isinstance(chunks, (list, tuple)) and not chunks):
             raise TypeError("stepguard: this %s does not know its model: pass the model chunks "
                             "it was built for (GuardedMegatronOptimizer(optimizer, model))"
-                            % type(inner).__name__)
+                            % type(megatron_optimizer).__name__)
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-        _refuse_unguarded(inner, chunks)
+        # From the configs first: every rank refuses alike (a chain's length is per rank).
+        _refuse_unguarded(megatron_optimizer, chunks)
+        inners = _inner_optimizers(megatron_optimizer)
+        inner = inners[0]
         self._megatron = megatron_optimizer
         self._inner = inner  # the first (the dense parameters' under MoE)
         self._inners = inners
@@ -238,6 +239,13 @@ def _refuse_unguarded(inner, chunks):
     norm-threshold skip (which the guarded step bypasses)."""
     for chunk in chunks:
         config = getattr(chunk, "config", None)
+        if (getattr(config, "num_moe_experts", None) is not None
+                and getattr(getattr(inner, "config", None), "fp16", False)):
+            # From the config, so that every rank refuses (a pipeline stage without MoE layers
+            # has a chain of one).
+            raise ValueError("stepguard: fp16 with MoE (a ChainedOptimizer of the dense and "
+                             "expert optimizers, each with its own grad scaler) is not guarded "
+                             "yet; use bf16")
         if getattr(config, "mtp_num_layers", None) is not None:
             raise ValueError("stepguard: multi-token-prediction models are not guarded yet (not "
                              "run with the guard)")

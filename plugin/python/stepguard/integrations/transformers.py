@@ -235,8 +235,11 @@ class StepguardCallback(transformers.TrainerCallback):
         check_version("transformers")
         check_version("accelerate")
         if type(optimizer).__name__ == "DeepSpeedOptimizerWrapper":
-            self._guard_engine(args)
+            self._guard_engine(args, optimizer)
             return
+        if self._engine_guard is not None:  # a DeepSpeed train() before this one's
+            self._engine_guard.detach()
+            self._engine_guard = None
         if type(optimizer) is not AcceleratedOptimizer:
             raise TypeError(
                 "stepguard: StepguardCallback guards the Trainer's AcceleratedOptimizer; got %s "
@@ -292,7 +295,7 @@ class StepguardCallback(transformers.TrainerCallback):
                            "(callback.attach(trainer)): the guard sees no loss, so its loss "
                            "detectors are off, and it sees the gradients after clipping")
 
-    def _guard_engine(self, args):
+    def _guard_engine(self, args, optimizer):
         """DeepSpeed through the Trainer: the DeepSpeed integration's guard in its engine (the
         same one again on a later train() of this engine; its state carried to a new one)."""
         if self._trainer is None:
@@ -302,6 +305,9 @@ class StepguardCallback(transformers.TrainerCallback):
         self._engine_guard = guard_trainer_engine(self._trainer.model_wrapped,
                                                   self._engine_guard, self.policy,
                                                   self.guard_options)
+        # accelerate's wrapper tells the Trainer a step was skipped from the engine optimizer's
+        # `overflow` only if it had one at prepare(); without ZeRO the guard gives it one.
+        self._patches.set(optimizer, "__has_overflow__", True)
         self.guard = self._engine_guard.guard
         self._seen_report = self._engine_guard.last_report
         self._load_guard_state(args)

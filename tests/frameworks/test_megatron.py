@@ -21,6 +21,33 @@ MICRO = 2  # micro-batches per step (Megatron scales each loss by 1/MICRO)
 TARGET = "decoder.layers.1.mlp.linear_fc2.weight"
 
 
+def _batches(position, dp_rank):
+    """The step's MICRO micro-batches of tokens, from data position ``position`` on."""
+    out = []
+    for i in range(MICRO):
+        g = torch.Generator().manual_seed(100 * (position + i) + dp_rank)
+        out.append(torch.randint(0, 64, (2, 8), generator=g))
+    return out
+
+
+def _forward_step(factor, losses=None):
+    """Megatron's forward_step_func for a GPTModel: its loss times ``factor`` (NaN, a spike);
+    each micro-batch's loss appended to ``losses`` when given."""
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+        output = model(batch, positions, None, labels=batch)
+
+        def loss_func(output):
+            loss = output.float().mean() * factor
+            if losses is not None:
+                losses.append(loss.detach().clone())
+            # (a copy: Megatron divides the loss in place)
+            return loss, {"loss": loss.detach().clone()}
+        return output, loss_func
+    return forward_step
+
+
 def _build(precision, distributed_optimizer):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -64,26 +91,14 @@ def _run(rank, world, precision, distributed_optimizer):
     position = 0
     for _ in range(STEPS):
         step = optimizer.guard.stats().step_count + 1
-        batches = []
-        for _ in range(MICRO):
-            g = torch.Generator().manual_seed(100 * position + rank)
-            batches.append(torch.randint(0, 64, (2, 8), generator=g))
-            position += 1
+        batches = _batches(position, rank)
+        position += MICRO
         factor = 1.0
         if step == NAN_LOSS and rank == world - 1:
             factor = float("nan")
         if step == SPIKE:
             factor = 300.0
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-            output = model(batch, positions, None, labels=batch)
-
-            def loss_func(output):
-                loss = output.float().mean() * factor
-                return loss, {"loss": loss.detach().clone()}  # Megatron divides loss in place
-            return output, loss_func
+        forward_step = _forward_step(factor)
 
         hook = None
         if step == NAN_GRAD and rank == world - 1:

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
 from conftest import POLICY, spawn_ranks
-from test_megatron_parallel import (MICRO, _batches, _count_collectives, _flat,
-                                    _forward_step, _optimizer_state)
+from test_megatron import MICRO, _batches, _forward_step
+from test_megatron_parallel import _count_collectives, _flat, _optimizer_state
 
 STEPS, NAN_EXPERT, NAN_LOSS, SPIKE = 10, 3, 5, 8
 EXPERTS = 4

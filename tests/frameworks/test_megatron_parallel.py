@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
 from conftest import POLICY, spawn_ranks
+from test_megatron import MICRO, _batches, _forward_step
 
 STEPS, NAN_SHARD, NAN_COPY, NAN_LOSS, SPIKE = 10, 3, 4, 5, 8
-MICRO = 2
 SHARD = "decoder.layers.0.mlp.linear_fc1.weight"  # column-parallel: split over the TP ranks
 COPY = "decoder.final_layernorm.weight"           # on the last stage, a copy on every TP rank
 CONFIGS = [("bf16", False), ("bf16", True)]
@@ -85,32 +85,6 @@ def _optimizer_state(inner):
                 if torch.is_tensor(value):
                     out.append(value)
     return _flat(out)
-
-
-def _batches(position, dp_rank):
-    """The step's MICRO micro-batches of tokens, from data position ``position`` on."""
-    out = []
-    for i in range(MICRO):
-        g = torch.Generator().manual_seed(100 * (position + i) + dp_rank)
-        out.append(torch.randint(0, 64, (2, 8), generator=g))
-    return out
-
-
-def _forward_step(factor, losses=None):
-    """Megatron's forward_step_func for a GPTModel: its loss times ``factor`` (NaN, a spike);
-    each micro-batch's loss appended to ``losses`` when given."""
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-        output = model(batch, positions, None, labels=batch)
-
-        def loss_func(output):
-            loss = output.float().mean() * factor
-            if losses is not None:
-                losses.append(loss.detach().clone())
-            return loss, {"loss": loss.detach().clone()}
-        return output, loss_func
-    return forward_step
 
 
 def _count_collectives(megatron_optimizer, inner):

@@ -389,7 +389,6 @@ class StepguardCallback(pl.Callback):
 def _deepspeed_engine(trainer: "pl.Trainer") -> Any:
     """The DeepSpeed engine of a fit under ``DeepSpeedStrategy`` (set up before on_fit_start),
     or None."""
-    strategy = trainer.strategy
-    if not any(cls.__name__ == "DeepSpeedStrategy" for cls in type(strategy).__mro__):
+    if not isinstance(trainer.strategy, pl.strategies.DeepSpeedStrategy):
         return None
-    return strategy.model
+    return trainer.strategy.model

@@ -68,7 +68,8 @@ def deepspeed_step_counters():
     norm and overflow check make them) and DeepSpeed's and torch's gradient-norm functions."""
     import torch
     import deepspeed.runtime.engine as ds_engine
-    from deepspeed.runtime.fp16 import unfused_optimizer
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.fp16 import fused_optimizer, unfused_optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return [(torch.distributed, "all_reduce", "all_reduce"),
@@ -76,6 +77,8 @@ def deepspeed_step_counters():
             (torch.nn.utils, "clip_grad_norm_", "norms"),
             (ds_engine, "clip_grad_norm_", "norms"),
             (unfused_optimizer, "get_weight_norm", "norms"),
+            (fused_optimizer, "get_flattened_grad_norm", "norms"),
+            (bf16_optimizer, "get_global_norm_of_tensors", "norms"),
             (DeepSpeedZeroOptimizer, "get_grad_norm_direct", "norms")]
 
 

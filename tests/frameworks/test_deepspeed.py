@@ -4,7 +4,9 @@ parameters kept whole beside their partitions, DeepSpeed's default for small one
 2 ranks (and one configuration on 1 rank); and ZeRO 2 and 3 fp16 with DeepSpeed's loss scaler
 beside an unguarded twin. Each configuration trains a small model for 12 steps of 2 accumulated
 micro-batches with three faults: a NaN gradient of one parameter on the last rank (step 3), a NaN
-in its batch (step 5) and a loss spike on every rank (step 8); MoE and Muon: their own file."""
+in its batch (step 5) and a loss spike on every rank (step 8); DeepSpeed's Muon in the same
+layouts. fp16: test_deepspeed_fp16.py; MoE: test_deepspeed_refusals.py; seams:
+test_deepspeed_seams.py."""
 
 import json
 import os
@@ -17,12 +19,18 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
-from conftest import POLICY, counted_calls, deepspeed_step_counters, fp16_on_any_cpu, spawn_ranks  # noqa
+from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
            (0, "bf16-fused"),  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
            (1, "bf16-fused"),  # ZeRO 1 over the config's AdamW (DeepSpeed's FusedAdam)
-           (1, "bf16-fp32accum")]  # fp32 gradient accumulation: BF16_Optimizer
+           (1, "bf16-fp32accum"),  # fp32 gradient accumulation: BF16_Optimizer
+           # DeepSpeed's Muon (MuonWithAuxAdam): itself, under ZeRO 1 and 2, BF16_Optimizer
+           (0, "fp32-muon"), (1, "bf16-muon"), (2, "fp32-muon"), (1, "bf16-fp32accum-muon")]
+# DeepSpeed's own step with its own norm: bf16 without ZeRO (FP16_UnfusedOptimizer,
+# FP16_Optimizer) and BF16_Optimizer.
+OWN_NORM = ("0-bf16", "0-bf16-fused", "1-bf16-fp32accum", "1-bf16-fp32accum-muon",
+            "3-fp32-muon")
 STEPS, NAN_GRAD, NAN_BATCH, SPIKE = 12, 3, 5, 8
 MICRO = 2  # gradient accumulation: micro-batches per optimizer step
 
@@ -50,12 +58,14 @@ def _flat_params(model):
 def _run(rank, world, stage, precision, checkpoint_dir):
     """One engine, 12 steps; returns what every rank saw, step by step. A precision ending in
     "-fused" leaves out ``torch_adam``: the config's AdamW is then DeepSpeed's FusedAdam."""
-    fused = precision.endswith("-fused")
-    fp32_accum = precision.endswith("-fp32accum")
-    partitioned = precision.endswith("-partitioned")  # ZeRO 3: no parameter kept whole
+    flags = set(precision.split("-")[1:])
+    fused, fp32_accum, muon = "fused" in flags, "fp32accum" in flags, "muon" in flags
+    partitioned = "partitioned" in flags  # ZeRO 3: no parameter kept whole
     precision = precision.split("-")[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = _model()
+    for p in model.parameters():
+        p.use_muon = muon and p.ndim >= 2  # Muon on the matrices, its Adam on the biases
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
                "weight_decay": 0.01},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
@@ -67,6 +77,9 @@ def _run(rank, world, stage, precision, checkpoint_dir):
               "bf16": {"enabled": precision == "bf16"}}
     if fp32_accum:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if muon:
+        config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2}}
+        config["zero_optimization"]["reduce_scatter"] = False  # ZeRO 3 requires it
     if partitioned:
         config["zero_optimization"]["param_persistence_threshold"] = 0
     engine, _, _, scheduler = deepspeed.initialize(
@@ -138,158 +151,6 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
             "counts": counts, "basic": type(engine.basic_optimizer).__name__}
-
-
-FP16_STEPS, FP16_NAN = 24, 18
-
-
-def _fp16_run(rank, world, guarded, stage=2):
-    """ZeRO 2 fp16 with DeepSpeed's DynamicLossScaler (initial scale 2^24: far too high, the first
-    steps overflow), 24 steps, a NaN gradient on the last rank at step 18; guarded or not. No
-    clipping, so that the update does not depend on the norm and the twins compare bit for bit
-    (with clipping DeepSpeed takes the guard's norm, its own within 1e-6: the other tests)."""
-    model = _model()
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
-              "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 2,
-                       "loss_scale_window": 4, "min_loss_scale": 1}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
-    sg = sg_deepspeed.guard_engine(engine, policy="default", collective_timeout=60) \
-        if guarded else None
-    target = dict(engine.module.named_parameters())["2.weight"]
-    rows = []
-    for step in range(1, FP16_STEPS + 1):
-        hook = None
-        if step == FP16_NAN and rank == world - 1:
-            hook = target.register_hook(lambda g: g * float("nan"))
-        scale_before = float(engine.optimizer.loss_scale)
-        x, y = _batch(step, rank, torch.float16)
-        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
-        engine.step()
-        if hook is not None:
-            hook.remove()
-        row = {"scale_before": scale_before, "scale": float(engine.optimizer.loss_scale),
-               "skipped_steps": engine.skipped_steps, "params": _flat_params(engine.module)}
-        if sg is not None:
-            r = sg.last_report
-            row.update(outcome=r.outcome, loss_scale=r.loss_scale, grad_norm=r.grad_norm,
-                       ds_norm=float(engine.get_global_grad_norm()),
-                       signal=r.incident["signal"] if r.incident else None,
-                       cause=r.incident["cause"] if r.incident else None)
-        rows.append(row)
-    return rows
-
-
-FLOOR_STEPS = 12
-
-
-def _fp16_floor_run(rank, world, guarded):
-    """ZeRO 2 fp16 whose scale starts at DeepSpeed's min_loss_scale (2^24, far too high): every
-    step overflows. Unguarded, DeepSpeed exits ("Current loss scale already at minimum") once its
-    hysteresis is spent; guarded with the deepspeed-fp16 preset (its loss_scale section taken as
-    DeepSpeed's scaler's), each step is skipped through DeepSpeed's overflow path and after 10 in
-    a row the preset lowers the LR. Returns each step's outcome, signal and LR factor, or the
-    error that ended the run."""
-    model = _model()
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
-              "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 2,
-                       "loss_scale_window": 4, "min_loss_scale": 2 ** 24}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
-    sg = sg_deepspeed.guard_engine(engine, policy="deepspeed-fp16", collective_timeout=60) \
-        if guarded else None
-    rows = []
-    for step in range(1, FLOOR_STEPS + 1):
-        x, y = _batch(step, rank, torch.float16)
-        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
-        try:
-            engine.step()
-        except Exception as error:  # DeepSpeed's exit at its floor
-            return {"rows": rows, "error": str(error), "at": step}
-        row = {"scale": float(engine.optimizer.loss_scale), "skipped_steps": engine.skipped_steps}
-        if sg is not None:
-            r = sg.last_report
-            row.update(outcome=r.outcome, lr_factor=r.lr_factor, loss_scale=r.loss_scale,
-                       signal=r.incident["signal"] if r.incident else None,
-                       guard_scale=sg.guard.stats().loss_scale)
-        rows.append(row)
-    return {"rows": rows, "error": None}
-
-
-def _fp16_main(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    fp16_on_any_cpu()
-    plain, guarded = _fp16_run(rank, world, False), _fp16_run(rank, world, True)
-    same = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain, guarded)]
-    plain3, guarded3 = _fp16_run(rank, world, False, 3), _fp16_run(rank, world, True, 3)
-    same3 = [torch.equal(a.pop("params"), b.pop("params")) for a, b in zip(plain3, guarded3)]
-    floor = {"plain": _fp16_floor_run(rank, world, False),
-             "guarded": _fp16_floor_run(rank, world, True)}
-    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
-        json.dump({"plain": plain, "guarded": guarded, "same_params": same, "floor": floor,
-                   "zero3": {"plain": plain3, "guarded": guarded3, "same_params": same3}},
-                  f, default=str)
-    torch.distributed.destroy_process_group()
-
-
-def _check_fp16_twin(rank, got, stage=2):
-    """One rank's fp16 run beside its unguarded twin (ZeRO 2 or 3): see the test."""
-    plain, guarded = got["plain"], got["guarded"]
-    assert [r["scale"] for r in guarded] == [r["scale"] for r in plain], (rank, guarded)
-    assert [r["skipped_steps"] for r in guarded] == [r["skipped_steps"] for r in plain]
-    assert all(got["same_params"]), (rank, got["same_params"])
-    # The startup streak: the first steps, skipped until the scale fits. Every step of it,
-    # those whose averaged gradients hold only NaN (Inf met -Inf) included, is an overflow;
-    # so is every later skip (the scale grown too far again, the NaN gradient at step 18).
-    streak = next(i for i, r in enumerate(guarded) if r["outcome"] == "applied")
-    assert streak >= 3, guarded[:4]
-    for r in guarded:
-        if r["outcome"] == "skipped":
-            assert r["signal"] == "overflow" and r["cause"] == "precision_overflow", r
-    assert plain[-1]["scale"] < 2 ** 24  # the scale came down
-    for r in guarded:
-        assert r["loss_scale"] == r["scale_before"], r  # DeepSpeed's, at this step
-        if r["outcome"] == "applied":
-            # ZeRO 3 divides the norm it reports by the scale after its update (the grown one
-            # on a growth step); the guard's is the norm of the step's gradients.
-            ds_norm = float(r["ds_norm"]) * (r["scale"] / r["scale_before"] if stage == 3 else 1)
-            assert r["grad_norm"] == pytest.approx(ds_norm, rel=1e-5), r
-    # A NaN gradient while the scale can back off is skipped as DeepSpeed skips it (its scaler
-    # backs off): the overflow path.
-    assert guarded[FP16_NAN - 1]["outcome"] == "skipped", guarded[FP16_NAN - 1]
-    assert guarded[-1]["outcome"] == "applied"
-
-
-def test_fp16_zero_two_and_three_follow_deepspeeds_scaler_as_an_unguarded_twin():
-    """The guard inside DeepSpeed fp16 (ZeRO 2 and 3, 2 ranks): DeepSpeed's scaler owns the
-    scale. The startup overflow streak is `overflow` / `precision_overflow` on every step, skipped by
-    DeepSpeed's own overflow path, and the scale backs off as without the guard (hysteresis 2):
-    the same scale, skipped count and parameters, step for step, as an unguarded twin; the
-    reports carry DeepSpeed's scale; a NaN gradient later is skipped as DeepSpeed would."""
-    ranks = spawn_ranks(_fp16_main, 2)
-    for rank, got in enumerate(ranks):
-        _check_fp16_twin(rank, got)
-        _check_fp16_twin(rank, got["zero3"], 3)  # the same under ZeRO 3
-        # At DeepSpeed's floor: unguarded, DeepSpeed exits at the second overflow (hysteresis 2);
-        # guarded, every step is skipped through its overflow path, the scale stays at the floor,
-        # and the deepspeed-fp16 preset lowers the LR after 10 bad steps in a row.
-        floor = got["floor"]
-        assert floor["plain"]["at"] == 2 and "already at minimum" in floor["plain"]["error"]
-        rows = floor["guarded"]["rows"]
-        assert floor["guarded"]["error"] is None and len(rows) == FLOOR_STEPS, floor["guarded"]
-        assert all(r["outcome"] == "skipped" and r["signal"] == "nonfinite_grad" for r in rows)
-        assert [r["skipped_steps"] for r in rows] == list(range(1, FLOOR_STEPS + 1))
-        assert {r["scale"] for r in rows} == {2.0 ** 24} and {r["loss_scale"] for r in rows} == {
-            2.0 ** 24}
-        assert {r["guard_scale"] for r in rows} == {1.0}  # the preset turned no guard scaler on
-        assert [r["lr_factor"] for r in rows[8:11]] == [1.0, 0.5, 0.5], rows
 
 
 def _count_in_step(engine, guard):
@@ -417,12 +278,16 @@ def _check(ranks, key, world):
     for rank, result in enumerate(ranks):
         run = result[key]
         stage, precision = key.split("-")[:2]
+        if key.endswith("-muon"):
+            assert run["basic"] == "MuonWithAuxAdam", run["basic"]
         if key.endswith("-fused"):
             assert run["basic"] == "FusedAdam", run["basic"]
         if key == "0-bf16-fused":
             assert run["optimizer"] == "FP16_Optimizer", run["optimizer"]
-        elif key.endswith("-fp32accum"):
+        elif "-fp32accum" in key:
             assert run["optimizer"] == "BF16_Optimizer", run["optimizer"]
+        elif key == "0-fp32-muon":
+            assert run["optimizer"] == "MuonWithAuxAdam", run["optimizer"]
         elif stage == "0":
             assert run["optimizer"] == expected_types[0][precision == "bf16"], run["optimizer"]
         elif stage == "3":
@@ -438,7 +303,10 @@ def _check(ranks, key, world):
             if s["outcome"] == "applied":
                 applied += 1
                 norm = s["reference"] if s["reference"] is not None else s["ds_norm"]
-                assert norm == pytest.approx(s["grad_norm"], rel=1e-6), (key, rank, s)
+                if key == "3-fp32-muon":  # DeepSpeed's norm is the orthogonalised update's
+                    assert 0.0 < s["ds_norm"] < float("inf"), (key, rank, s)
+                else:
+                    assert norm == pytest.approx(s["grad_norm"], rel=1e-6), (key, rank, s)
             # DeepSpeed's own counters follow the guard: a step not applied is a skipped step
             # and the LR scheduler steps only on applied steps.
             assert s["skipped_steps"] == s["step"] - applied, (key, rank, s)
@@ -454,8 +322,14 @@ def _check(ranks, key, world):
         assert run["resumed"] == {"same_state": True, "equal": True,
                                   "next": [STEPS + 1, "applied"]}, (key, rank, run["resumed"])
         # A clean step: the guard's one collective; DeepSpeed neither computes a norm nor
-        # all-reduces in its step (it takes the agreed norm).
-        assert run["counts"] == {"all_reduce": 0, "norms": 0, "guard": 1}, (key, run["counts"])
+        # all-reduces in its step (it takes the agreed norm), except where its own step runs
+        # with its own norm (bf16 without ZeRO, BF16_Optimizer: no copy of their step).
+        if key in OWN_NORM:  # a norm per parameter group (FP16_UnfusedOptimizer) or one
+            # (ZeRO 3's own norm function is not counted: its all-reduce is)
+            counts = run["counts"]
+            assert counts["norms"] + counts["all_reduce"] >= 1 and counts["guard"] == 1, counts
+        else:
+            assert run["counts"] == {"all_reduce": 0, "norms": 0, "guard": 1}, (key, run["counts"])
     # The NaN gradient of '2.weight' is named by the rank(s) holding that parameter's gradient.
     blamed = [r[key]["steps"][NAN_GRAD - 1]["incident"]["tensors"] for r in ranks]
     assert any("2.weight" in t for t in blamed), (key, blamed)
@@ -491,7 +365,8 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
 
 # ZeRO 3 with DeepSpeed's default persistence threshold (this model's parameters are all small
 # enough to be kept whole besides their partitions) and with none kept whole.
-ZERO3 = [(3, "fp32"), (3, "bf16"), (3, "bf16-partitioned")]
+ZERO3 = [(3, "fp32"), (3, "bf16"), (3, "bf16-partitioned"),
+         (3, "fp32-muon")]  # Muon: DeepSpeed's own norm (it orthogonalises inside its step)
 
 
 def test_zero_three_on_two_ranks():

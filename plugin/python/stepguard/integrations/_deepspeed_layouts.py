@@ -1,6 +1,10 @@
 """The layouts of DeepSpeed's optimizers as the guard reads them (stepguard.integrations.
 deepspeed): for each optimizer the engine may step, which tensors the guard inspects and
-restores, which gradients it inspects, and the optimizer's update with the agreed verdict."""
+restores, which gradients it inspects, and how an applied step and a skip run DeepSpeed's own
+code. No layout re-implements a DeepSpeed ``step()``: an applied step is DeepSpeed's step (with
+the agreed norm handed in where DeepSpeed's step takes a norm from one function, ZeRO's; its
+own norm elsewhere, or everywhere with ``framework_norm``), a skip DeepSpeed's own overflow
+path. What each substitutes is declared in the seams table (_seams_deepspeed.py)."""
 
 import contextlib
 import math
@@ -50,8 +54,12 @@ def _kept_at_floor(ds):
 
 class _Layout:
     """What every layout answers the same unless it says otherwise: replicated gradients, no
-    loss scale of the framework's (fp32 and bf16), nothing to do after an applied step."""
+    loss scale of the framework's (fp32 and bf16), nothing to do after an applied step.
+    ``framework_norm``: DeepSpeed computes its own norm for its clip and ``_global_grad_norm``
+    (an applied step is then bitwise DeepSpeed's own; one more read of the gradients and
+    all-reduce per step); else the agreed norm is handed in where DeepSpeed's step takes one."""
     sharded = False
+    framework_norm = False
 
     def framework_loss_scale(self):
         return None
@@ -77,9 +85,11 @@ class _PlainLayout(_Layout):
 
     def install(self, patches):
         # The engine clips fp32 gradients just before this optimizer's step (computing their
-        # norm); the clip moves into the guarded update, from the agreed norm, so that the guard
-        # inspects (and blames) the gradients as they are and the norm is computed once.
+        # norm); the clip moves into the guarded update, so that the guard inspects (and
+        # blames) the gradients as they are: from the agreed norm (the norm computed once), or
+        # DeepSpeed's own clip (framework_norm).
         if self.clip > 0.0:
+            self._engine_clip = self.engine.clip_fp32_gradients
             patches.set(self.engine, "clip_fp32_gradients", lambda: None)
         patches.set(self.optimizer, "overflow", False)  # what the engine reads after the step
 
@@ -91,7 +101,9 @@ class _PlainLayout(_Layout):
 
     def update(self, ds_step):
         norm = _norm_after(self.verdict)
-        if self.clip > 0.0 and math.isfinite(norm):
+        if self.clip > 0.0 and self.framework_norm:
+            self._engine_clip()  # DeepSpeed's own clip, its own norm
+        elif self.clip > 0.0 and math.isfinite(norm):
             params = [p for g in self.optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
@@ -110,10 +122,15 @@ class _PlainLayout(_Layout):
 class _MasterCopies(_Layout):
     """bf16 without ZeRO: fp32 master copies (``masters``, one per model parameter in ``model``:
     a tensor of its own or a piece of a flat one) that the optimizer steps and DeepSpeed copies
-    into the bf16 parameters after the step."""
+    into the bf16 parameters after the step. An applied step is DeepSpeed's own ``step()``: its
+    overflow check, its norm (a second read of the gradients and an all-reduce: the agreed norm
+    cannot be handed in without re-implementing the step), its clip, its copy into the model."""
 
     def parameters(self):
         return self.masters, self.names
+
+    def update(self, ds_step):
+        ds_step()
 
     def skip(self, ds_step):
         self.ds._skip_invalid_grad_norm()  # DeepSpeed's own path for a step it does not apply
@@ -141,24 +158,6 @@ class _UnfusedLayout(_MasterCopies):
     def gradients(self):
         return [p.grad for p in self.model]
 
-    def update(self, ds_step):
-        # FP16_UnfusedOptimizer.step's update without its overflow check and norm (both read
-        # every gradient, and all-reduce, a second time): the bf16 gradients into the fp32
-        # masters, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the torch
-        # optimizer's step, the masters back into the model.
-        ds, norm = self.ds, _norm_after(self.verdict)
-        for model, master in zip(self.model, self.masters):
-            master.grad = (torch.zeros_like(master) if model.grad is None
-                           else model.grad.to(master.dtype))
-        if ds.clip_grad > 0.0 and math.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(self.masters, ds.clip_grad, torch.tensor(norm))
-        ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
-        ds.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self.refresh_model()
-        ds.overflow, ds._global_grad_norm = False, self.verdict.grad_norm
-
 
 class _FusedLayout(_MasterCopies):
     """``FP16_Optimizer`` (the config's AdamW: DeepSpeed's FusedAdam): one flat fp32 master per
@@ -182,32 +181,6 @@ class _FusedLayout(_MasterCopies):
 
     def gradients(self):
         return [None if p.grad is None else p.grad.reshape(-1) for p in self.model]
-
-    def update(self, ds_step):
-        # FP16_Optimizer.step's update without its overflow check and norm (a read of every
-        # gradient and an all-reduce, a second time): the bf16 gradients flattened into the fp32
-        # masters' .grad, DeepSpeed's clip from the agreed norm (no loss scale in bf16), the
-        # fused optimizer's step, the masters back into the model.
-        ds, norm = self.ds, _norm_after(self.verdict)
-        flats = []
-        for i, group in enumerate(ds.fp16_groups):
-            dtype = ds.fp32_groups_flat[i].dtype
-            flats.append(torch._utils._flatten_dense_tensors([
-                torch.zeros(p.size(), dtype=dtype, device=p.device) if p.grad is None
-                else p.grad.to(dtype) for p in group]))
-            ds.fp32_groups_flat[i].grad = flats[i]
-            for p in group:
-                p.grad = None
-        if ds.loss_scale_config.use_grad_scaling:
-            ds._update_scale(False)  # as DeepSpeed's step (its scaler's iteration count)
-        ds._global_grad_norm = self.verdict.grad_norm
-        if math.isfinite(norm):
-            ds.unscale_and_clip_grads(flats, norm * ds.loss_scale_config.cur_scale)
-        ds.optimizer.step()
-        for flat in ds.fp32_groups_flat:
-            flat.grad = None
-        self.refresh_model()
-        ds.has_executed_step, ds.overflow = True, False
 
 
 def _partition_pieces(engine, groups, sizes, ranks):
@@ -260,29 +233,14 @@ class _Bf16Layout(_Partitioned):
         return self.grads
 
     def update(self, ds_step):
-        # BF16_Optimizer.step with the agreed norm instead of its own (a norm of every gradient
-        # and an all-reduce): DeepSpeed's clip, the partitions' gradients, the optimizer step,
-        # the bf16 parameters all-gathered from the masters.
-        ds, norm = self.ds, _norm_after(self.verdict)
-        ds.overflow = False
-        ds._global_grad_norm = self.verdict.grad_norm
-        if ds.clip_grad > 0.0 and math.isfinite(norm):
-            from deepspeed.runtime.utils import clip_tensors_by_global_norm
-            clip_tensors_by_global_norm(input_tensors=ds.get_grads_for_norm(for_clipping=True),
-                                        max_norm=ds.clip_grad, global_norm=norm, mpu=ds.mpu)
-        for master, grad in zip(ds.fp32_groups_flat_partition,
-                                ds.fp32_groups_gradient_flat_partition):
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        ds.optimizer.step()
-        if ds.grad_acc_dtype is not torch.float32:
-            for master in ds.fp32_groups_flat_partition:
-                master.grad = None
-        ds._lazy_init_hp_params_optimizer_state()
-        ds.update_lp_params()
-        ds.clear_hp_grads()
+        # DeepSpeed's own step: its norm (a second read and an all-reduce: the agreed norm
+        # cannot be handed in without re-implementing the step), its clip, Muon's
+        # orthogonalisation where configured, its copy into the bf16 parameters.
+        ds_step()
 
     def skip(self, ds_step):
-        # BF16_Optimizer's own path for a step it does not apply (an invalid norm).
+        # BF16_Optimizer's own path for a step it does not apply (an invalid norm): its flags
+        # and its two functions that release the gradients (its step has no entry for it).
         ds = self.ds
         ds.overflow, ds._global_grad_norm = True, float("inf")
         ds.clear_hp_grads()
@@ -350,6 +308,9 @@ class _ZeroLayout(_Partitioned):
         # all-reduce; the verdict found none) and takes `scaled_global_grad_norm =
         # self.scaled_global_norm()` (a norm of every partition and an all-reduce) for its clip
         # and _global_grad_norm: the agreed norm instead.
+        if self.framework_norm:
+            ds_step()  # DeepSpeed's overflow check and norm as without the guard
+            return
         ds, norm = self.ds, _norm_after(self.verdict)
         device = ds.single_partition_of_fp32_groups[0].device
         ds.scaled_global_norm = lambda norm_type=2: torch.tensor(norm * ds.loss_scale,
@@ -449,7 +410,11 @@ class _Zero3Layout(_Layout):
 
     def update(self, ds_step):
         # DeepSpeed's step with the agreed norm (scaled, as its clip takes it) instead of a norm
-        # of every partition and an all-reduce, and no overflow check (the verdict found none).
+        # of every partition and an all-reduce, and no overflow check (the verdict found none);
+        # framework_norm: DeepSpeed's step as without the guard.
+        if self.framework_norm:
+            ds_step()
+            return
         self._run(ds_step, False, _norm_after(self.verdict) * float(self.ds.loss_scale))
 
     def skip(self, ds_step):

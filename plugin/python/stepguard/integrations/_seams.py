@@ -60,11 +60,24 @@ def resolve(dotted):
     raise ImportError("no module of %r imports" % dotted)
 
 
-def fingerprint(obj):
-    """16 hex digits of the SHA-256 of ``obj``'s source, dedented, line endings normalised: a
-    change of the function's code (not of the file around it) changes it."""
+def _source(obj):
+    """``obj``'s source, dedented, line endings normalised; a decorator's wrapper that keeps the
+    function in its closure (DeepSpeed's ``instrument_w_nvtx``, without functools.wraps) adds
+    the wrapped function's source, so that a change of either shows."""
     source = textwrap.dedent(inspect.getsource(obj)).replace("\r\n", "\n")
-    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+    code, cells = getattr(obj, "__code__", None), getattr(obj, "__closure__", None)
+    if code is not None and cells and not hasattr(obj, "__wrapped__"):
+        for name, cell in zip(code.co_freevars, cells):
+            inner = cell.cell_contents if name in ("func", "fn", "f") else None
+            if inspect.isfunction(inner):
+                source += "\n" + _source(inner)
+    return source
+
+
+def fingerprint(obj):
+    """16 hex digits of the SHA-256 of ``obj``'s source (``_source``): a change of the
+    function's code (not of the file around it) changes it."""
+    return hashlib.sha256(_source(obj).encode("utf-8")).hexdigest()[:16]
 
 
 def changed_functions(framework) -> List[Tuple[str, str]]:
@@ -301,6 +314,13 @@ SEAMS: Dict[str, List[Seam]] = {
 }
 
 
+if __name__ != "__main__":  # run as a program, the package's own module below is the one
+    from . import _seams_deepspeed  # noqa: E402  (its table needs Seam)
+
+    TESTED_SOURCES["deepspeed"] = _seams_deepspeed.TESTED
+    SEAMS["deepspeed"] = _seams_deepspeed.SEAMS
+
+
 def _print_fingerprints(framework):
     """The fingerprints of the functions ``framework``'s seams rely on, as installed now: the
     entries a newly tested release adds to TESTED_SOURCES."""
@@ -313,5 +333,6 @@ def _print_fingerprints(framework):
 
 if __name__ == "__main__":
     import sys
-    for name in sys.argv[1:] or sorted(TESTED_SOURCES):
-        _print_fingerprints(name)
+    from stepguard.integrations import _seams as tables  # with every framework's table
+    for name in sys.argv[1:] or sorted(tables.TESTED_SOURCES):
+        tables._print_fingerprints(name)

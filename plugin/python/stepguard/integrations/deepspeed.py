@@ -23,12 +23,22 @@ What is guarded, by DeepSpeed optimizer (tested with DeepSpeed 0.19.8 on CPU/Glo
   fp32 master weights and of the averaged gradients, one view per parameter piece (blame names
   the model's parameters); norms and counts are summed over the data-parallel ranks;
 - bf16 with fp32 gradient accumulation (``BF16_Optimizer``, ``"data_types": {"grad_accum_dtype":
-  "fp32"}``): the same, over its fp32 master partitions and its averaged fp32 gradient buffers.
+  "fp32"}``): the same, over its fp32 master partitions and its averaged fp32 gradient buffers;
+- DeepSpeed's Muon (``"optimizer": {"type": "Muon"}``, MuonWithAuxAdam) in each of these layouts
+  and ZeRO 3: DeepSpeed's own step orthogonalises the update (under ZeRO 3 inside its step,
+  after the verdict on the raw gradients, so DeepSpeed clips with its own norm there).
 
-The guard decides before DeepSpeed's own step: an applied step is DeepSpeed's step, unchanged
-(its clipping, its grad norm, its copy of the master weights into the model); a step the guard
-does not apply takes DeepSpeed's own overflow path, so ``engine.skipped_steps`` counts it and the
-engine does not step its LR scheduler. A rollback restores the fp32 master weights and the
+The guard decides before DeepSpeed's own step: an applied step is DeepSpeed's own ``step()``
+(its clipping, its copy of the master weights into the model; no DeepSpeed step body is
+re-implemented); a step the guard does not apply takes DeepSpeed's own overflow path, so
+``engine.skipped_steps`` counts it and the engine does not step its LR scheduler. The norm
+DeepSpeed clips with and reports: under ZeRO 1, 2 and 3 and fp32 without ZeRO the agreed norm
+(fp64, reduced once with the verdict: no second read of the gradients and all-reduce), which
+differs from DeepSpeed's own fp32 norm in the last bits, so with a binding clip an applied step
+can differ from the unguarded one in the last bits; ``framework_norm=True`` has DeepSpeed
+compute its own (one more read and all-reduce per step, as without the guard) and an applied
+step is then bitwise DeepSpeed's own. bf16 without ZeRO and ``BF16_Optimizer`` always pay
+DeepSpeed's own norm (handing the agreed one in would need a copy of their step). A rollback restores the fp32 master weights and the
 optimizer state (each rank its own partition) and copies them into the model's bf16 weights
 (ZeRO: DeepSpeed's ``update_lp_params``, an all-gather every rank makes together). The guard's
 LR factor scales the optimizer's groups for the step. fp16 under ZeRO 1 and 2: DeepSpeed's
@@ -44,9 +54,12 @@ piece per parameter (the partition padding left out) with the step's averaged gr
 rollback puts the masters back into the partitioned lp parameters as DeepSpeed's checkpoint
 load does. Refused, with a message: fp16 without ZeRO, optimizer offload to CPU or NVMe (its
 optimizer steps host copies the guard does not read) and pipeline engines (``check_config``
-tells what a config alone shows, before the engine exists). ``EngineGuard.detach()`` gives the
-engine back its own methods; the HF Trainer's DeepSpeed path uses this integration
-(``stepguard.integrations.transformers``).
+tells what a config alone shows, before the engine exists). What the integration replaces,
+writes or calls privately is declared (``_seams_deepspeed.py``, README "Declared seams") and the
+DeepSpeed functions it relies on are fingerprinted: a release whose functions changed is
+refused at ``guard_engine`` naming them (``allow_untested_framework=True``: a warning).
+``EngineGuard.detach()`` gives the engine back its own methods; the HF Trainer's and Lightning's
+DeepSpeed paths use this integration.
 """
 
 import warnings
@@ -58,28 +71,42 @@ from .._port import TorchOptimPort
 from ._core import check_version, finish_step, guard_options, load_guard_state
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
                                  _Zero3Layout, _ZeroLayout)
-from ._seams import Patches
+from ._seams import Patches, check_seams
 
 
-def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None, **options):
+def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None,
+                 framework_norm=False, allow_untested_framework=False, **options):
     """Guards ``engine``'s optimizer step; returns the ``EngineGuard`` (``.guard`` is the
     ``GuardedOptimizer``; ``.last_report`` the newest step's report). ``process_group`` defaults
-    to every rank of the job (WORLD) when it runs several; other keywords are
-    ``GuardedOptimizer``'s options (one ``trace_path`` becomes ``<path>.rank<r>`` on rank r)."""
+    to every rank of the job (WORLD) when it runs several. ``framework_norm``: DeepSpeed clips
+    with its own norm (an applied step bitwise DeepSpeed's own; one more norm and all-reduce
+    per step) instead of the agreed one. ``allow_untested_framework``: run on a DeepSpeed whose
+    relied-on functions changed, with a warning. Other keywords are ``GuardedOptimizer``'s
+    options (one ``trace_path`` becomes ``<path>.rank<r>`` on rank r)."""
     return EngineGuard(engine, policy=policy, policy_yaml=policy_yaml,
-                       process_group=process_group, **options)
+                       process_group=process_group, framework_norm=framework_norm,
+                       allow_untested_framework=allow_untested_framework, **options)
 
 
 class EngineGuard:
     """The guard installed in a DeepSpeed engine (see the module's docstring)."""
 
-    def __init__(self, engine, *, policy=None, policy_yaml=None, process_group=None, **options):
+    def __init__(self, engine, *, policy=None, policy_yaml=None, process_group=None,
+                 framework_norm=False, allow_untested_framework=False, **options):
         import deepspeed
         check_version("deepspeed", deepspeed.__version__)
         _check_engine(engine)
+        if not isinstance(framework_norm, bool):
+            raise TypeError("stepguard: framework_norm must be a bool, got %s"
+                            % type(framework_norm).__name__)
+        check_seams("deepspeed", allow_untested_framework)
         self.engine = engine
         ds_optimizer = engine.optimizer
         layout = _layout_of(engine, ds_optimizer)
+        # ZeRO 3 with Muon: DeepSpeed orthogonalises the gradients inside its step, before its
+        # norm; the clip must take that norm, not the agreed one of the raw gradients.
+        layout.framework_norm = framework_norm or (
+            isinstance(layout, _Zero3Layout) and _uses_muon(engine))
         # Every rank of the job takes each step's decision together (model-parallel peers too):
         # WORLD over several ranks unless given; one trace file per rank.
         if process_group is not None:
@@ -120,6 +147,7 @@ class EngineGuard:
         ``step`` and what the layout wrote (without ZeRO: the engine's own fp32 clip) are
         DeepSpeed's again (the engine steps unguarded). ``guard`` keeps its state, and
         ``attach()`` puts it back."""
+        self._layout.applied()  # the overflow flag the layout set back to what attach wrote
         self._patches.restore()
         self._losses = []
         self._expected = None
@@ -246,14 +274,16 @@ class _TrainerEngineGuard(EngineGuard):
         return torch.stack(losses).sum()
 
 
-def guard_trainer_engine(engine, previous, policy, options):
+def guard_trainer_engine(engine, previous, policy, options, framework_norm=False,
+                         allow_untested_framework=False):
     """The guard in a Trainer's engine: ``previous`` (an earlier fit's) put back when it guards
     this engine, else a new one that goes on with ``previous``'s state."""
     if previous is not None and previous.engine is engine:
         return previous.attach()
     options = dict(options)
     options.pop("layout", None)  # the engine's own
-    guard = _TrainerEngineGuard(engine, policy=policy, **options)
+    guard = _TrainerEngineGuard(engine, policy=policy, framework_norm=framework_norm,
+                                allow_untested_framework=allow_untested_framework, **options)
     if previous is not None:
         previous.detach()
         guard.guard.load_guard_state_dict(previous.guard.guard_state_dict())
@@ -275,14 +305,14 @@ def _check_engine(engine):
         refuse = ("mixture-of-experts layers (DeepSpeed's norm counts each rank's experts once "
                   "and the dense parameters across ranks; the guard's layout would count every "
                   "expert as a replica, and a binding clip would clip wrongly)")
-    elif (type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
-          or getattr(engine.optimizer, "_uses_muon", False)
-          or getattr(engine.optimizer, "use_muon", False)):
-        refuse = ("the Muon optimizer (DeepSpeed's step orthogonalises the update first, "
-                  "_prepare_muon_updates; the integration's update would step on the raw "
-                  "gradient)")
     if refuse:
         raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
+
+
+def _uses_muon(engine):
+    """Whether the engine steps DeepSpeed's Muon (MuonWithAuxAdam: Muon on the parameters marked
+    ``use_muon``, Adam on the rest)."""
+    return type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
 
 
 def _layout_of(engine, ds_optimizer):

@@ -192,7 +192,8 @@ class StepguardCallback(pl.Callback):
             if trainer.strategy.restore_checkpoint_after_setup:
                 self._take_records(trainer)
             return
-        self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options)
+        self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options,
+                                            allow_untested_framework=self.allow_untested_framework)
         guard = self._engine.guard
         self.guards = [guard]
         self._take_records(trainer)

@@ -304,7 +304,8 @@ class StepguardCallback(transformers.TrainerCallback):
                 "train() (the guard goes inside the Trainer's DeepSpeed engine)")
         self._engine_guard = guard_trainer_engine(self._trainer.model_wrapped,
                                                   self._engine_guard, self.policy,
-                                                  self.guard_options)
+                                                  self.guard_options, allow_untested_framework=(
+                                                      self.allow_untested_framework))
         # accelerate's wrapper tells the Trainer a step was skipped from the engine optimizer's
         # `overflow` only if it had one at prepare(); without ZeRO the guard gives it one.
         self._patches.set(optimizer, "__has_overflow__", True)

@@ -295,6 +295,26 @@ def _inner_optimizers(megatron_optimizer):
     return chained
 
 
+def _main_to_model_copy(inner):
+    """Megatron's copy of ``inner``'s main parameters into the model's (its step runs it after
+    the update; a rollback runs it after the restore): None for an FP32Optimizer, whose main
+    parameters are the model's. Told apart by type, not by the name's presence: a release that
+    renamed the function is refused here instead of a rollback that leaves the model's weights
+    as they were."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+    if isinstance(inner, FP32Optimizer):
+        return None
+    copy = getattr(inner, "_copy_main_params_to_model_params", None)
+    if not isinstance(inner, MixedPrecisionOptimizer) or not callable(copy):
+        raise RuntimeError(
+            "stepguard: the Megatron optimizer %s has no _copy_main_params_to_model_params, which "
+            "a rollback relies on to copy the restored main (fp32) weights into the model's "
+            "weights (Float16OptimizerWithFloat16Params and DistributedOptimizer have it in the "
+            "tested releases, 0.16.1 to 0.19.2): this Megatron release is not supported"
+            % type(inner).__name__)
+    return copy
+
+
 def _aligned_main_params(inners, chunks):
     """(name, main parameter or None, model parameter) for every trainable parameter of the model
     chunks, in the model's order. A main parameter
@@ -344,6 +364,7 @@ class _MegatronPort(TorchOptimPort):
         self.megatron = megatron_optimizer
         self.inner = inners[0]
         self.inners = inners
+        self.copies = [_main_to_model_copy(inner) for inner in inners]
         self.result = None
         self.verdict = None
         self.scale = None  # this step's framework_loss_scale() (fp16), set by step()
@@ -389,9 +410,9 @@ class _MegatronPort(TorchOptimPort):
 
     def after_restore(self):
         """The restored main parameters into the model's, as Megatron's step copies them."""
-        for inner in self.inners:
-            if hasattr(inner, "_copy_main_params_to_model_params"):
-                inner._copy_main_params_to_model_params()
+        for copy in self.copies:
+            if copy is not None:
+                copy()
         if self.sharded_state() and not self.inner.ddp_config.overlap_param_gather:
             for chunk in self.inner.model_chunks:
                 chunk.start_param_sync()  # every rank restores its shard; all-gather the rest

@@ -121,6 +121,8 @@ def _vars_main(rank, world, port, out_dir):
     _one_rank(port)
     declared = {seam.where.rsplit(".", 1)[1] for seam in _seams.SEAMS["deepspeed"]
                 if seam.kind in ("writes", "replaces")}
+    restored = {seam.where.rsplit(".", 1)[1] for seam in _seams.SEAMS["deepspeed"]
+                if seam.kind in ("writes", "replaces") and seam.restored}
     out = {}
     for stage, precision, accum in TWINS:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -146,7 +148,7 @@ def _vars_main(rank, world, port, out_dir):
         sg.detach()
         for name, obj in _objects(engine).items():
             now = _identities(obj)
-            undone[name] = sorted(a for a in declared if now.get(a) != before[name].get(a))
+            undone[name] = sorted(a for a in restored if now.get(a) != before[name].get(a))
         # Detached, the engine steps unguarded: DeepSpeed's own methods, its counts.
         skipped = engine.skipped_steps
         _train(engine, 0, dtype, steps=1)

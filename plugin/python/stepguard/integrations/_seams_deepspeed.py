@@ -57,9 +57,11 @@ SEAMS = [
          "bf16 without ZeRO (FP16_UnfusedOptimizer): the same",
          (_U + "step", _U + "_skip_invalid_grad_norm"), restored=False),
     Seam(_B + "overflow", "writes",
-         "BF16_Optimizer: a skip sets the flags of its own invalid-norm branch (overflow, "
-         "_global_grad_norm) and releases the gradients with its clear_hp_grads/clear_lp_grads",
-         (_B + "step",), restored=False),
+         "BF16_Optimizer: a skip sets the flags of its own invalid-norm branch and releases the "
+         "gradients with its clear_hp_grads/clear_lp_grads", (_B + "step",), restored=False),
+    Seam(_B + "_global_grad_norm", "writes",
+         "BF16_Optimizer: the same branch's reported norm (inf) on a skip", (_B + "step",),
+         restored=False),
     Seam(_Z + "scaled_global_norm", "replaces",
          "ZeRO 1/2, for the step only: DeepSpeed's clip and reported norm take the agreed norm "
          "(no second norm and all-reduce); not with framework_norm", (_Z + "step",)),

@@ -203,7 +203,7 @@ def test_the_readme_lists_the_seams_table():
     readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
     with open(readme, encoding="utf-8") as f:
         text = f.read()
-    for framework in ("torch", "transformers", "lightning", "deepspeed"):
+    for framework in ("torch", "transformers", "lightning", "deepspeed", "torchtitan"):
         section = text.split("<!-- seams: %s -->" % framework, 1)[1].split("<!-- seams:", 1)[0]
         listed = set(re.findall(r"^- `([^`]+)` \((\w+)\)", section, flags=re.M))
         table = {(seam.where, seam.kind) for seam in _seams.SEAMS[framework]}

@@ -7,5 +7,7 @@ only when it is imported itself (``import stepguard`` never imports any of them)
   ``get_megatron_optimizer`` returns;
 - ``stepguard.integrations.lightning``: ``StepguardCallback`` for a ``lightning.Trainer``;
 - ``stepguard.integrations.transformers``: ``StepguardCallback(...).attach(trainer)`` for a
-  ``transformers.Trainer``.
+  ``transformers.Trainer``;
+- ``stepguard.integrations.torchtitan``: ``guarded(trainer_config, StepguardConfig(...))``, whose
+  ``build()`` is a ``GuardedTrainer`` (torchtitan's Trainer, every step guarded).
 """

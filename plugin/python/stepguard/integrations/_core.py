@@ -33,7 +33,7 @@ _PER_RANK_PATHS = ("trace_path",)
 #: and newest: the seams each integration uses are in both.
 TESTED = {"deepspeed": ("0.19.8", "0.19.8"), "megatron-core": ("0.16.1", "0.19.2"),
           "lightning": ("2.6.6", "2.6.6"), "transformers": ("5.24.0", "5.24.0"),
-          "accelerate": ("1.15.0", "1.15.0")}
+          "accelerate": ("1.15.0", "1.15.0"), "torchtitan": ("0.3.0", "0.3.0")}
 
 
 def installed_version(package):

@@ -315,10 +315,11 @@ SEAMS: Dict[str, List[Seam]] = {
 
 
 if __name__ != "__main__":  # run as a program, the package's own module below is the one
-    from . import _seams_deepspeed  # noqa: E402  (its table needs Seam)
+    from . import _seams_deepspeed, _seams_torchtitan  # noqa: E402  (their tables need Seam)
 
-    TESTED_SOURCES["deepspeed"] = _seams_deepspeed.TESTED
-    SEAMS["deepspeed"] = _seams_deepspeed.SEAMS
+    for _name, _table in (("deepspeed", _seams_deepspeed), ("torchtitan", _seams_torchtitan)):
+        TESTED_SOURCES[_name] = _table.TESTED
+        SEAMS[_name] = _table.SEAMS
 
 
 def _print_fingerprints(framework):

@@ -65,7 +65,7 @@ from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
 from ._core import TESTED, check_version, finish_step, guard_options, load_guard_state
-from ._megatron_chain import ChainedTorchOptimizer
+from ._chain import ChainedTorchOptimizer
 
 
 # The oldest and the newest megatron-core release the framework tests ran: the public stages

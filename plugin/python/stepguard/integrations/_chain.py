@@ -1,9 +1,10 @@
-"""The torch optimizers of a Megatron ``ChainedOptimizer`` (MoE: the dense and the expert
-parameters' optimizers) seen as one ``torch.optim.Optimizer``, for the guard's port: its
+"""Several torch optimizers seen as one ``torch.optim.Optimizer``, for the guard's port: those of
+a Megatron ``ChainedOptimizer`` (MoE: the dense and the expert parameters' optimizers), and those
+of torchtitan's ``OptimizersContainer`` (one per model part and parameter-group recipe). Its
 ``param_groups`` are every optimizer's groups in chain order (the same dicts, so an LR written
 into one reaches its optimizer), and its ``state`` is every optimizer's state, each entry read
-from and written to the optimizer that steps the parameter. Nothing steps it: the Megatron
-integration's port runs Megatron's own update."""
+from and written to the optimizer that steps the parameter. Nothing steps it: the integration's
+port runs the framework's own update (Megatron's chain, torchtitan's container)."""
 
 from collections.abc import MutableMapping
 
@@ -70,8 +71,9 @@ class ChainedTorchOptimizer(torch.optim.Optimizer):
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        raise RuntimeError("stepguard: the chained optimizers are stepped by Megatron's "
-                           "ChainedOptimizer, not through this view")
+        raise RuntimeError("stepguard: the chained optimizers are stepped by the framework's "
+                           "own container (Megatron's ChainedOptimizer, torchtitan's "
+                           "OptimizersContainer), not through this view")
 
     def state_dict(self):
         return [optimizer.state_dict() for optimizer in self.optimizers]

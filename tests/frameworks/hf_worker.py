@@ -13,8 +13,8 @@ fp16: TrainingArguments(fp16=True) with accelerate's GradScaler (see fp16_on_cpu
 FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard; ds*: the same runs through
 DeepSpeed, TrainingArguments(deepspeed=DS_CONFIG) (ZeRO 2, fp32, the Trainer's "auto" values);
 ds-zero0: ZeRO 0 (the engine steps the torch optimizer itself); ds-clean: no faults and no
-clip; ds-twin: the same without stepguard; ds-offload: the optimizer
-offloaded to CPU, which attach() refuses: the message is written instead of a run)
+clip; ds-twin: the same without stepguard; ds-offload: ZeRO 3 with the
+optimizer offloaded to CPU, which attach() refuses: the message is written instead of a run)
 """
 
 import hashlib
@@ -55,8 +55,8 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto
 
 def _ds_config(mode):
     config = json.loads(json.dumps(DS_CONFIG))
-    if mode == "offload":
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if mode == "offload":  # refused: ZeRO 3 with its optimizer offloaded to the CPU
+        config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     if mode == "zero0":
         config["zero_optimization"]["stage"] = 0
     return config

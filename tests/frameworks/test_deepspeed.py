@@ -5,7 +5,8 @@ parameters kept whole beside their partitions, DeepSpeed's default for small one
 beside an unguarded twin. Each configuration trains a small model for 12 steps of 2 accumulated
 micro-batches with three faults: a NaN gradient of one parameter on the last rank (step 3), a NaN
 in its batch (step 5) and a loss spike on every rank (step 8); DeepSpeed's Muon in the same
-layouts. fp16: test_deepspeed_fp16.py; MoE: test_deepspeed_refusals.py; seams:
+layouts; ZeRO 1 fp32 and ZeRO 2 bf16 with the optimizer offloaded to the CPU (ZeRO-Offload).
+fp16: test_deepspeed_fp16.py; MoE: test_deepspeed_refusals.py; seams:
 test_deepspeed_seams.py."""
 
 import json
@@ -26,7 +27,9 @@ CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, 
            (1, "bf16-fused"),  # ZeRO 1 over the config's AdamW (DeepSpeed's FusedAdam)
            (1, "bf16-fp32accum"),  # fp32 gradient accumulation: BF16_Optimizer
            # DeepSpeed's Muon (MuonWithAuxAdam): itself, under ZeRO 1 and 2, BF16_Optimizer
-           (0, "fp32-muon"), (1, "bf16-muon"), (2, "fp32-muon"), (1, "bf16-fp32accum-muon")]
+           (0, "fp32-muon"), (1, "bf16-muon"), (2, "fp32-muon"), (1, "bf16-fp32accum-muon"),
+           # ZeRO-Offload: the optimizer steps the fp32 partitions on the host
+           (1, "fp32-offload"), (2, "bf16-offload")]
 # DeepSpeed's own step with its own norm: bf16 without ZeRO (FP16_UnfusedOptimizer,
 # FP16_Optimizer) and BF16_Optimizer.
 OWN_NORM = ("0-bf16", "0-bf16-fused", "1-bf16-fp32accum", "1-bf16-fp32accum-muon",
@@ -82,6 +85,8 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         config["zero_optimization"]["reduce_scatter"] = False  # ZeRO 3 requires it
     if partitioned:
         config["zero_optimization"]["param_persistence_threshold"] = 0
+    if "offload" in flags:  # torch's AdamW on the host copies (DeepSpeedCPUAdam is a C++ build)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=groups, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
@@ -150,6 +155,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
+            "offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
             "counts": counts, "basic": type(engine.basic_optimizer).__name__}
 
 
@@ -294,6 +300,7 @@ def _check(ranks, key, world):
             assert run["optimizer"] == "DeepSpeedZeroOptimizer_Stage3", run["optimizer"]
         else:
             assert run["optimizer"] == "DeepSpeedZeroOptimizer", run["optimizer"]
+        assert run["offload"] == key.endswith("-offload"), (key, run["offload"])
         steps = {s["step"]: s for s in run["steps"]}
         outcomes = [s["outcome"] for s in run["steps"]]
         applied = 0

@@ -249,7 +249,8 @@ class _Bf16Layout(_Partitioned):
 
 class _ZeroLayout(_Partitioned):
     """ZeRO 1/2: each rank's contiguous partition of every group's flat fp32 master weights
-    (and, at the step, of the averaged gradients). Every model parameter is one piece on every
+    (and, at the step, of the averaged gradients; with optimizer offload to the CPU, both on the
+    host). Every model parameter is one piece on every
     rank, in the same order (the engine's contract for sharded gradients): a view of the fp32
     partition and of the gradient partition where the parameter overlaps this rank's partition,
     an empty one where it does not."""
@@ -272,6 +273,10 @@ class _ZeroLayout(_Partitioned):
         # fp16: DeepSpeed's DynamicLossScaler owns the scale; the guard inspects the scaled
         # gradients unscaled, and DeepSpeed's own overflow path (a skip) backs the scale off.
         self.fp16 = engine.fp16_enabled()
+        # Optimizer offload to the CPU (ZeRO-Offload): the partition's averaged gradients are
+        # copied during backward into the host buffer beside its fp32 masters (``.grad``), which
+        # the optimizer steps on the host.
+        self.offload = bool(getattr(ds_optimizer, "cpu_offload", False))
 
     def framework_loss_scale(self):
         return _zero_loss_scale(self.ds, self.fp16)
@@ -279,6 +284,11 @@ class _ZeroLayout(_Partitioned):
     def gradients(self):
         """The averaged gradient of each piece, as DeepSpeed holds it before its step: a list
         per group, one flat tensor per parameter in the partition (or one for the partition)."""
+        if self.offload:
+            self.ds._wait_for_offload_copies()  # the copies into the host buffer, complete
+            grads = [m.grad for m in self.ds.single_partition_of_fp32_groups]
+            return [None if n == 0 else grads[g].view(-1).narrow(0, at, n)
+                    for g, at, n in self.pieces]
         out = []
         averaged = self.ds.averaged_gradients
         for g, at, n in self.pieces:

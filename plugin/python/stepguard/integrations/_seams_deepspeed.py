@@ -27,6 +27,7 @@ TESTED = {  # deepspeed 0.19.8
     _B + "step": {"2106bc88c518d5fb"},
     _Z + "step": {"279ae7c6a4e87667"},
     _Z + "check_overflow": {"f968102a73733534"},
+    _Z + "_wait_for_offload_copies": {"c11fe317a52eb51f"},
     _Z3 + "step": {"7f4e65c385a30e4d"},
     _Z3 + "_overflow_check_and_loss_scale_update": {"31641f11ea438f17"},
     _Z3 + "_get_norm_groups": {"defda124c31c43d0"},
@@ -86,4 +87,8 @@ SEAMS = [
     Seam(_S + "raise_error_at_min_scale", "writes",
          "fp16, for a skipped step only: at DeepSpeed's min_loss_scale the policy decides "
          "instead of DeepSpeed's exit", (_S + "update_scale",)),
+    Seam(_Z + "_wait_for_offload_copies", "calls",
+         "ZeRO 1/2 with optimizer offload to the CPU: the gradients' copies into the host buffer "
+         "complete before the verdict reads them (DeepSpeed's step waits for them itself)",
+         (_Z + "step", _Z + "_wait_for_offload_copies"), restored=False),
 ]

@@ -52,8 +52,10 @@ turns nothing of the guard's on; ``loss_scaling=True`` is refused. ZeRO 3 (fp32,
 each rank's partition of every parameter in the flat fp32 masters of each sub-group, read at one
 piece per parameter (the partition padding left out) with the step's averaged gradients; a
 rollback puts the masters back into the partitioned lp parameters as DeepSpeed's checkpoint
-load does. Refused, with a message: fp16 without ZeRO, optimizer offload to CPU or NVMe (its
-optimizer steps host copies the guard does not read) and pipeline engines (``check_config``
+load does. ZeRO 1 and 2 with ``offload_optimizer`` to the CPU (ZeRO-Offload): the guard reads
+the host copies the optimizer steps (each rank's fp32 partition and its averaged gradients in
+the host buffer beside it) and restores them. Refused, with a message: fp16 without ZeRO,
+optimizer offload to NVMe, and to the CPU under ZeRO 3, and pipeline engines (``check_config``
 tells what a config alone shows, before the engine exists). What the integration replaces,
 writes or calls privately is declared (``_seams_deepspeed.py``, README "Declared seams") and the
 DeepSpeed functions it relies on are fingerprinted: a release whose functions changed is
@@ -103,10 +105,11 @@ class EngineGuard:
         self.engine = engine
         ds_optimizer = engine.optimizer
         layout = _layout_of(engine, ds_optimizer)
-        # ZeRO 3 with Muon: DeepSpeed orthogonalises the gradients inside its step, before its
-        # norm; the clip must take that norm, not the agreed one of the raw gradients.
-        layout.framework_norm = framework_norm or (
-            isinstance(layout, _Zero3Layout) and _uses_muon(engine))
+        # ZeRO 3 (and ZeRO-Offload) with Muon: DeepSpeed orthogonalises the gradients inside
+        # its step, before its norm; the clip must take that norm, not the agreed one of the raw
+        # gradients.
+        layout.framework_norm = framework_norm or (_uses_muon(engine) and (
+            isinstance(layout, _Zero3Layout) or getattr(layout, "offload", False)))
         # Every rank of the job takes each step's decision together (model-parallel peers too):
         # WORLD over several ranks unless given; one trace file per rank.
         if process_group is not None:
@@ -243,8 +246,8 @@ class EngineGuard:
 _FP16_WITHOUT_ZERO = ("fp16 without ZeRO (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
                       "apply the loss scale in engine.backward() while their step divides by "
                       "it; upstream PR #8393); use ZeRO 1, 2 or 3, bf16 or fp32")
-_OFFLOAD = ("ZeRO with optimizer offload to CPU or NVMe (its optimizer steps on host copies the "
-            "guard does not read)")
+_OFFLOAD = ("optimizer offload to NVMe, or to the CPU under ZeRO 3 (its optimizer steps copies "
+            "the guard does not read); ZeRO 1 and 2 with offload_optimizer to the CPU are guarded")
 
 
 def check_config(config):
@@ -258,7 +261,7 @@ def check_config(config):
     refuse = None
     if fp16 is True and stage == 0:
         refuse = _FP16_WITHOUT_ZERO
-    elif isinstance(stage, int) and stage > 0 and offload in ("cpu", "nvme"):
+    elif offload == "nvme" or (offload == "cpu" and stage == 3):
         refuse = _OFFLOAD
     if refuse:
         raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
@@ -296,8 +299,8 @@ def _check_engine(engine):
         refuse = "an engine without an optimizer (deepspeed.initialize got none)"
     elif engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
         refuse = _FP16_WITHOUT_ZERO
-    elif engine.zero_optimization() and (engine.zero_cpu_offload()
-                                         or engine.zero_nvme_offload_optimizer()):
+    elif engine.zero_optimization() and (engine.zero_nvme_offload_optimizer() or (
+            engine.zero_cpu_offload() and engine.zero_optimization_stage() == 3)):
         refuse = _OFFLOAD
     elif type(engine).__name__ == "PipelineEngine":
         refuse = "pipeline parallelism (PipelineEngine)"

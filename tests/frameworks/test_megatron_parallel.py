@@ -5,8 +5,8 @@ layer across the stages, Megatron-LM's default) and both with data parallelism, 
 bf16 with and without the distributed optimizer, steps driven by get_forward_backward_func with 2
 micro-batches (the 1F1B schedule under PP, the interleaved one with 2 model chunks a rank).
 
-Layouts: TP=2, PP=2 and PP=2 interleaved (4 layers, 2 virtual stages) on 2 ranks; TP=2 x DP=2 and
-TP=2 x PP=2 on 4 ranks. Faults: a NaN
+Layouts: TP=2, PP=2, PP=2 interleaved (4 layers, 2 virtual stages), DP=2 with
+overlap_grad_reduce (and overlap_param_gather under the distributed optimizer) on 2 ranks; TP=2 x DP=2, TP=2 x PP=2 and PP=4 on 4 ranks. Faults: a NaN
 gradient of a tensor-parallel shard on one TP rank (step 3), a NaN gradient of a layernorm every
 TP rank holds, on one rank of the last stage (step 4), a NaN loss on one rank of the last stage
 (step 5), a loss spike on every rank (step 8). Checked on every rank: the guard's grad norm is
@@ -36,7 +36,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gathe
                "batch_isend_irecv")
 
 
-def _build(tp, pp, vpp, distributed_optimizer):
+def _build(tp, pp, vpp, distributed_optimizer, extra=""):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -46,14 +46,17 @@ def _build(tp, pp, vpp, distributed_optimizer):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=2 * vpp, hidden_size=16, num_attention_heads=2,
+    config = TransformerConfig(num_layers=max(2, pp) * vpp, hidden_size=16, num_attention_heads=2,
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
                                pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=tp,
                                pipeline_model_parallel_size=pp,
                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
+    overlap = extra == "overlap"
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer)
     chunks = []
     for i in range(vpp):
         vp = i if vpp > 1 else None
@@ -124,13 +127,13 @@ def _count_collectives(megatron_optimizer, inner):
     return counts, restore
 
 
-def _run(rank, tp, pp, vpp, distributed_optimizer):
+def _run(rank, tp, pp, vpp, distributed_optimizer, extra=""):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from stepguard.integrations.megatron import GuardedMegatronOptimizer
 
-    chunks, config, megatron_optimizer = _build(tp, pp, vpp, distributed_optimizer)
+    chunks, config, megatron_optimizer = _build(tp, pp, vpp, distributed_optimizer, extra)
     optimizer = GuardedMegatronOptimizer(megatron_optimizer, chunks, policy=POLICY,
                                          collective_timeout=60)
     config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's training.py does
@@ -194,6 +197,11 @@ def _run(rank, tp, pp, vpp, distributed_optimizer):
         success, grad_norm, zeros = optimizer.step()
         report = optimizer.last_report
         position += report.batches_to_skip
+        if extra == "overlap" and distributed_optimizer:
+            # overlap_param_gather: the updated shards reach the other ranks during the next
+            # forward; gathered now (Megatron's own forced sync) to be measured.
+            for chunk in chunks:
+                chunk.start_param_sync(force_sync=True)
         model_flat = _flat([p for c in chunks for p in c.module.parameters()])
         main_flat = _flat(main_params)
         state = _optimizer_state(inner)
@@ -226,21 +234,22 @@ def _rank_main(rank, world, port, out_dir, layouts):
     megatron_cpu.install()
     from megatron.core import parallel_state
     results = {}
-    for tp, pp, vpp in layouts:
+    for tp, pp, vpp, extra in layouts:
         parallel_state.initialize_model_parallel(
             tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
         for precision, distributed_optimizer in CONFIGS:
-            results[_key(tp, pp, vpp, precision, distributed_optimizer)] = _run(
-                rank, tp, pp, vpp, distributed_optimizer)
+            results[_key(tp, pp, vpp, precision, distributed_optimizer, extra)] = _run(
+                rank, tp, pp, vpp, distributed_optimizer, extra)
         parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
     dist.destroy_process_group()
 
 
-def _key(tp, pp, vpp, precision, distributed_optimizer):
-    return "tp%d-pp%d-vpp%d-%s-%s" % (tp, pp, vpp, precision,
-                                      "distopt" if distributed_optimizer else "ddp")
+def _key(tp, pp, vpp, precision, distributed_optimizer, extra=""):
+    return "tp%d-pp%d-vpp%d-%s-%s%s" % (tp, pp, vpp, precision,
+                                        "distopt" if distributed_optimizer else "ddp",
+                                        "-" + extra if extra else "")
 
 
 def _check(ranks, key, tp, pp, vpp):
@@ -284,21 +293,23 @@ def _check(ranks, key, tp, pp, vpp):
         named = [ranks[r][key]["steps"][step - 1]["incident"]["ranks"] for r in range(world)]
         assert all(n == named[0] for n in named), (key, step, named)
         assert named[0] and set(named[0]) <= set(where), (key, step, named[0], where)
-        if step == NAN_LOSS or key.endswith("ddp"):
+        if step == NAN_LOSS or "-ddp" in key:
             assert named[0] == where, (key, step, named[0], where)
 
 
 def _launch_and_check(world, layouts):
     ranks = spawn_ranks(_rank_main, world, layouts, timeout=400)
-    for tp, pp, vpp in layouts:
+    for tp, pp, vpp, extra in layouts:
         for precision, distributed_optimizer in CONFIGS:
-            _check(ranks, _key(tp, pp, vpp, precision, distributed_optimizer), tp, pp, vpp)
+            _check(ranks, _key(tp, pp, vpp, precision, distributed_optimizer, extra), tp, pp, vpp)
 
 
 def test_tensor_and_pipeline_parallel_on_two_ranks():
-    # (TP, PP, virtual stages): the last, PP=2 under the interleaved schedule (2 chunks a rank).
-    _launch_and_check(2, [(2, 1, 1), (1, 2, 1), (1, 2, 2)])
+    # (TP, PP, virtual stages, option): PP=2 under the interleaved schedule (2 chunks a rank);
+    # DP=2 with overlap_grad_reduce (and, with the distributed optimizer, overlap_param_gather).
+    _launch_and_check(2, [(2, 1, 1, ""), (1, 2, 1, ""), (1, 2, 2, ""), (1, 1, 1, "overlap")])
 
 
 def test_tensor_parallel_with_data_or_pipeline_parallel_on_four_ranks():
-    _launch_and_check(4, [(2, 1, 1), (2, 2, 1)])
+    # TP=2 x DP=2, TP=2 x PP=2, and PP=4 (one layer a stage).
+    _launch_and_check(4, [(2, 1, 1, ""), (2, 2, 1, ""), (1, 4, 1, "")])

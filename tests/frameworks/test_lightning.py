@@ -1,7 +1,9 @@
 """The real Lightning (lightning.pytorch) with stepguard's StepguardCallback: Trainer(strategy=
 "ddp") on CPU, 2 processes, Gloo, automatic optimization, SGD with momentum and a step-interval
-StepLR. A NaN loss on rank 1 alone at one step (its gradient NaN in head.weight only) and a loss
-spike on every rank at a later one; each rank writes what it saw, and the test checks every rank.
+StepLR. A NaN loss on rank 1 alone at one step (its gradient NaN in head.weight only), a NaN put
+into a gradient by rank 1's LightningModule in its own on_before_optimizer_step (which Lightning
+runs after the callbacks') and a loss spike on every rank at a later one; each rank writes what it
+saw, and the test checks every rank. The same module hook under ModelParallelStrategy (FSDP2).
 
 This file is also the training script: the test runs it as `python test_lightning.py OUT`, and
 Lightning's subprocess launcher starts rank 1 by running the same command again."""
@@ -29,7 +31,9 @@ HERE = Path(__file__).resolve().parent
 STEPS = 12
 NAN_AT = 3      # trainer.global_step of the batch whose loss is NaN on rank 1
 SPIKE_AT = 8    # ... of the batch whose loss is 1e4 times larger on both ranks
+HOOK_AT = 10    # ... of the batch whose gradient rank 1's LightningModule hook makes NaN
 SHARDED_STEPS = 6  # the FSDP2 run: up to the NaN step and a few after
+SHARDED_HOOK_AT = 5  # its batch whose gradient shard rank 1's module hook makes NaN
 GAMMA = 0.9
 LR = 0.05
 
@@ -38,6 +42,7 @@ LR = 0.05
 class Net(pl.LightningModule):
     steps = STEPS    # batches in its data
     gamma = GAMMA    # its step scheduler's factor
+    hook_at = HOOK_AT  # the batch whose gradient rank 1's own on_before_optimizer_step makes NaN
 
     def __init__(self):
         super().__init__()
@@ -54,6 +59,14 @@ class Net(pl.LightningModule):
         if self.global_step == SPIKE_AT:
             loss = loss * 1e4
         return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        # The module's own hook runs after the callbacks' (a user's clipping or noise): what it
+        # does to the gradients is what the update applies, and the guard judges.
+        if self.global_step == self.hook_at and self.global_rank == 1:
+            grad = self.body[0].weight.grad
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            grad.view(-1)[0] = float("nan")
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
@@ -158,23 +171,24 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
 
     guard_steps = STEPS - 1  # the batch after the rollback is dropped: no guard step
     expected = ["applied"] * STEPS
-    expected[NAN_AT], expected[SPIKE_AT], expected[SPIKE_AT + 1] = (
-        "skipped", "rolled_back", "dropped")
+    expected[NAN_AT], expected[HOOK_AT], expected[SPIKE_AT], expected[SPIKE_AT + 1] = (
+        "skipped", "skipped", "rolled_back", "dropped")
     applied = expected.count("applied")
     for r, got in enumerate(ranks):
         steps = got["steps"]
         assert [s["outcome"] for s in steps] == expected, (r, steps)
         assert got["global_step"] == STEPS and got["finite"] and not got["hook_left"], r
         assert got["totals"]["steps"] == guard_steps and got["totals"]["applied"] == applied
-        assert got["totals"]["skipped"] == 1 and got["totals"]["rolled_back"] == 1
+        assert got["totals"]["skipped"] == 2 and got["totals"]["rolled_back"] == 1
         assert got["dropped"] == 1
         sums = [s["checksum"] for s in steps]
         # A skipped step and a dropped batch leave the parameters as they were; the rollback
         # goes back to the snapshot of guard step 6 (snapshots every 2 steps; the one of step 8,
         # right before the spike, is not confirmed), i.e. the parameters after batch 5.
         assert sums[NAN_AT] == sums[NAN_AT - 1] and sums[SPIKE_AT + 1] == sums[SPIKE_AT]
+        assert sums[HOOK_AT] == sums[HOOK_AT - 1]
         assert steps[SPIKE_AT]["rolled_back_to"] == 6 and sums[SPIKE_AT] == sums[5]
-        assert len(set(sums)) == len(sums) - 3
+        assert len(set(sums)) == len(sums) - 4
         # The scheduler moved on applied steps only: StepLR(gamma) once per applied step.
         assert got["scheduler_steps"] == applied
         lr = LR
@@ -188,9 +202,11 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
             if s["outcome"] == "applied":
                 assert s["lightning_norm"] == pytest.approx(s["grad_norm"], rel=1e-6), (r, s)
         # The incidents: the NaN from rank 1 in head.weight, then the spike everywhere.
-        nan, spike = got["incidents"]
+        nan, spike, hook = got["incidents"]
         assert nan["signal"].startswith("nonfinite") and nan["action"] == "skip_batch", nan
         assert nan["ranks"] == [1] and "head.weight" in nan["tensors"], nan
+        assert hook["ranks"] == [1] and hook["action"] == "skip_batch", hook
+        assert r == 0 or "body.0.weight" in hook["tensors"], hook  # each rank names its own
         assert spike["signal"] == "loss_spike" and spike["action"] == "rollback", spike
     # Every rank, every step: the same parameters, bit for bit.
     assert [s["checksum"] for s in ranks[0]["steps"]] == [s["checksum"] for s in ranks[1]["steps"]]
@@ -211,7 +227,7 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
     assert norms[SPIKE_AT] > 100 * norms[5] and math.isnan(norms[SPIKE_AT + 1]), norms
     assert int(float(rows[NAN_AT]["stepguard/nonfinite_count"])) > 0
     assert [int(float(row["stepguard/incidents"])) for row in rows][NAN_AT - 1:NAN_AT + 1] == [0, 1]
-    assert int(float(rows[-1]["stepguard/incidents"])) == 2
+    assert int(float(rows[-1]["stepguard/incidents"])) == 3
     assert int(float(rows[-1]["stepguard/rolled_back"])) == 1
     assert int(float(rows[-1]["stepguard/dropped"])) == 1
 
@@ -236,19 +252,22 @@ def test_lightning_model_parallel_fsdp2_is_guarded_without_being_told(tmp_path):
     run_ranks(tmp_path, mode="sharded")
     ranks = [torch.load(tmp_path / ("rank%d.pt" % r), weights_only=False) for r in (0, 1)]
     expected = ["applied"] * SHARDED_STEPS
-    expected[NAN_AT] = "skipped"
+    expected[NAN_AT] = expected[SHARDED_HOOK_AT] = "skipped"
     for r, got in enumerate(ranks):
         steps = got["steps"]
         assert got["finite"], r  # (the run itself: without sharded_gradients it is refused)
         assert [s["outcome"] for s in steps] == expected, (r, steps)
-        assert got["totals"]["skipped"] == 1 and got["totals"]["applied"] == SHARDED_STEPS - 1
+        assert got["totals"]["skipped"] == 2 and got["totals"]["applied"] == SHARDED_STEPS - 2
         for s in steps:
             if s["outcome"] == "applied":
                 assert s["grad_norm"] == pytest.approx(s["full_norm"], rel=1e-6), (r, s)
         sums = [s["checksum"] for s in steps]
         assert sums[NAN_AT] == sums[NAN_AT - 1]
-        (nan,) = got["incidents"]
+        assert sums[SHARDED_HOOK_AT] == sums[SHARDED_HOOK_AT - 1]
+        nan, hook = got["incidents"]
         assert nan["ranks"] == [1] and nan["action"] == "skip_batch", nan
+        # The NaN the LightningModule's own hook put into rank 1's shard, judged and skipped.
+        assert hook["ranks"] == [1] and "body.0.weight" in hook["tensors"], hook
     assert [s["checksum"] for s in ranks[0]["steps"]] == [s["checksum"] for s in ranks[1]["steps"]]
     print("lightning FSDP2 run: %.1f s" % (time.monotonic() - start))
 
@@ -395,6 +414,7 @@ def test_lightning_a_step_of_the_optimizer_behind_the_guard_is_refused(tmp_path)
 class ShardedNet(Net):
     """The same model under Lightning's ModelParallelStrategy: FSDP2's fully_shard on the data-
     parallel mesh, so every parameter and gradient is a DTensor holding this rank's shard."""
+    hook_at = SHARDED_HOOK_AT
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard

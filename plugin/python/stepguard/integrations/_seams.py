@@ -201,6 +201,7 @@ TESTED_SOURCES: Dict[str, Dict[str, FrozenSet[str]]] = {
         _P + "precision.Precision.clip_gradients": {"27a233b1437d55ff"},
         _P + "precision.Precision.clip_grad_by_norm": {"62fdc7f656345e0a"},
         _P + "precision.Precision._after_closure": {"2695d1e2e327538b"},
+        _P + "precision.Precision._clip_gradients": {"ef7b85c1a469d1f7"},
         _P + "amp.MixedPrecision.clip_gradients": {"cfabb905497e4a49"},
         _P + "amp.MixedPrecision.optimizer_step": {"45508e4e497b2905"},
         _L + "loops.training_epoch_loop._TrainingEpochLoop._update_learning_rates":
@@ -286,6 +287,11 @@ SEAMS: Dict[str, List[Seam]] = {
              (_L + "strategies.strategy.Strategy.setup_optimizers",
               _L + "core.optimizer.LightningOptimizer._to_lightning_optimizer",
               _L + "strategies.strategy.Strategy.optimizer_step")),
+        Seam(_P + "precision.Precision._clip_gradients", "replaces",
+             "the verdict after every on_before_optimizer_step (the LightningModule's own, run "
+             "after the callbacks', included) and before the clip and the GradScaler's step",
+             (_P + "precision.Precision._after_closure", _P + "precision.Precision._clip_gradients",
+              _P + "amp.MixedPrecision.optimizer_step")),
         Seam(_P + "precision.Precision.clip_grad_by_norm", "replaces",
              "the clip by norm runs in the guarded step from the agreed norm, applied steps only",
              (_P + "precision.Precision.clip_gradients", _P + "precision.Precision.clip_grad_by_norm",

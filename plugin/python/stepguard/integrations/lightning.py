@@ -53,11 +53,11 @@ log = logging.getLogger(__name__)
 
 
 class _LightningGuard(SeamGuard):
-    """The guard Lightning steps. The callback takes the step's verdict in
-    ``on_before_optimizer_step`` (inside Lightning's closure: after backward, before Lightning's
-    gradient clip), with the loss of the step's micro-batches (``on_before_backward``); ``step``
-    runs Lightning's closure, then the update the verdict allows (Lightning's clip from the
-    agreed norm, the wrapped optimizer's step) and settles. It also drops the batches a rollback
+    """The guard Lightning steps. The step's verdict is taken after every
+    ``on_before_optimizer_step`` (the callbacks' and the LightningModule's own): in Lightning's
+    gradient clip when one is configured, else once Lightning's closure returned, with the loss
+    of the step's micro-batches (``on_before_backward``); then the update the verdict allows
+    (Lightning's clip from the agreed norm, the wrapped optimizer's step) and the settle. It also drops the batches a rollback
     asks to drop and tells the step schedulers to hold still after a step not applied."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -74,6 +74,10 @@ class _LightningGuard(SeamGuard):
     def _run(self, verdict: Any, max_norm: Any, loss: Any) -> Any:
         self.fresh = True
         self.held_back = True
+        if verdict is None and self.to_drop == 0 and not self._unapplied:
+            # No clip took it: the verdict now, after the closure and every hook, on the loss
+            # of the step's micro-batches.
+            verdict, self.pending = self.take_verdict(), None
         if self.to_drop > 0:
             self.to_drop -= 1
             self.dropped += 1
@@ -115,8 +119,9 @@ class StepguardCallback(pl.Callback):
     loss, the scale down to ``GRAD_SCALER_FLOOR``) goes by the policy (rollback, LR, abort).
     The guard's own loss scaling (``loss_scaling=True``) is refused; a policy's ``loss_scale``
     section (the ``megatron`` and ``deepspeed-fp16`` presets have one) is taken as Lightning's
-    scaler's, turning nothing of the guard's on. The guard judges the gradients as backward left them
-    (in ``on_before_optimizer_step``), before Lightning's gradient clip; the clip by norm
+    scaler's, turning nothing of the guard's on. The guard judges the gradients the update applies:
+    after every ``on_before_optimizer_step`` (the LightningModule's own included: a change made
+    there is judged), before Lightning's gradient clip; the clip by norm
     (``gradient_clip_val``, or ``self.clip_gradients`` in ``configure_gradient_clipping``) then
     uses the guard's agreed norm instead of computing it again, and runs only on steps the guard
     applies. With several ranks, ``trace_path`` names rank 0's file; rank r writes
@@ -181,6 +186,7 @@ class StepguardCallback(pl.Callback):
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._take_records(trainer)  # else Lightning restores them after on_fit_start
         self._hold_schedulers(trainer, pl_module)
+        self._verdict_before_clip(trainer)
         self._clip_from_verdict(trainer)
         if scaler is not None:
             self._step_what_the_scaler_skips(trainer)
@@ -248,18 +254,32 @@ class StepguardCallback(pl.Callback):
         for guard in self.guards:
             guard.add_loss(loss)
 
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                                 optimizer: Any) -> None:
-        # Lightning calls this after backward and before its gradient clip (Precision.
-        # _after_closure): the guard's verdict on the gradients as backward left them.
-        guard = self._guard_of(optimizer)
-        if guard is None:
-            return
+    # The verdict is taken after the last point where Lightning lets user code change the
+    # gradients: Precision._after_closure runs the callbacks' on_before_optimizer_step, then the
+    # LightningModule's own (a user's clipping or noise there is judged), then the gradient
+    # clip (_verdict_before_clip); a step that never passes there takes it in the guarded step.
+    def _take_verdict(self, trainer: "pl.Trainer", guard: _LightningGuard) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if (scaler is not None and scaler.is_enabled() and pl_module.automatic_optimization
+        if (scaler is not None and scaler.is_enabled()
+                and trainer.lightning_module.automatic_optimization
                 and not scaler_unscaled(scaler, guard)):
             return  # '16-mixed' and training_step returned None: no backward, no step
         guard.take_verdict()
+
+    def _verdict_before_clip(self, trainer: "pl.Trainer") -> None:
+        # Precision._after_closure ends with _clip_gradients, after the callbacks' and the
+        # LightningModule's on_before_optimizer_step and (under '16-mixed') after the unscale,
+        # before the GradScaler's step: the verdict there, then Lightning's own clipping.
+        plugin = trainer.precision_plugin
+        original = plugin._clip_gradients
+
+        def _clip_gradients(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            guard = self._guard_of(optimizer)
+            if guard is not None and guard.pending is None:
+                self._take_verdict(trainer, guard)
+            original(model, optimizer, *args, **kwargs)
+
+        self._patches.set(plugin, "_clip_gradients", _clip_gradients)
 
     def _clip_from_verdict(self, trainer: "pl.Trainer") -> None:
         # Lightning clips by norm through its precision plugin's clip_grad_by_norm (called from
@@ -271,7 +291,9 @@ class StepguardCallback(pl.Callback):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
             guard = self._guard_of(optimizer)
-            if guard is None or guard.pending is None:
+            if guard is not None and guard.pending is None:
+                self._take_verdict(trainer, guard)
+            if guard is None or guard.pending is None:  # (a batch a rollback drops)
                 original(optimizer, clip_val)
             else:
                 guard.max_norm = float(clip_val)
@@ -279,8 +301,8 @@ class StepguardCallback(pl.Callback):
         self._patches.set(plugin, "clip_grad_by_norm", clip_grad_by_norm)
 
     def _step_what_the_scaler_skips(self, trainer: "pl.Trainer") -> None:
-        # Under '16-mixed' the plugin's optimizer_step runs the closure, unscales, takes the
-        # verdict (on_before_optimizer_step) and calls scaler.step(guard), which leaves the
+        # Under '16-mixed' the plugin's optimizer_step runs the closure, unscales, runs the
+        # hooks and the clip (the verdict) and calls scaler.step(guard), which leaves the
         # guard's step out when this rank's gradients hold Inf or NaN, then scaler.update()
         # backs the scale off. The guard's decision on that step is carried out after it: a
         # skip, or the policy's rollback or abort. Growth and backoff stay the scaler's.
@@ -291,8 +313,9 @@ class StepguardCallback(pl.Callback):
             guard = self._guard_of(optimizer)
             calls = guard.calls if guard is not None else 0
             out = original(optimizer, model=model, closure=closure, **kwargs)
-            if guard is not None and guard.calls == calls and (guard.pending is not None
-                                                               or guard.to_drop > 0):
+            # A step with a backward (its loss recorded) that the scaler left out.
+            if guard is not None and guard.calls == calls and (
+                    guard.pending is not None or guard.to_drop > 0 or guard.loss is not None):
                 # Manual optimization's opt.step() returns the step's report either way.
                 return guard.step_the_scaler_skipped()
             return out

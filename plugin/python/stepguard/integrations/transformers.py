@@ -199,6 +199,11 @@ class StepguardCallback(transformers.TrainerCallback):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
                 verdict = self._take_verdict()
                 guard.max_norm = max_norm
+                if verdict.nonfinite_count:
+                    # What accelerate alone logs for this step (Inf or NaN: an overflow stays
+                    # visible in the logs); measured on such steps only.
+                    return torch.nn.utils.get_total_norm(
+                        [p.grad for p in parameters if p.grad is not None])
                 return torch.tensor(verdict.grad_norm)
 
             self._patches.set(accelerator, "clip_grad_norm_", clip_from_verdict_)

@@ -383,6 +383,25 @@ def test_lightning_gradient_clip_comes_after_the_verdict_and_uses_its_norm(tmp_p
     assert all(torch.isfinite(p).all() for p in guarded.after)
 
 
+def test_lightning_framework_norm_is_lightnings_own_clip_bitwise(tmp_path):
+    """StepguardCallback(framework_norm=True) with a binding gradient_clip_val: Lightning computes
+    its own norm and clips with it, so every applied step is bitwise an unguarded run's; the NaN
+    step is skipped all the same."""
+    from stepguard.integrations.lightning import StepguardCallback
+
+    torch.set_num_threads(1)
+    guard_cb = StepguardCallback(policy="default", framework_norm=True)
+    guarded = clipped_fit(tmp_path, NAN_STEP + 1, [guard_cb])
+    plain = clipped_fit(tmp_path, NAN_STEP, [])
+    for step in range(NAN_STEP):
+        assert guarded.norms[step] > CLIP
+        assert torch.equal(guarded.after[step], plain.after[step]), step
+    assert guard_cb.guards[0].stats().totals.to_dict()["skipped"] == 1
+    assert torch.equal(guarded.after[NAN_STEP], guarded.after[NAN_STEP - 1])
+    with pytest.raises(TypeError, match="framework_norm must be a bool"):
+        StepguardCallback(framework_norm="yes")
+
+
 def test_lightning_refuses_the_guards_own_loss_scaling(tmp_path):
     from stepguard.integrations.lightning import StepguardCallback
 

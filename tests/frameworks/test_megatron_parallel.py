@@ -313,3 +313,55 @@ def test_tensor_and_pipeline_parallel_on_two_ranks():
 def test_tensor_parallel_with_data_or_pipeline_parallel_on_four_ranks():
     # TP=2 x DP=2, TP=2 x PP=2, and PP=4 (one layer a stage).
     _launch_and_check(4, [(2, 1, 1, ""), (2, 2, 1, ""), (1, 4, 1, "")])
+
+
+TWIN_STEPS = 4
+
+
+def _twin_rank_main(rank, world, port, out_dir):
+    """TP=2, bf16, Megatron's clip_grad=1.0 binding on every step: Megatron's own step against
+    the guarded one with framework_norm=True, 4 clean steps each from the same start."""
+    import json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron_cpu
+    megatron_cpu.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    ps.initialize_model_parallel(2, 1)
+    results = {}
+    for name in ("twin", "framework_norm"):
+        chunks, config, megatron_optimizer = _build(2, 1, 1, False)
+        optimizer = megatron_optimizer
+        if name == "framework_norm":
+            optimizer = GuardedMegatronOptimizer(megatron_optimizer, chunks, policy=POLICY,
+                                                 framework_norm=True, collective_timeout=60)
+            config.grad_scale_func = optimizer.scale_loss
+        norms = []
+        for step in range(TWIN_STEPS):
+            chunks[0].zero_grad_buffer()
+            optimizer.zero_grad()
+            get_forward_backward_func()(forward_step_func=_forward_step(1.0),
+                                        data_iterator=iter(_batches(step * MICRO, 0)),
+                                        model=chunks, num_microbatches=MICRO, seq_length=8,
+                                        micro_batch_size=2, forward_only=False)
+            success, grad_norm, _ = optimizer.step()
+            norms.append(float(grad_norm))
+        results[name] = {"params": _flat(list(chunks[0].module.parameters())).tolist(),
+                         "norms": norms}
+    ps.destroy_model_parallel()
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_framework_norm_is_megatrons_own_step_bitwise_under_tensor_parallelism():
+    ranks = spawn_ranks(_twin_rank_main, 2, timeout=300)
+    for rank, r in enumerate(ranks):
+        assert min(r["twin"]["norms"]) > 1.0, r["twin"]["norms"]  # clip_grad=1.0 binds
+        assert r["framework_norm"]["norms"] == r["twin"]["norms"], rank
+        assert r["framework_norm"]["params"] == r["twin"]["params"], rank

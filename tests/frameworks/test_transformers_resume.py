@@ -203,6 +203,32 @@ def test_a_release_older_than_the_tested_ones_is_refused_at_train_begin(tmp_path
     assert callback.last_report.step == MAX_STEPS
 
 
+def test_framework_norm_is_the_trainers_own_clip_bitwise(tmp_path):
+    """StepguardCallback(framework_norm=True) with a binding max_grad_norm: accelerate's own norm
+    and clip, so the parameters are bitwise an unguarded Trainer's; the default (the agreed
+    norm) is not asked to be."""
+    def run(out, guard):
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=4, per_device_train_batch_size=4, max_grad_norm=0.01,
+            learning_rate=1e-3, save_strategy="no", logging_steps=1, report_to=[],
+            use_cpu=True, seed=7, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=_model(), args=args, train_dataset=RandomTokens(64, 16, 64))
+        callback = None
+        if guard:
+            callback = StepguardCallback(policy="default", framework_norm=True).attach(trainer)
+        trainer.train()
+        logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+        return _flat(trainer.model), logged, callback
+    guarded, guarded_norms, callback = run(tmp_path / "guarded", True)
+    plain, plain_norms, _ = run(tmp_path / "plain", False)
+    assert min(plain_norms) > 0.01  # the clip binds on every step
+    assert guarded_norms == plain_norms
+    assert torch.equal(guarded, plain)
+    assert callback.guard.stats().totals.to_dict()["applied"] == 4
+    with pytest.raises(TypeError, match="framework_norm must be a bool"):
+        StepguardCallback(framework_norm=1)
+
+
 @pytest.mark.parametrize("attached", [False, True])
 def test_fp16_with_accelerates_scaler_one_process_with_and_without_attach(tmp_path, attached):
     """fp16=True with the Trainer's default clip (max_grad_norm=1.0), accelerate's fp16 set up

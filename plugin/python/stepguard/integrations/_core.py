@@ -16,7 +16,7 @@ from .._amp import (GRAD_SCALER_FLOOR, ScalerPort, scaled_loss_unscaled, scaler_
 from .._guard import GuardedOptimizer
 from .._port import is_dtensor
 
-__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "finish_step", "load_guard_state", "SeamGuard",
+__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "policy_clip_after", "finish_step", "load_guard_state", "SeamGuard",
            "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
            "scaler_unscaled",
            "GRAD_SCALER_FLOOR"]
@@ -133,20 +133,37 @@ def clip_with_verdict(parameters, max_norm, verdict):
     torch.nn.utils.clip_grads_with_norm_(params, min(targets), torch.tensor(norm))
 
 
-def finish_step(guard, verdict, max_norm=None, update=None):
+def policy_clip_after(parameters, max_norm, verdict):
+    """With ``framework_norm``: the framework clipped to ``max_norm`` with its own norm; the
+    policy's clip (``verdict.clip_norm``) on top, from the norm that clip left (the agreed norm
+    brought to ``max_norm``). Nothing when the policy did not clip or the norm is not finite."""
+    norm = verdict.grad_norm
+    if not verdict.applies or verdict.clip_norm is None or not math.isfinite(norm):
+        return
+    if max_norm and max_norm > 0:
+        norm = norm * min(1.0, max_norm / (norm + 1e-6))
+    if norm > verdict.clip_norm:
+        grads = [p for p in parameters if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(grads, verdict.clip_norm, torch.tensor(norm))
+
+
+def finish_step(guard, verdict, max_norm=None, update=None, clip=True):
     """The second half of a step whose verdict a framework seam took: the update the verdict
     allows, then ``settle``. The update: ``update()`` when given (the framework's own, which
     clips from the agreed norm itself and returns whether it applied the step), else the
     framework's clip to ``max_norm`` and the policy's by one factor from the agreed norm (or the
-    policy's alone) and the wrapped optimizer's step with the LR factor. An exception in the
-    update settles the step as not applied and goes on up with its own type."""
+    policy's alone; no clip with ``clip=False``: the framework clipped with its own norm, the
+    policy's clip after it) and the wrapped optimizer's step with the LR factor. An exception in
+    the update settles the step as not applied and goes on up with its own type."""
     applied = False
     if verdict.applies:
         try:
             if update is not None:
                 applied = bool(update())
             else:
-                if max_norm:
+                if not clip:
+                    pass
+                elif max_norm:
                     params = [p for g in guard.param_groups for p in g["params"]]
                     clip_with_verdict(params, max_norm, verdict)
                 else:
@@ -201,9 +218,11 @@ class SeamGuard(GuardedOptimizer):
         self.last_report = None
         self.pending = None   # the verdict the seam took this step
         self.max_norm = None  # the framework's clip of this step, done from the agreed norm
+        self.clipped = False  # framework_norm: the framework clipped with its own norm already
         self.loss = None      # this step's micro-batch losses, summed (the step's mean loss)
         self.calls = 0        # step() calls: a framework's GradScaler may leave one out
         self._unapplied = False
+        self._clip = True
 
     def add_loss(self, loss):
         loss = loss.detach().float().reshape(())
@@ -219,6 +238,7 @@ class SeamGuard(GuardedOptimizer):
         """A verdict whose step never came (an exception between the seam and the step):
         settled as not applied, so that no later step runs on it."""
         verdict, self.pending, self.max_norm = self.pending, None, None
+        self.clipped = False
         if verdict is not None:
             self.settle(verdict, False)
 
@@ -249,6 +269,7 @@ class SeamGuard(GuardedOptimizer):
                 loss = None
         verdict, self.pending = self.pending, None
         max_norm, self.max_norm = self.max_norm, None
+        self._clip, self.clipped = not self.clipped, False
         self.last_report = self._run(verdict, max_norm, loss)
         return self.last_report
 
@@ -260,7 +281,7 @@ class SeamGuard(GuardedOptimizer):
         if verdict is None:  # no seam call this step (a strategy or loop that steps otherwise)
             given, self.loss = self.loss, None
             return GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
-        return finish_step(self, verdict, max_norm)
+        return finish_step(self, verdict, max_norm, clip=self._clip)
 
     def _state_dict(self):
         return self.optimizer.state_dict()

@@ -42,8 +42,8 @@ except ImportError:  # the standalone package of older installs
 
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
-                    guard_options, incident_line, load_guard_state, refuse_bypass,
-                    scaled_loss_unscaled, scaler_unscaled, with_sharding)
+                    guard_options, incident_line, load_guard_state, policy_clip_after,
+                    refuse_bypass, scaled_loss_unscaled, scaler_unscaled, with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import _check_engine, check_config, guard_trainer_engine
 
@@ -57,8 +57,9 @@ class _LightningGuard(SeamGuard):
     ``on_before_optimizer_step`` (the callbacks' and the LightningModule's own): in Lightning's
     gradient clip when one is configured, else once Lightning's closure returned, with the loss
     of the step's micro-batches (``on_before_backward``); then the update the verdict allows
-    (Lightning's clip from the agreed norm, the wrapped optimizer's step) and the settle. It also drops the batches a rollback
-    asks to drop and tells the step schedulers to hold still after a step not applied."""
+    (Lightning's clip from the agreed norm, the wrapped optimizer's step) and the settle. It
+    also drops the batches a rollback asks to drop and tells the step schedulers to hold still
+    after a step not applied."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,12 +125,20 @@ class StepguardCallback(pl.Callback):
     there is judged), before Lightning's gradient clip; the clip by norm
     (``gradient_clip_val``, or ``self.clip_gradients`` in ``configure_gradient_clipping``) then
     uses the guard's agreed norm instead of computing it again, and runs only on steps the guard
-    applies. With several ranks, ``trace_path`` names rank 0's file; rank r writes
-    ``<trace_path>.rank<r>``.
+    applies. ``framework_norm=True``: Lightning computes its own norm for its clip (one more
+    norm per step, as without the guard; under DeepSpeedStrategy, DeepSpeed's), so a clean step
+    is bitwise an unguarded run's; the agreed norm can differ from it in the last bits, and so,
+    with a binding clip, the update. With several ranks, ``trace_path`` names rank 0's file;
+    rank r writes ``<trace_path>.rank<r>``.
     """
 
     def __init__(self, policy: Optional[str] = None, *, log_metrics: bool = True,
-                 allow_untested_framework: bool = False, **guard_options: Any) -> None:
+                 allow_untested_framework: bool = False, framework_norm: bool = False,
+                 **guard_options: Any) -> None:
+        if not isinstance(framework_norm, bool):
+            raise TypeError("stepguard: framework_norm must be a bool, got %s"
+                            % type(framework_norm).__name__)
+        self.framework_norm = framework_norm
         self.policy = policy
         self.log_metrics = log_metrics
         self.allow_untested_framework = allow_untested_framework
@@ -200,6 +209,7 @@ class StepguardCallback(pl.Callback):
                 self._take_records(trainer)
             return
         self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options,
+                                            framework_norm=self.framework_norm,
                                             allow_untested_framework=self.allow_untested_framework)
         guard = self._engine.guard
         self.guards = [guard]
@@ -295,6 +305,11 @@ class StepguardCallback(pl.Callback):
                 self._take_verdict(trainer, guard)
             if guard is None or guard.pending is None:  # (a batch a rollback drops)
                 original(optimizer, clip_val)
+            elif self.framework_norm:  # Lightning's own norm and clip, the policy's after it
+                original(optimizer, clip_val)
+                params = [p for g in guard.param_groups for p in g["params"]]
+                policy_clip_after(params, float(clip_val), guard.pending)
+                guard.clipped = True
             else:
                 guard.max_norm = float(clip_val)
 

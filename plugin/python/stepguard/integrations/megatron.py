@@ -15,7 +15,9 @@ Wrap what ``get_megatron_optimizer`` returns; Megatron's training loop is unchan
 distributed optimizer), the guard's ``verdict()`` on those main gradients (its one collective,
 over every rank of the job), then on an applied step Megatron's clip given the agreed norm
 (``clip_grad_by_total_norm_fp32(total_norm=...)``: the norm is computed once per step, and not
-at all beyond the guard's when ``clip_grad == 0``), Megatron's zero count and
+at all beyond the guard's when ``clip_grad == 0``; ``framework_norm=True``: Megatron's own
+norm for its clip, one more norm and all-reduce per step, and a clean step bitwise Megatron's
+own), Megatron's zero count and
 ``step_with_ready_grads()``, and the guard's ``settle()``. It returns Megatron's
 ``(update_successful, grad_norm, num_zeros_in_grad)`` with the agreed norm on an applied step,
 ``(False, None, None)`` on a step the guard did not apply (the training loop then counts a skipped
@@ -90,9 +92,16 @@ class GuardedMegatronOptimizer:
     are the wrapped optimizer's, so Megatron's training and checkpointing code take it as is."""
 
     def __init__(self, megatron_optimizer, model=None, *, policy=None, policy_yaml=None,
-                 process_group=None, **options):
+                 process_group=None, framework_norm=False, **options):
         """``model``: the model chunk (or list of chunks) the optimizer was built for, which
-        names the parameters in reports; the optimizer's own ``model_chunks`` when left out."""
+        names the parameters in reports; the optimizer's own ``model_chunks`` when left out.
+        ``framework_norm``: Megatron computes its own norm for its clip (``get_grad_norm()``,
+        one more norm and all-reduce per step, as without the guard), so a clean step is
+        bitwise Megatron's own; default: Megatron clips with the guard's agreed norm (computed
+        once; it can differ from Megatron's fp32 norm in the last bits)."""
+        if not isinstance(framework_norm, bool):
+            raise TypeError("stepguard: framework_norm must be a bool, got %s"
+                            % type(framework_norm).__name__)
         check_megatron_version()
         chunks = getattr(megatron_optimizer, "model_chunks", None) if model is None else model
         if chunks is None or (isinstance(chunks, (list, tuple)) and not chunks):
@@ -119,6 +128,7 @@ class GuardedMegatronOptimizer:
                              "integration reads how every parameter is held (tensor, pipeline "
                              "and data parallel, the distributed optimizer) from Megatron")
         self._port = _MegatronPort(megatron_optimizer, inners, chunks, process_group)
+        self._port.framework_norm = framework_norm
         self.guard = GuardedOptimizer(self._port.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)
@@ -367,6 +377,7 @@ class _MegatronPort(TorchOptimPort):
         self.copies = [_main_to_model_copy(inner) for inner in inners]
         self.result = None
         self.verdict = None
+        self.framework_norm = False  # Megatron's own norm for its clip (the user's choice)
         self.scale = None  # this step's framework_loss_scale() (fp16), set by step()
         self._aligned_names = [n for n, _, _ in aligned]
         self._aligned = [m if m is not None else torch.empty(0) for _, m, _ in aligned]
@@ -394,11 +405,26 @@ class _MegatronPort(TorchOptimPort):
         decoupled = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         # Megatron's clip and the policy's, one factor: the smaller target wins. The total norm
         # is the agreed one (under MoE, of the dense and expert parameters together, as the
-        # ChainedOptimizer's): Megatron computes none of its own.
+        # ChainedOptimizer's): Megatron computes none of its own (framework_norm: its own).
         targets = [t for t in (config.clip_grad, v.clip_norm) if t is not None and t > 0.0]
         grad_norm = v.grad_norm
-        if targets:
-            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+        if self.framework_norm and config.clip_grad > 0.0:
+            # Megatron's own norm and clip, as its step() computes them (clip_grad_norm); the
+            # policy's clip on top, from what Megatron's clip left.
+            grad_norm = self.megatron.get_grad_norm()
+            for inner in self.inners:
+                params = inner.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, config.clip_grad, grad_norm, decoupled)
+            targets = [v.clip_norm] if v.clip_norm is not None and v.clip_norm > 0.0 else []
+            left = grad_norm * min(1.0, config.clip_grad / (grad_norm + 1e-6))
+            if targets and math.isfinite(left) and left > targets[0]:
+                for inner in self.inners:
+                    params = inner.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, targets[0], left, decoupled)
+        elif targets:
             for inner in self.inners:
                 params = inner.get_parameters()
                 if params:

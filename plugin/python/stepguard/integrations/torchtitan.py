@@ -54,7 +54,8 @@ from torchtitan.trainer import Trainer
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._chain import ChainedTorchOptimizer
-from ._core import check_version, clip_with_verdict, guard_options, incident_line
+from ._core import (check_version, clip_with_verdict, guard_options, incident_line,
+                    policy_clip_after)
 from ._seams import check_seams
 
 __all__ = ["GuardedTrainer", "StepguardConfig", "guarded"]
@@ -208,7 +209,7 @@ class GuardedTrainer(Trainer):
             if self.framework_norm:
                 norm = real(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                             pp_mesh=pp_mesh, ep_enabled=ep_enabled)
-                self._policy_clip(parameters, max_norm, verdict)
+                policy_clip_after(parameters, max_norm, verdict)
                 return norm
             if verdict.applies:
                 clip_with_verdict(parameters, max_norm, verdict)
@@ -216,19 +217,6 @@ class GuardedTrainer(Trainer):
             device = next((p.device for p in parameters), torch.device("cpu"))
             return torch.tensor(shown, device=device)
         return clip_grad_norm_
-
-    @staticmethod
-    def _policy_clip(parameters, max_norm, verdict):
-        """The policy's clip on top of torchtitan's (``framework_norm``): the norm torchtitan
-        left (its clip to ``max_norm``) brought to the policy's ``clip_norm``."""
-        norm = verdict.grad_norm
-        if not verdict.applies or verdict.clip_norm is None or not math.isfinite(norm):
-            return
-        if max_norm and max_norm > 0:
-            norm = norm * min(1.0, max_norm / (norm + 1e-6))
-        if norm > verdict.clip_norm:
-            grads = [p for p in parameters if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(grads, verdict.clip_norm, torch.tensor(norm))
 
     def _apply_update(self):
         verdict = self._verdict

@@ -72,7 +72,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .. import _files
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
-                    incident_line, load_guard_state, refuse_bypass, unscale_once, with_sharding)
+                    incident_line, load_guard_state, policy_clip_after, refuse_bypass,
+                    unscale_once, with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import check_config, guard_trainer_engine
 
@@ -100,11 +101,22 @@ class StepguardCallback(transformers.TrainerCallback):
             incident_dir, checkpoint_dir, ...). ``process_group`` defaults to
             ``torch.distributed.group.WORLD`` when torch.distributed runs several ranks.
 
+    ``framework_norm=True``: the Trainer's clip computes its own norm (accelerate's; under
+    DeepSpeed, DeepSpeed's), one more norm per step as without the guard, so a clean step is
+    bitwise an unguarded Trainer's; by default it clips with the agreed norm (computed once; it
+    can differ from the framework's fp32 norm in the last bits, and so, with a binding clip, the
+    update).
+
     After ``on_train_begin``: ``guard`` (the ``GuardedOptimizer``) and ``last_report`` (the
     ``StepReport`` of the last step).
     """
 
-    def __init__(self, policy=None, *, allow_untested_framework=False, **guard_options):
+    def __init__(self, policy=None, *, allow_untested_framework=False, framework_norm=False,
+                 **guard_options):
+        if not isinstance(framework_norm, bool):
+            raise TypeError("stepguard: framework_norm must be a bool, got %s"
+                            % type(framework_norm).__name__)
+        self.framework_norm = framework_norm
         self.policy = policy
         self.allow_untested_framework = allow_untested_framework
         self.guard_options = guard_options
@@ -198,6 +210,13 @@ class StepguardCallback(transformers.TrainerCallback):
                         or any(is_dtensor(p.grad) for p in parameters if p.grad is not None)):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
                 verdict = self._take_verdict()
+                if self.framework_norm and verdict.applies:
+                    # accelerate's own norm and clip (on the gradients unscaled above, as its
+                    # clip_grad_norm_ runs torch's), the policy's clip after it.
+                    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+                    policy_clip_after(parameters, max_norm, verdict)
+                    guard.clipped = True
+                    return norm
                 guard.max_norm = max_norm
                 if verdict.nonfinite_count:
                     # What accelerate alone logs for this step (Inf or NaN: an overflow stays
@@ -309,7 +328,9 @@ class StepguardCallback(transformers.TrainerCallback):
                 "train() (the guard goes inside the Trainer's DeepSpeed engine)")
         self._engine_guard = guard_trainer_engine(self._trainer.model_wrapped,
                                                   self._engine_guard, self.policy,
-                                                  self.guard_options, allow_untested_framework=(
+                                                  self.guard_options,
+                                                  framework_norm=self.framework_norm,
+                                                  allow_untested_framework=(
                                                       self.allow_untested_framework))
         # accelerate's wrapper tells the Trainer a step was skipped from the engine optimizer's
         # `overflow` only if it had one at prepare(); without ZeRO the guard gives it one.

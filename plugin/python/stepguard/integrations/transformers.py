@@ -195,7 +195,14 @@ class StepguardCallback(transformers.TrainerCallback):
             return train(resume_from_checkpoint, *args, **kwargs)
 
         self._patches.set(trainer, "train", guarded_train)
-        accelerator = trainer.accelerator
+        self._clip_seam(trainer.accelerator)
+        self._attached = True
+        self._trainer = trainer
+        return self
+
+    def _clip_seam(self, accelerator):
+        """The Trainer measures the norm in ``accelerator.clip_grad_norm_`` (and logs its
+        result): the guard's verdict there instead (DDP and one process)."""
         kind = accelerator.distributed_type
         if kind == DistributedType.NO or kind.value.startswith("MULTI_"):
             clip_grad_norm_ = accelerator.clip_grad_norm_
@@ -226,9 +233,6 @@ class StepguardCallback(transformers.TrainerCallback):
                 return torch.tensor(verdict.grad_norm)
 
             self._patches.set(accelerator, "clip_grad_norm_", clip_from_verdict_)
-        self._attached = True
-        self._trainer = trainer
-        return self
 
     def detach(self):
         """Undoes ``attach()`` and what ``train()`` set up: every attribute the callback wrote on

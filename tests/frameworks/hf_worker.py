@@ -7,14 +7,17 @@ it: both ranks then hold a NaN in that tensor only); rank 0's loss is 1e4 times 
 SPIKE_STEP. Each rank writes what it saw to OUT/rank<r>.json and its parameters to OUT/rank<r>.pt.
 
 usage: torchrun --nproc_per_node 2 hf_worker.py OUT POLICY [save | resume CHECKPOINT | fp16 |
-fp16-twin | ds | ds-zero0 | ds-save | ds-resume CHECKPOINT | ds-clean | ds-twin | ds-offload]
+fp16-twin | ds | ds-zero0 | ds-zero3 | ds-zero2-offload | ds-bf16 | ds-save | ds-resume CHECKPOINT | ds-clean | ds-twin | ds-offload]
 (save: a Trainer checkpoint every SAVE_EVERY steps; resume: train(resume_from_checkpoint=...);
 fp16: TrainingArguments(fp16=True) with accelerate's GradScaler (see fp16_on_cpu), the schedule
 FP16_SCHEDULE, no clip; fp16-twin: the same without stepguard; ds*: the same runs through
 DeepSpeed, TrainingArguments(deepspeed=DS_CONFIG) (ZeRO 2, fp32, the Trainer's "auto" values);
-ds-zero0: ZeRO 0 (the engine steps the torch optimizer itself); ds-clean: no faults and no
+ds-zero0: ZeRO 0 (the engine steps the torch optimizer itself); ds-zero3: ZeRO 3;
+ds-zero2-offload: ZeRO 2 with the optimizer offloaded to the CPU (the config's AdamW:
+DeepSpeedCPUAdam); ds-bf16: ZeRO 2 under
+TrainingArguments(bf16=True); ds-clean: no faults and no
 clip; ds-twin: the same without stepguard; ds-offload: ZeRO 3 with the
-optimizer offloaded to CPU, which attach() refuses: the message is written instead of a run)
+parameters offloaded to CPU, which attach() refuses: the message is written instead of a run)
 """
 
 import hashlib
@@ -55,10 +58,19 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto
 
 def _ds_config(mode):
     config = json.loads(json.dumps(DS_CONFIG))
-    if mode == "offload":  # refused: ZeRO 3 with its optimizer offloaded to the CPU
-        config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    if mode == "offload":  # refused: ZeRO 3 with its parameters offloaded to the CPU
+        config["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu"}}
     if mode == "zero0":
         config["zero_optimization"]["stage"] = 0
+    if mode == "zero3":
+        config["zero_optimization"]["stage"] = 3
+    if mode == "zero2-offload":  # ZeRO-Offload: the optimizer steps on the host copies, and is
+        # the config's (DeepSpeedCPUAdam, the Trainer's "auto" values), as HF's docs set it up
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+    if mode == "bf16":  # TrainingArguments(bf16=True) fills "auto"
+        config["bf16"] = {"enabled": "auto"}
     return config
 
 
@@ -158,7 +170,8 @@ def main():
         lr_scheduler_type=LR_SCHEDULE, warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
         logging_steps=1, report_to=[], use_cpu=True, ddp_backend="gloo",
         save_strategy="steps" if mode in ("save", "resume") else "no", save_steps=SAVE_EVERY,
-        fp16=fp16, deepspeed=_ds_config(mode) if deepspeed else None,
+        fp16=fp16, bf16=deepspeed and mode == "bf16",
+        deepspeed=_ds_config(mode) if deepspeed else None,
         seed=7, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
     trainer = FaultyTrainer(model=model, args=args, train_dataset=RandomTokens(256, 16, 64))
     rank = args.process_index
@@ -211,7 +224,9 @@ def main():
         "transformers": transformers.__version__,
         "global_step": trainer.state.global_step, "result_step": result.global_step,
         "final_lr": trainer.lr_scheduler.get_last_lr()[0], "lr": LR, "max_steps": MAX_STEPS,
-        "scheduler_steps": trainer.lr_scheduler.last_epoch,
+        # (the config's optimizer: accelerate's wrapper around the Trainer's scheduler)
+        "scheduler_steps": getattr(trainer.lr_scheduler, "scheduler",
+                                   trainer.lr_scheduler).last_epoch,
         "nan_step": NAN_STEP, "nan_rank": NAN_RANK,
         "grad_step": GRAD_STEP, "grad_rank": GRAD_RANK, "grad_tensor": GRAD_TENSOR,
         "spike_step": SPIKE_STEP, "spike_rank": SPIKE_RANK, "max_grad_norm": MAX_GRAD_NORM,

@@ -5,7 +5,8 @@ parameters kept whole beside their partitions, DeepSpeed's default for small one
 beside an unguarded twin. Each configuration trains a small model for 12 steps of 2 accumulated
 micro-batches with three faults: a NaN gradient of one parameter on the last rank (step 3), a NaN
 in its batch (step 5) and a loss spike on every rank (step 8); DeepSpeed's Muon in the same
-layouts; ZeRO 1 fp32 and ZeRO 2 bf16 with the optimizer offloaded to the CPU (ZeRO-Offload).
+layouts; ZeRO 1 fp32, ZeRO 2 bf16 and ZeRO 3 bf16 with the optimizer offloaded to the CPU
+(ZeRO-Offload).
 fp16: test_deepspeed_fp16.py; MoE: test_deepspeed_refusals.py; seams:
 test_deepspeed_seams.py."""
 
@@ -155,7 +156,8 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
     return {"steps": steps, "optimizer": type(engine.optimizer).__name__, "resumed": resumed,
-            "offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
+            "offload": bool(getattr(engine.optimizer, "cpu_offload", False) or
+                            getattr(engine.optimizer, "offload_optimizer", False)),
             "counts": counts, "basic": type(engine.basic_optimizer).__name__}
 
 
@@ -371,9 +373,11 @@ def test_zero_two_bf16_on_one_rank_and_what_is_refused():
 
 
 # ZeRO 3 with DeepSpeed's default persistence threshold (this model's parameters are all small
-# enough to be kept whole besides their partitions) and with none kept whole.
+# enough to be kept whole besides their partitions) and with none kept whole; with the optimizer
+# offloaded to the CPU (fp32 masters and their gradients on the host).
 ZERO3 = [(3, "fp32"), (3, "bf16"), (3, "bf16-partitioned"),
-         (3, "fp32-muon")]  # Muon: DeepSpeed's own norm (it orthogonalises inside its step)
+         (3, "fp32-muon"),  # Muon: DeepSpeed's own norm (it orthogonalises inside its step)
+         (3, "bf16-offload")]
 
 
 def test_zero_three_on_two_ranks():

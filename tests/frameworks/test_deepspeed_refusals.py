@@ -86,8 +86,8 @@ def test_check_config_refuses_what_a_config_alone_shows_and_leaves_auto_to_the_e
     import pytest
     zero = lambda stage, **kw: {"zero_optimization": dict({"stage": stage}, **kw)}
     for config in (zero(2, offload_optimizer={"device": "nvme"}),
-                   zero(3, offload_optimizer={"device": "cpu"})):
-        with pytest.raises(ValueError, match="offload to NVMe, or to the CPU under ZeRO 3"):
+                   zero(3, offload_param={"device": "cpu"})):
+        with pytest.raises(ValueError, match="offload to NVMe, or of the parameters"):
             sg_deepspeed.check_config(config)
     with pytest.raises(ValueError, match="fp16 without ZeRO"):
         sg_deepspeed.check_config({"fp16": {"enabled": True}})
@@ -95,5 +95,7 @@ def test_check_config_refuses_what_a_config_alone_shows_and_leaves_auto_to_the_e
                    {"fp16": {"enabled": "auto"}}, dict(zero(2), fp16={"enabled": True}),
                    zero("auto", offload_optimizer={"device": "cpu"}),
                    zero(1, offload_optimizer={"device": "cpu"}),
-                   zero(2, offload_optimizer={"device": "cpu"})):
+                   zero(2, offload_optimizer={"device": "cpu"}),
+                   zero(3, offload_optimizer={"device": "cpu"}),
+                   zero(3, offload_param={"device": "none"})):
         sg_deepspeed.check_config(config)  # accepted here; the engine is checked later

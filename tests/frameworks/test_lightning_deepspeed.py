@@ -2,7 +2,9 @@
 Gloo, 2 accumulated micro-batches per step, AdamW with a step-interval StepLR, clip by norm: a NaN
 loss on rank 1 and a loss spike on rank 0 at later steps; a clean run beside an unguarded twin;
 the checkpoint the run saves at step 6 during training (DeepSpeed's, the guard's state in the
-callback's) resumed in new processes.
+callback's) resumed in new processes. The faults also under DeepSpeedStrategy(stage=3) and
+DeepSpeedStrategy(stage=2, offload_optimizer=True) with DeepSpeedCPUAdam (Lightning's way for
+ZeRO-Offload; DeepSpeed builds its C++ op on first use).
 
 Test-only CPU shim (``CPUDeepSpeedStrategy``): Lightning's DeepSpeedStrategy runs on CUDA only;
 the shim leaves out its CUDA check (``setup_environment``) and its GPU index check
@@ -21,6 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
@@ -52,10 +55,11 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, faults):
+    def __init__(self, faults, cpu_adam=False):
         super().__init__()
         torch.manual_seed(0)
         self.faults = faults
+        self.cpu_adam = cpu_adam
         self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh())
         self.head = torch.nn.Linear(32, 1)
 
@@ -70,7 +74,11 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=LR)
+        if self.cpu_adam:  # what Lightning's docs give ZeRO-Offload: DeepSpeed's host Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            opt = DeepSpeedCPUAdam(self.parameters(), lr=LR, adamw_mode=True)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -82,6 +90,13 @@ class Net(pl.LightningModule):
                                            sampler=torch.utils.data.DistributedSampler(
                                                torch.utils.data.TensorDataset(x, y),
                                                shuffle=False))
+
+
+def _gathered(module):
+    """The whole parameters for a moment (ZeRO 3's all-gather, every rank together); the
+    parameters themselves elsewhere."""
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(list(module.parameters()))
 
 
 class SaveAt(pl.Callback):
@@ -108,8 +123,9 @@ class Recorder(pl.Callback):
             return
         engine = trainer.strategy.model
         digest = hashlib.sha256()
-        for _, p in pl_module.named_parameters():
-            digest.update(p.detach().numpy().tobytes())
+        with _gathered(pl_module):  # ZeRO 3: each rank holds a partition
+            for _, p in pl_module.named_parameters():
+                digest.update(p.detach().numpy().tobytes())
         r = self.sg.last_report if self.sg is not None else None
         norm = engine.get_global_grad_norm()
         self.steps.append({
@@ -123,7 +139,11 @@ class Recorder(pl.Callback):
 
 
 def train(out, mode):
+    """mode: faults | resume | clean | twin (ZeRO 2), or faults-zero3 | faults-offload (ZeRO 3;
+    ZeRO 2 with the optimizer offloaded to the CPU)."""
     from stepguard.integrations.lightning import StepguardCallback
+
+    mode, _, layout = mode.partition("-")
 
     torch.set_num_threads(1)
     guarded = mode != "twin"
@@ -136,16 +156,19 @@ def train(out, mode):
     ckpt = os.path.join(out, "..", "faults", "step%d" % SAVE_AT) if mode == "resume" else None
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS,
-        strategy=CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo",
+        strategy=CPUDeepSpeedStrategy(stage=3 if layout == "zero3" else 2,
+                                      offload_optimizer=layout == "offload",
+                                      process_group_backend="gloo",
                                       timeout=timedelta(seconds=60)),
         accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP if mode != "twin" and mode !=
         "clean" else None, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
-    model = Net(faults=mode in ("faults", "resume"))
+    model = Net(faults=mode in ("faults", "resume"), cpu_adam=layout == "offload")
     trainer.fit(model, ckpt_path=ckpt)
     engine = trainer.strategy.model
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with _gathered(model):
+        flat = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     torch.save({"steps": recorder.steps, "params": flat,
                 "totals": sg.guards[0].stats().totals.to_dict() if sg else None,
                 "step_count": sg.guards[0].stats().step_count if sg else None,
@@ -172,6 +195,23 @@ def test_lightning_deepspeed_zero2_skips_rolls_back_holds_the_schedule_and_resum
     (Lightning restores the callback's state after on_fit_start under DeepSpeed: the guard goes
     into the engine at train start)."""
     ranks = _ranks(str(tmp_path / "faults"), "faults")
+    _check_faults(ranks)
+    resumed = _ranks(str(tmp_path / "resumed"), "resume")
+    for w, r in zip(ranks, resumed):
+        assert torch.equal(w["params"], r["params"])
+        assert w["totals"] == r["totals"] and r["step_count"] == STEPS
+        later = [(s["step"], s["outcome"], s["checksum"]) for s in w["steps"][SAVE_AT:]]
+        assert [(s["step"], s["outcome"], s["checksum"]) for s in r["steps"]] == later
+
+
+@pytest.mark.parametrize("layout", ["zero3", "offload"])
+def test_lightning_deepspeed_zero3_and_offload_skip_and_roll_back(tmp_path, layout):
+    """DeepSpeedStrategy(stage=3), and DeepSpeedStrategy(stage=2, offload_optimizer=True): the
+    same faults, skipped and rolled back on every rank, the schedule held."""
+    _check_faults(_ranks(str(tmp_path / layout), "faults-" + layout))
+
+
+def _check_faults(ranks):
     expected = ["applied"] * STEPS
     expected[NAN_AT], expected[SPIKE_AT] = "skipped", "rolled_back"
     applied = expected.count("applied")
@@ -199,12 +239,6 @@ def test_lightning_deepspeed_zero2_skips_rolls_back_holds_the_schedule_and_resum
             if s["applied"]:
                 assert abs(s["ds_norm"] - s["grad_norm"]) <= 1e-6 * s["grad_norm"], s
         assert got["left_in_engine"] == [], got["left_in_engine"]  # detached at teardown
-    resumed = _ranks(str(tmp_path / "resumed"), "resume")
-    for w, r in zip(ranks, resumed):
-        assert torch.equal(w["params"], r["params"])
-        assert w["totals"] == r["totals"] and r["step_count"] == STEPS
-        later = [(s["step"], s["outcome"], s["checksum"]) for s in w["steps"][SAVE_AT:]]
-        assert [(s["step"], s["outcome"], s["checksum"]) for s in r["steps"]] == later
 
 
 def test_lightning_deepspeed_clean_run_is_the_unguarded_twin_bitwise(tmp_path):

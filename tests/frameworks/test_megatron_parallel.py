@@ -5,8 +5,11 @@ layer across the stages, Megatron-LM's default) and both with data parallelism, 
 bf16 with and without the distributed optimizer, steps driven by get_forward_backward_func with 2
 micro-batches (the 1F1B schedule under PP, the interleaved one with 2 model chunks a rank).
 
-Layouts: TP=2, PP=2, PP=2 interleaved (4 layers, 2 virtual stages), DP=2 with
-overlap_grad_reduce (and overlap_param_gather under the distributed optimizer) on 2 ranks; TP=2 x DP=2, TP=2 x PP=2 and PP=4 on 4 ranks. Faults: a NaN
+Layouts: TP=2, TP=2 with sequence parallelism, PP=2, PP=2 interleaved (4 layers, 2 virtual
+stages), DP=2 with overlap_grad_reduce (and overlap_param_gather under the distributed optimizer)
+on 2 ranks; TP=2 x DP=2 (with and without sequence parallelism), TP=2 x PP=2 and PP=4 on 4 ranks.
+Sequence parallelism takes a test-only norm (SequenceParallelLayerNorm: megatron-core's torch norm
+refuses it, apex and Transformer Engine do not install here). Faults: a NaN
 gradient of a tensor-parallel shard on one TP rank (step 3), a NaN gradient of a layernorm every
 TP rank holds, on one rank of the last stage (step 4), a NaN loss on one rank of the last stage
 (step 5), a loss spike on every rank (step 8). Checked on every rank: the guard's grad norm is
@@ -50,8 +53,9 @@ def _build(tp, pp, vpp, distributed_optimizer, extra=""):
                                use_cpu_initialization=True, hidden_dropout=0.0,
                                attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
                                pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp,
+                               pipeline_model_parallel_size=pp, sequence_parallel=extra == "sp",
                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    spec = _sequence_parallel_spec(config) if extra == "sp" else get_gpt_layer_local_spec()
     overlap = extra == "overlap"
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
@@ -60,7 +64,7 @@ def _build(tp, pp, vpp, distributed_optimizer, extra=""):
     chunks = []
     for i in range(vpp):
         vp = i if vpp > 1 else None
-        module = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        module = GPTModel(config=config, transformer_layer_spec=spec,
                           vocab_size=64, max_sequence_length=16, vp_stage=vp,
                           share_embeddings_and_output_weights=True,  # Megatron-LM's default
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -73,6 +77,35 @@ def _build(tp, pp, vpp, distributed_optimizer, extra=""):
                                        log_num_zeros_in_grad=True,
                                        use_distributed_optimizer=distributed_optimizer)
     return chunks, config, get_megatron_optimizer(optimizer_config, chunks)
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """Test-only: torch's LayerNorm as Megatron's fused (apex) and Transformer Engine norms are
+    under sequence parallelism: its parameters marked ``sequence_parallel``, so that Megatron's
+    finalize_model_grads all-reduces their gradients over the tensor-parallel group (each rank's
+    holds only its part of the sequence). megatron-core's own torch norm refuses sequence
+    parallelism, and neither apex nor Transformer Engine installs here."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def _sequence_parallel_spec(config):
+    """Megatron's local GPT layer spec with SequenceParallelLayerNorm for its norms (the layers'
+    and the final one)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    layer = get_gpt_layer_local_spec()
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=SequenceParallelLayerNorm,
+        pre_mlp_layernorm=SequenceParallelLayerNorm))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelLayerNorm)
 
 
 def _flat(tensors):
@@ -288,7 +321,13 @@ def _check(ranks, key, tp, pp, vpp):
         return [r for r, res in enumerate(ranks)
                 if (res[key]["tp_rank"], res[key]["stage"]) == (tp_rank, stage)
                 and dp_rank in (None, res[key]["dp_rank"])]
-    for step, where in ((NAN_SHARD, ranks_at(tp - 1, 0)), (NAN_COPY, ranks_at(tp - 1, pp - 1)),
+    # Under sequence parallelism the layernorm's gradient is summed over the tensor-parallel
+    # group (finalize_model_grads) before the guard reads it: every TP rank of the last stage
+    # holds the NaN, and no rank-local evidence says which made it.
+    copy_from = ranks_at(tp - 1, pp - 1)
+    if key.endswith("-sp"):
+        copy_from = sorted(set(copy_from) | set(ranks_at(0, pp - 1)))
+    for step, where in ((NAN_SHARD, ranks_at(tp - 1, 0)), (NAN_COPY, copy_from),
                         (NAN_LOSS, ranks_at(0, pp - 1, 0))):
         named = [ranks[r][key]["steps"][step - 1]["incident"]["ranks"] for r in range(world)]
         assert all(n == named[0] for n in named), (key, step, named)
@@ -307,12 +346,13 @@ def _launch_and_check(world, layouts):
 def test_tensor_and_pipeline_parallel_on_two_ranks():
     # (TP, PP, virtual stages, option): PP=2 under the interleaved schedule (2 chunks a rank);
     # DP=2 with overlap_grad_reduce (and, with the distributed optimizer, overlap_param_gather).
-    _launch_and_check(2, [(2, 1, 1, ""), (1, 2, 1, ""), (1, 2, 2, ""), (1, 1, 1, "overlap")])
+    _launch_and_check(2, [(2, 1, 1, ""), (2, 1, 1, "sp"), (1, 2, 1, ""), (1, 2, 2, ""),
+                          (1, 1, 1, "overlap")])
 
 
 def test_tensor_parallel_with_data_or_pipeline_parallel_on_four_ranks():
     # TP=2 x DP=2, TP=2 x PP=2, and PP=4 (one layer a stage).
-    _launch_and_check(4, [(2, 1, 1, ""), (2, 2, 1, ""), (1, 4, 1, "")])
+    _launch_and_check(4, [(2, 1, 1, ""), (2, 1, 1, "sp"), (2, 2, 1, ""), (1, 4, 1, "")])
 
 
 TWIN_STEPS = 4

@@ -361,13 +361,17 @@ class _Zero3Layout(_Layout):
 
     def __init__(self, engine, ds_optimizer):
         self.ds = ds_optimizer
-        offload = [name for name in ("offload_optimizer", "offload_param", "swap_optimizer",
-                                     "params_in_nvme_and_cpu")
+        offload = [name for name in ("offload_param", "swap_optimizer", "params_in_nvme_and_cpu")
                    if getattr(ds_optimizer, name, False)]
-        if offload:  # NVMe offload too (engine.zero_cpu_offload() says CPU only)
+        if offload:  # NVMe offload, and parameter offload (ZeRO-Infinity)
             raise ValueError("stepguard: the DeepSpeed integration does not guard ZeRO 3 with "
-                             "offload (%s): its optimizer steps host or NVMe copies the guard "
-                             "does not read" % ", ".join(offload))
+                             "offload (%s): its optimizer steps NVMe copies, or the parameters "
+                             "live on the host, where the guard does not read; optimizer "
+                             "offload to the CPU is guarded" % ", ".join(offload))
+        # Optimizer offload to the CPU: the flat fp32 masters live on the host, and each step's
+        # averaged gradients are copied beside them (their ``.grad``) at the accumulation
+        # boundary, inside DeepSpeed's backward epilogue (which waits for the copies).
+        self.offload = bool(getattr(ds_optimizer, "offload_optimizer", False))
         if ds_optimizer.optimizer is not engine.basic_optimizer:
             raise ValueError("stepguard: this ZeRO 3 optimizer steps another torch optimizer than "
                              "the engine's (this DeepSpeed configuration is not supported)")
@@ -400,6 +404,10 @@ class _Zero3Layout(_Layout):
         return _zero_loss_scale(self.ds, self.fp16)
 
     def gradients(self):
+        if self.offload:
+            grads = [m.grad for m in self.ds.fp32_partitioned_groups_flat]
+            return [None if n == 0 or grads[g] is None else grads[g].narrow(0, at, n)
+                    for g, _, at, n in self.pieces]
         averaged = self.ds.averaged_gradients
         out = []
         for g, j, _, n in self.pieces:

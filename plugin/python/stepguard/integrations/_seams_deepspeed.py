@@ -32,6 +32,7 @@ TESTED = {  # deepspeed 0.19.8
     _Z3 + "_overflow_check_and_loss_scale_update": {"31641f11ea438f17"},
     _Z3 + "_get_norm_groups": {"defda124c31c43d0"},
     _Z3 + "_reassign_or_swap_out_partitioned_parameters": {"0fd6afef7c78aba3"},
+    _Z3 + "_offload_grad_partition_at_boundary": {"f03c6a33201a054c"},
     _S + "update_scale": {"a37174bac3f06bb1"},
 }
 
@@ -78,8 +79,10 @@ SEAMS = [
          (_Z3 + "step", _Z3 + "_overflow_check_and_loss_scale_update")),
     Seam(_Z3 + "_get_norm_groups", "replaces",
          "ZeRO 3, for the step only: DeepSpeed's clip and reported norm take the agreed norm (a "
-         "skip: an invalid norm); not on an applied step with framework_norm",
-         (_Z3 + "step", _Z3 + "_get_norm_groups")),
+         "skip: an invalid norm); not on an applied step with framework_norm. With optimizer "
+         "offload to the CPU the verdict reads the gradients where DeepSpeed copies them, beside "
+         "the host masters",
+         (_Z3 + "step", _Z3 + "_get_norm_groups", _Z3 + "_offload_grad_partition_at_boundary")),
     Seam(_Z3 + "_reassign_or_swap_out_partitioned_parameters", "calls",
          "ZeRO 3, after a rollback: the restored masters go into the partitioned parameters as "
          "DeepSpeed's checkpoint load puts them",

@@ -52,10 +52,10 @@ turns nothing of the guard's on; ``loss_scaling=True`` is refused. ZeRO 3 (fp32,
 each rank's partition of every parameter in the flat fp32 masters of each sub-group, read at one
 piece per parameter (the partition padding left out) with the step's averaged gradients; a
 rollback puts the masters back into the partitioned lp parameters as DeepSpeed's checkpoint
-load does. ZeRO 1 and 2 with ``offload_optimizer`` to the CPU (ZeRO-Offload): the guard reads
-the host copies the optimizer steps (each rank's fp32 partition and its averaged gradients in
-the host buffer beside it) and restores them. Refused, with a message: fp16 without ZeRO,
-optimizer offload to NVMe, and to the CPU under ZeRO 3, and pipeline engines (``check_config``
+load does. ZeRO 1, 2 and 3 with ``offload_optimizer`` to the CPU (ZeRO-Offload): the guard
+reads the host copies the optimizer steps (each rank's fp32 partition and its averaged gradients
+in the host buffer beside it) and restores them. Refused, with a message: fp16 without ZeRO,
+offload to NVMe, parameter offload, partial optimizer offload, and pipeline engines (``check_config``
 tells what a config alone shows, before the engine exists). What the integration replaces,
 writes or calls privately is declared (``_seams_deepspeed.py``, README "Declared seams") and the
 DeepSpeed functions it relies on are fingerprinted: a release whose functions changed is
@@ -246,8 +246,8 @@ class EngineGuard:
 _FP16_WITHOUT_ZERO = ("fp16 without ZeRO (DeepSpeed 0.19.8's fp16 wrappers without ZeRO do not "
                       "apply the loss scale in engine.backward() while their step divides by "
                       "it; upstream PR #8393); use ZeRO 1, 2 or 3, bf16 or fp32")
-_OFFLOAD = ("optimizer offload to NVMe, or to the CPU under ZeRO 3 (its optimizer steps copies "
-            "the guard does not read); ZeRO 1 and 2 with offload_optimizer to the CPU are guarded")
+_OFFLOAD = ("offload to NVMe, or of the parameters (its optimizer steps copies the guard does "
+            "not read); offload_optimizer to the CPU is guarded (ZeRO 1, 2 and 3)")
 
 
 def check_config(config):
@@ -258,10 +258,11 @@ def check_config(config):
     stage = zero.get("stage", 0)
     fp16 = (config.get("fp16") or {}).get("enabled", False)
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    params = (zero.get("offload_param") or {}).get("device", "none")
     refuse = None
     if fp16 is True and stage == 0:
         refuse = _FP16_WITHOUT_ZERO
-    elif offload == "nvme" or (offload == "cpu" and stage == 3):
+    elif offload == "nvme" or params in ("cpu", "nvme"):
         refuse = _OFFLOAD
     if refuse:
         raise ValueError("stepguard: the DeepSpeed integration does not guard " + refuse)
@@ -299,9 +300,13 @@ def _check_engine(engine):
         refuse = "an engine without an optimizer (deepspeed.initialize got none)"
     elif engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
         refuse = _FP16_WITHOUT_ZERO
-    elif engine.zero_optimization() and (engine.zero_nvme_offload_optimizer() or (
-            engine.zero_cpu_offload() and engine.zero_optimization_stage() == 3)):
+    elif engine.zero_optimization() and (
+            engine.zero_nvme_offload_optimizer() or
+            getattr(engine.zero_offload_param(), "device", "none") != "none"):
         refuse = _OFFLOAD
+    elif engine.zero_cpu_offload() and engine.zero_partial_offload() != 1.0:
+        refuse = ("partial optimizer offload (offload_optimizer.ratio %s: some sub-groups step "
+                  "on the host, some on the device)" % engine.zero_partial_offload())
     elif type(engine).__name__ == "PipelineEngine":
         refuse = "pipeline parallelism (PipelineEngine)"
     elif getattr(engine, "has_moe_layers", False):

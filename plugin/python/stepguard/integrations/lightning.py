@@ -21,7 +21,7 @@ the engine): the guard decides inside the engine's step, a step it did not apply
 DeepSpeed's own overflow path and holds the step schedulers, the step's loss is the sum of the
 micro-batch losses Lightning hands ``engine.backward``, and the guard's state rides in the
 callback's state inside DeepSpeed's checkpoint. A DeepSpeed configuration the integration cannot
-guard (optimizer offload to NVMe or under ZeRO 3, fp16 without ZeRO, MoE) is refused at fit
+guard (offload to NVMe or of the parameters, fp16 without ZeRO, MoE) is refused at fit
 start. Imports Lightning (``lightning.pytorch``, else ``pytorch_lightning``) when this module is
 imported; ``import stepguard`` never does.
 """

@@ -53,7 +53,7 @@ apply takes DeepSpeed's own overflow path, which the Trainer reads as a skipped 
 loss is the sum of the micro-batch losses the Trainer hands the engine (the Trainer's logged
 loss); the guard's state goes in the same ``stepguard_rank<r>.pt`` beside DeepSpeed's checkpoint
 in the Trainer's folder. ``attach()`` is needed there (the engine is the Trainer's), and a
-DeepSpeed configuration the integration cannot guard (offload to NVMe or under ZeRO 3, fp16
+DeepSpeed configuration the integration cannot guard (offload to NVMe or of the parameters, fp16
 without ZeRO) is refused at ``attach()``.
 
 Not covered: FSDP through the Trainer, the ``batches_to_skip`` of a rollback (the Trainer's data

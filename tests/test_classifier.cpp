@@ -163,6 +163,26 @@ TEST(Classifier, LossOrGradNormBlowUpIsDivergence) {
   EXPECT_EQ(d.evidence[0], "the grad norm rose to 150 (typical 1)");
 }
 
+// One step's grad norm above its running statistics, the loss where it was: one batch's
+// gradient, never "divergence" (a healthy run's small batches and data-shard changes do this).
+TEST(Classifier, ALoneGradNormSpikeIsNotDivergence) {
+  Evidence e;
+  e.grad_norm_spike = true;
+  e.grad_norm = 2.15;
+  e.recent_grad_norms = {1.2, 1.25, 1.3};
+  e.loss = 2.7;
+  e.recent_losses = {2.6, 2.7, 2.8};
+  Diagnosis d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "unknown");
+  ASSERT_EQ(d.evidence.size(), 1u);
+  EXPECT_NE(d.evidence[0].find("not a divergence"), std::string::npos) << d.evidence[0];
+  EXPECT_NE(d.evidence[0].find("the grad norm rose to 2.15 (typical 1.25)"), std::string::npos);
+  // With the loss spiking too it is divergence, as before.
+  e.loss_spike = true;
+  e.loss = 27.0;
+  EXPECT_STREQ(to_string(classify(e).cause), "divergence");
+}
+
 TEST(Classifier, ANonFiniteLossFromFiniteDataAndWeightsIsForward) {
   Evidence e;
   e.loss_nonfinite = true;

@@ -191,7 +191,19 @@ Found divergence(const Evidence& e) {
                              "LR was cut");
     return diagnosis(Cause::kDivergence, std::move(evidence), lr_fixes);
   }
-  if (!(e.loss_spike || e.grad_norm_spike || norm_blowup)) return {};
+  if (!(e.loss_spike || norm_blowup)) {
+    if (!e.grad_norm_spike) return {};
+    // One step's outsized gradient with the loss where it was: one batch, not a divergence
+    // (that rises over many steps, and the recovery watch and the limits see it).
+    return diagnosis(
+        Cause::kUnknown,
+        {"the grad norm rose to " + number(e.grad_norm) + " (typical " + number(typical_norm) +
+         ") on this step while the loss stayed at " + number(e.loss) + " (typical " +
+         number(median(e.recent_losses)) +
+         "): one batch's gradient, not a divergence, which rises over many steps"},
+        {"look at this step's batch (its length, its labels, a data-shard boundary)",
+         "if it recurs every few steps, lower the learning rate or lengthen the warm-up"});
+  }
   std::vector<std::string> evidence;
   if (e.loss_spike) {
     evidence.push_back("the loss jumped to " + number(e.loss) + " (typical " +

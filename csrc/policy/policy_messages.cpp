@@ -77,7 +77,8 @@ std::string action_words(const ActionSpec& a, const DetectorSettings& d) {
       break;
     case Action::kClip:
       out << "clip the grad norm to its EMA mean + "
-          << (a.z > 0 ? a.z : d.grad_norm_spike.ema.threshold) << " EMA standard deviations";
+          << (a.z > 0 ? a.z : d.grad_norm_spike.ema.threshold)
+          << " EMA standard deviations (on a grad-norm spike alone: counted, no incident)";
       break;
     case Action::kRollback:
       out << "roll back to the newest good snapshot";

@@ -108,6 +108,20 @@ void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
 
 namespace {
 
+// A grad-norm spike the policy only clipped is a figure of the run, not an incident: a norm
+// above its running statistics is part of a healthy run's scatter (a data-shard change, a noisy
+// small batch), and the clip is the whole answer. It is counted (the report's and the trace's
+// actions, the clip metric); no forensics, no incident, no log line.
+bool clip_only(const StepDecision& decided) {
+  const Signals& s = decided.signals;
+  const bool only_norm = std::all_of(s.raised.begin(), s.raised.end(),
+                                     [](Signal r) { return r == Signal::kGradNormSpike; });
+  const auto& a = decided.decision.actions;
+  return only_norm && std::all_of(a.begin(), a.end(), [](Action x) {
+           return x == Action::kApply || x == Action::kClip;
+         });
+}
+
 // What a loss spike and the recovery watch add to the evidence: the ranks' losses, the ranks
 // whose loss rose (when not every rank's did), the level before and the watch's figures.
 void spike_evidence(const GlobalStats& g, const Signals& s, int rank, std::int64_t step,
@@ -131,7 +145,7 @@ void spike_evidence(const GlobalStats& g, const Signals& s, int rank, std::int64
 
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
   Findings f;
-  if (!decided.signals.any()) return f;
+  if (!decided.signals.any() || clip_only(decided)) return f;
   const GlobalStats& g = agreed.global;
   LocalStats local = agreed.local;
   // Per-tensor results left on the device are read only when this rank has something to blame.
@@ -363,7 +377,7 @@ std::optional<Incident> StepEngine::make_incident(std::int64_t step, const Agree
                                                   const StepDecision& decided,
                                                   const Findings& findings,
                                                   const StepReport& report) {
-  if (!decided.signals.any()) return std::nullopt;
+  if (!decided.signals.any() || clip_only(decided)) return std::nullopt;
   Incident incident;
   incident.step = step;
   incident.signal = decided.signals.raised.front();

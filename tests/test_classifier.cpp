@@ -2,6 +2,8 @@
 // (reproduces? data, weights, precision, learning rate, forward, backward).
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "csrc/forensics/classifier.h"
 #include "csrc/forensics/report.h"
 
@@ -183,12 +185,39 @@ TEST(Classifier, ALoneGradNormSpikeIsNotDivergence) {
   EXPECT_STREQ(to_string(classify(e).cause), "divergence");
 }
 
+// The evidence says what was looked at: the weights always, the inputs only through
+// check_inputs(); a weight far beyond any trained value is named when the loss turns NaN.
+TEST(Classifier, AForwardNanSaysWhetherTheInputsWereCheckedAndNamesHugeWeights) {
+  Evidence e;
+  e.loss_nonfinite = true;
+  e.rank_loss = std::nan("");
+  Diagnosis d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "forward");
+  EXPECT_EQ(d.evidence[0], "the loss is NaN although the weights are finite");
+  EXPECT_NE(d.evidence[1].find("the inputs were not checked"), std::string::npos);
+  EXPECT_NE(d.fixes[0].find("check_inputs"), std::string::npos);
+  e.inputs_checked = true;
+  d = classify(e);
+  EXPECT_EQ(d.evidence[0],
+            "the loss is NaN although the weights are finite and check_inputs() found the "
+            "inputs finite");
+  e.huge_params = {"head.weight (largest 1e+30)"};
+  d = classify(e);
+  EXPECT_STREQ(to_string(d.cause), "forward");
+  EXPECT_NE(d.evidence[0].find("head.weight (largest 1e+30)"), std::string::npos) << d.evidence[0];
+  // A huge weight with a finite loss is not an incident's evidence by itself.
+  e.loss_nonfinite = false;
+  e.grads_nonfinite = true;
+  EXPECT_STRNE(to_string(classify(e).cause), "forward");
+}
+
 TEST(Classifier, ANonFiniteLossFromFiniteDataAndWeightsIsForward) {
   Evidence e;
   e.loss_nonfinite = true;
   e.grads_nonfinite = true;
   e.nan_count = 100;
   e.anomaly_op = "LogBackward0";
+  e.inputs_checked = true;
   const Diagnosis d = classify(e);
   EXPECT_STREQ(to_string(d.cause), "forward");
   EXPECT_EQ(d.evidence[1], "anomaly mode names LogBackward0");

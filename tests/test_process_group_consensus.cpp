@@ -182,9 +182,13 @@ TEST_P(FaultMatrix, EveryRankNamesTheOriginAndAgreesOnTheCause) {
     EXPECT_EQ(causes_of(me.rank_causes[11]), (Causes{{last, Cause::kHardwareSuspect}}));
     // ... and the tensor that drifted (one more collective on that step), on every rank.
     EXPECT_EQ(me.tensors[11], std::vector<std::string>({"weight"}));
+    // A NaN gradient made after the average on one rank: every rank's incident names it.
+    EXPECT_EQ(me.tensors[2], std::vector<std::string>({"weight"}));
+    EXPECT_EQ(me.tensors[4], std::vector<std::string>({"weight"}));
     // One at construction (the ranks' layouts), one per step; two more on each of the five
-    // incident steps, and the tensors' fingerprints on the divergence step.
-    EXPECT_EQ(me.collectives, 1 + steps + 2 * 5 + 1);
+    // incident steps, two for the blamed names on the two steps whose NaN stayed on one rank,
+    // and the tensors' fingerprints on the divergence step.
+    EXPECT_EQ(me.collectives, 1 + steps + 2 * 5 + 2 * 2 + 1);
     // The step's payload does not grow with the job.
     EXPECT_EQ(me.first_step_bytes, consensus::StepBuffer::bytes());
     EXPECT_EQ(me.step_buffer_bytes, consensus::StepBuffer::bytes());
@@ -199,6 +203,62 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, FaultMatrix, ::testing::Values(2, 4, 16),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return std::to_string(info.param) + "Ranks";
                          });
+
+// A replica that drifted, found on a step whose gradients also hold NaN: the replica check names
+// the tensor whose values differ (0.weight), not the NaN gradients (1.weight), which stay the
+// incident's tensors.
+TEST(ProcessGroupConsensus, AReplicaCheckOnANanStepNamesTheTensorsThatDiffer) {
+  const int world = 2;
+  Group g = make_group(world, std::chrono::seconds(60));
+  std::vector<std::vector<std::string>> evidence(world), tensors(world);
+  const std::string policy =
+      "version: 1\n"
+      "detectors:\n  replica_divergence: {every: 4}\n"
+      "rules:\n  - {name: skip-nonfinite, on: nonfinite, action: skip_batch}\n";
+  run_ranks(world, [&](int r) {
+    torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+    {
+      torch::NoGradGuard no_grad;
+      int i = 0;
+      for (auto& p : model->parameters()) {
+        p.copy_(torch::linspace(-0.3, 0.3, p.numel()).view_as(p) + i++);
+      }
+    }
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(1e-2));
+    GuardedOptimizer guard(
+        sgd, model->named_parameters(),
+        GuardOptions().process_group(g.ranks[r]).store(g.store).policy_yaml(policy));
+    for (int step = 1; step <= 4; ++step) {
+      sgd.zero_grad();
+      if (step == 4 && r == 1) {
+        torch::NoGradGuard no_grad;
+        model->parameters()[0][1][2] += 0.5;  // 0.weight of this replica drifts
+      }
+      auto loss = model->forward(torch::full({3, 4}, 0.1 * step)).pow(2).mean();
+      loss.backward();
+      for (auto& p : model->parameters()) {
+        std::vector<at::Tensor> t{p.mutable_grad()};
+        g.ranks[r]->allreduce(t)->wait();
+        p.mutable_grad().div_(world);
+      }
+      if (step == 4) {  // 1.weight's gradient, on every rank
+        model->parameters()[2].mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
+      }
+      const StepReport report = guard.step(loss);
+      if (step == 4 && report.incident) {
+        evidence[r] = report.incident->evidence;
+        tensors[r] = report.incident->tensors;
+      }
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(tensors[r], std::vector<std::string>({"1.weight"}));
+  }
+  const auto& ev = evidence[1];
+  EXPECT_NE(std::find(ev.begin(), ev.end(), "the tensors that differ: 0.weight"), ev.end())
+      << ::testing::PrintToString(ev);
+}
 
 TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
   const int world = 3;

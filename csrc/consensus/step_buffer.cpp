@@ -91,6 +91,12 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
         .copy_(at::maximum(buffer_.select(0, step_slot::kInputRanks), counted));
   }
   buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
+  if (evidence.grads_bad_before_reduction.defined()) {
+    const at::Tensor watched =
+        evidence.grads_bad_before_reduction.to(buffer_.device(), at::kDouble);
+    buffer_.select(0, step_slot::kProbeRanks)
+        .copy_(at::maximum(buffer_.select(0, step_slot::kProbeRanks), watched));
+  }
   buffer_.select(0, step_slot::kCheckpointWritten).fill_(evidence.checkpoint_written ? 1.0 : 0.0);
   for (int c = 0; c < step_slot::kChunks; ++c) {
     const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
@@ -100,7 +106,7 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   row_.select(0, row_slot::kGradFault).copy_(grads_bad);
   row_.select(0, row_slot::kLossBad).copy_(finite.logical_not());
   row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
-  row_.select(0, row_slot::kProbeBad).fill_(evidence.probe_bad ? 1.0 : 0.0);
+  row_.select(0, row_slot::kProbeBad).copy_(buffer_.select(0, step_slot::kProbeRanks));
   row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
   if (loss.defined()) {
     row_.select(0, row_slot::kLoss).copy_(l);

@@ -39,9 +39,10 @@ constexpr int kLossSum = kInspection + inspect_slot::kCount;  ///< sum of the fi
 constexpr int kLossNonfinite = kLossSum + 1;                  ///< ranks whose loss is NaN/Inf
 constexpr int kLossGiven = kLossNonfinite + 1;   ///< ranks that gave a loss (step() may have none)
 constexpr int kRanksReporting = kLossGiven + 1;  ///< each rank adds 1
-constexpr int kFaultyRanks = kRanksReporting + 1;    ///< ranks with a non-finite gradient or loss
-constexpr int kInputRanks = kFaultyRanks + 1;        ///< ranks whose check_inputs() failed
-constexpr int kProbeRanks = kInputRanks + 1;         ///< ranks with a non-finite probe
+constexpr int kFaultyRanks = kRanksReporting + 1;  ///< ranks with a non-finite gradient or loss
+constexpr int kInputRanks = kFaultyRanks + 1;      ///< ranks whose check_inputs() failed
+/// ranks with a non-finite probe, or a NaN/Inf gradient before the framework's reduction
+constexpr int kProbeRanks = kInputRanks + 1;
 constexpr int kChunks = 4;                           ///< 16-bit chunks of a 64-bit digest
 constexpr int kDigest = kProbeRanks + 1;             ///< guard state: kChunks sums, kChunks squares
 constexpr int kFingerprint = kDigest + 2 * kChunks;  ///< parameters: the same, 0 when not checked
@@ -60,7 +61,7 @@ namespace row_slot {
 constexpr int kGradFault = 0;    ///< this rank's gradients held NaN/Inf
 constexpr int kLossBad = 1;      ///< this rank's loss was NaN/Inf (before any gradient average)
 constexpr int kInputsBad = 2;    ///< this rank's check_inputs() failed
-constexpr int kProbeBad = 3;     ///< a probe on this rank saw a non-finite value or gradient
+constexpr int kProbeBad = 3;     ///< a probe, or the gradient watch, on this rank saw NaN/Inf
 constexpr int kDigest = 4;       ///< guard-state digest, masked to 52 bits
 constexpr int kFingerprint = 5;  ///< parameter fingerprint, masked to 52 bits (0 = not taken)
 constexpr int kLoss = 6;         ///< this rank's loss as it is (NaN when step() had none)
@@ -73,6 +74,10 @@ struct LocalEvidence {
   bool inputs_bad = false;    ///< known on the host (e.g. sequences of length 0)
   at::Tensor inputs_counted;  ///< 0-d bool on the device: check_inputs() counted bad values
   bool probe_bad = false;
+  /// 0-d bool on the device (undefined: not watched): this rank's own gradients held NaN/Inf
+  /// before the framework reduced them. Counted with the probes: evidence from before the
+  /// reduction, which names this rank as an origin.
+  at::Tensor grads_bad_before_reduction;
   /// No checkpoint write of this rank is still running (checkpoints become visible only once
   /// every rank's has finished).
   bool checkpoint_written = true;

@@ -89,9 +89,17 @@ Found one_rank_spike(const Evidence& e) {
 
 // 3. Weights: a NaN in a parameter makes every forward pass NaN.
 Found broken_weights(const Evidence& e) {
-  if (e.nonfinite_params.empty()) return {};
-  std::vector<std::string> evidence = {"parameters hold NaN/Inf before the step: " +
-                                       join(e.nonfinite_params)};
+  const bool huge = e.loss_nonfinite && !e.huge_params.empty();
+  if (e.nonfinite_params.empty() && !huge) return {};
+  std::vector<std::string> evidence;
+  if (!e.nonfinite_params.empty()) {
+    evidence.push_back("parameters hold NaN/Inf before the step: " + join(e.nonfinite_params));
+  }
+  if (huge) {
+    evidence.push_back(
+        "parameters hold values above " + number(kHugeWeight) +
+        " before the step, enough to overflow what they multiply: " + join(e.huge_params));
+  }
   if (!e.first_bad_forward.empty()) {
     evidence.push_back("the first non-finite output in forward order: " + e.first_bad_forward);
   }
@@ -109,8 +117,8 @@ Found diverged_replica(const Evidence& e) {
       "this rank's parameters differ from the other replicas' (replica check), although every "
       "rank applies the same averaged update: silent corruption of memory or an update this rank "
       "missed"};
-  if (!e.blamed_grads.empty())
-    evidence.push_back("the tensors that differ: " + join(e.blamed_grads));
+  if (!e.diverged_tensors.empty())
+    evidence.push_back("the tensors that differ: " + join(e.diverged_tensors));
   return diagnosis(Cause::kHardwareSuspect, std::move(evidence),
                    {"roll back to a snapshot from before the replicas drifted (a policy rule on "
                     "replica_divergence with action rollback)",
@@ -225,8 +233,14 @@ Found forward_pass(const Evidence& e) {
   const std::string what = std::isinf(e.rank_loss)   ? "Inf"
                            : std::isnan(e.rank_loss) ? "NaN"
                                                      : "NaN/Inf";
-  std::vector<std::string> evidence = {"the loss is " + what +
-                                       " although the inputs and weights are finite"};
+  std::vector<std::string> evidence = {
+      "the loss is " + what + " although the weights are finite" +
+      (e.inputs_checked ? " and check_inputs() found the inputs finite" : "")};
+  if (!e.inputs_checked) {
+    evidence.push_back(
+        "the inputs were not checked (call check_inputs(batch) before the step): "
+        "a NaN/Inf in the batch looks the same from here");
+  }
   if (!e.first_bad_forward.empty()) {
     evidence.push_back("the first non-finite output in forward order: " + e.first_bad_forward);
   } else if (!e.anomaly_op.empty()) {
@@ -234,10 +248,16 @@ Found forward_pass(const Evidence& e) {
     // worth saying only when nothing named the module.
     evidence.push_back("anomaly mode names " + e.anomaly_op);
   }
-  return diagnosis(Cause::kForward, std::move(evidence),
-                   {"add an eps to divisions and normalizations (0/0)",
-                    "clamp before log and sqrt (log(0), sqrt of a negative)",
-                    "subtract the max before exp/softmax; look for all-masked attention rows"});
+  std::vector<std::string> fixes;
+  if (!e.inputs_checked)
+    fixes.push_back("check the batch first: check_inputs(batch), or look at it");
+  for (const char* f :
+       {"add an eps to divisions and normalizations (0/0)",
+        "clamp before log and sqrt (log(0), sqrt of a negative)",
+        "subtract the max before exp/softmax; look for all-masked attention rows"}) {
+    fixes.push_back(f);
+  }
+  return diagnosis(Cause::kForward, std::move(evidence), std::move(fixes));
 }
 
 // 7. The backward pass made the gradients non-finite from a finite loss.
@@ -246,6 +266,11 @@ Found backward_pass(const Evidence& e) {
   std::vector<std::string> evidence = {
       "the loss is finite but gradients hold NaN/Inf, first (in backward order) " +
       (e.blamed_grads.empty() ? std::string("on another rank") : join(e.blamed_grads))};
+  if (e.grads_bad_before_reduction) {
+    evidence.push_back(
+        "this rank's own gradients held NaN/Inf before the framework reduced "
+        "them (the gradient watch): the fault was made on this rank");
+  }
   if (!e.first_bad_backward.empty()) {
     evidence.push_back("the first non-finite gradient in backward order reached " +
                        e.first_bad_backward);

@@ -17,6 +17,10 @@
 namespace stepguard {
 namespace forensics {
 
+/// A weight above this magnitude is named when the loss turns non-finite: no trained weight is
+/// near it, and one such value overflows the activations it multiplies.
+constexpr double kHugeWeight = 1e8;
+
 /// What a replay of the offending batch showed.
 enum class ReplayResult : std::uint8_t {
   kNotRun,      ///< no replay closure, or not applicable
@@ -43,11 +47,20 @@ struct Evidence {
   double grad_norm_level = 0.0;      ///< the grad norm's level before that spike
   std::int64_t escalations = 0;      ///< times loss_not_recovered was raised in this watch
   // Data (from check_inputs on this rank).
+  bool inputs_checked = false;          ///< check_inputs() was called for this step
   std::vector<std::string> bad_inputs;  ///< e.g. "input 0: 64 NaN/Inf values"
   // Replica check: this rank's parameters differ from the majority of the replicas'.
   bool diverged_replica = false;
+  /// The tensors whose values differ between the replicas (the replica check's per-tensor
+  /// fingerprints), whatever else the step's gradients hold.
+  std::vector<std::string> diverged_tensors;
   // Weights (this rank, before the step).
   std::vector<std::string> nonfinite_params;
+  /// Finite parameters holding a value above kHugeWeight in magnitude, "name (largest x)".
+  std::vector<std::string> huge_params;
+  /// This rank's own gradients held NaN/Inf before the framework reduced them (the gradient
+  /// watch, watch_gradient()).
+  bool grads_bad_before_reduction = false;
   // Gradients holding NaN/Inf on this rank, in backward order (last layer first).
   std::vector<std::string> blamed_grads;
   // Precision.

@@ -233,13 +233,13 @@ void PolicyEngine::detect(const StepInput& input, Signals* signals) {
     signals->raised.push_back(Signal::kReplicaDivergence);
     signals->diverged_replicas = stats.diverged_replicas;
   }
-  // Value detectors see only values that mean something: a finite loss from every rank, and a
-  // grad norm over gradients that are all finite.
+  // Value detectors see only finite values: the loss with finite gradients too (a NaN step is
+  // skipped whole; its high loss is the same bad sample, not a divergence), the grad norm.
   const DetectorSettings& d = config_.detectors;
   const bool loss_finite = stats.loss_nonfinite_ranks == 0 && std::isfinite(stats.loss);
   double spike_level = std::numeric_limits<double>::quiet_NaN();  // set on a loss spike
   const double grad_norm_level = state_.grad_norm_ema.mean;       // before this step's
-  if (loss_finite) {
+  if (loss_finite && stats.nonfinite_count() == 0) {
     if (d.loss_spike.enabled) {
       loss_spike_.restore(state_.loss_ema);
       // The recent ratio judges the largest rank loss: one rank's spike is not averaged away.

@@ -1,6 +1,4 @@
-// stepguard._C: binds the step engine, driven through the torch.optim port, to Python. Only
-// bindings here: the logic is the engine's (plugin/src) and the port's (python_port.cpp and the
-// stepguard package).
+// stepguard._C: bindings only (the engine: plugin/src; the port: python_port.cpp, the package).
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -419,6 +417,8 @@ void bind_guard(py::module_& m) {
            })
       .def("probe", [](PyGuard& g, const std::string& name,
                        const at::Tensor& output) { return g.engine->probe(name, output); })
+      .def("watch_gradient",
+           [](PyGuard& g, const at::Tensor& grad) { g.engine->watch_gradient(grad); })
       .def("track_buffers",
            [](PyGuard& g, std::vector<at::Tensor> buffers) {
              g.engine->track_buffers(std::move(buffers));

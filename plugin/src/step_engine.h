@@ -103,6 +103,10 @@ class StepEngine {
   InputVerdict check_inputs(const std::vector<at::Tensor>& inputs, const at::Tensor& mask);
   void set_replay(forensics::Recompute recompute);
   at::Tensor probe(const std::string& name, const at::Tensor& output);
+  /// One of this rank's gradients before the framework reduces it (a tensor hook calls this;
+  /// device ops, no read): a NaN/Inf there names this rank as the origin of a non-finite step,
+  /// even where another rank's partition holds the reduced gradient (ZeRO 1/2).
+  void watch_gradient(const at::Tensor& grad);
   void track_buffers(std::vector<at::Tensor> buffers) {
     recovery_.track_buffers(std::move(buffers));
   }
@@ -248,6 +252,9 @@ class StepEngine {
   /// This step's check_inputs(), if it was called (its inputs are saved with a report).
   std::shared_ptr<const forensics::InputCheck> input_check_;
   forensics::Probes probes_;
+  /// 0-d bool on the gradients' device: a watched gradient held NaN/Inf this step (undefined
+  /// until watch_gradient() is first called).
+  at::Tensor grads_bad_before_reduction_;
   /// What probes saw during a forensic replay (the user's, and the module hooks the Python guard
   /// attaches for the replay when set_replay() was given the model).
   forensics::Probes replay_probes_;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
@@ -18,93 +19,6 @@
 #include "plugin/src/step_engine.h"
 
 namespace stepguard {
-
-// With sharded gradients only the ranks holding a bad shard know its parameter; every rank joins
-// one more collective on such a step (the agreed count says so on all of them) so that every
-// rank names it. Parameters are in the same order on every rank.
-// Every rank's blamed gradients, by name, to every rank (names, not indices: the ranks' lists
-// differ under pipeline parallelism and sharding). Two collectives, on a non-finite step only:
-// the lengths, then the names, one byte per slot, -1 between names.
-std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::string>& mine,
-                                                        std::int64_t step) {
-  constexpr std::size_t kMaxBytes = 16384;  // per rank: max_blamed_tensors names of any length
-  std::vector<double> packed;
-  for (const std::string& name : mine) {
-    if (packed.size() + name.size() + 1 > kMaxBytes) break;
-    for (unsigned char c : name) packed.push_back(static_cast<double>(c));
-    packed.push_back(-1.0);
-  }
-  const auto opts = at::TensorOptions().dtype(at::kDouble);
-  const at::Tensor length = at::full({1}, static_cast<double>(packed.size()), opts);
-  const std::vector<double> lengths =
-      consensus::gather_rank_rows(*consensus_, length.to(*step_device_), step);
-  const auto width = static_cast<std::int64_t>(*std::max_element(lengths.begin(), lengths.end()));
-  std::vector<std::string> out;
-  if (width == 0) return out;
-  at::Tensor row = at::zeros({width}, opts);
-  if (!packed.empty()) {
-    row.narrow(0, 0, static_cast<std::int64_t>(packed.size())).copy_(at::tensor(packed, opts));
-  }
-  const std::vector<double> rows =
-      consensus::gather_rank_rows(*consensus_, row.to(*step_device_), step);
-  const int world = consensus_->world_size();
-  for (int r = 0; r < world; ++r) {
-    std::string name;
-    const auto n = static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]);
-    for (std::size_t j = 0; j < n; ++j) {
-      const double c = rows[static_cast<std::size_t>(r) * static_cast<std::size_t>(width) + j];
-      if (c >= 0.0) {
-        name.push_back(static_cast<char>(static_cast<unsigned char>(c)));
-        continue;
-      }
-      if (std::find(out.begin(), out.end(), name) == out.end() &&
-          static_cast<std::int64_t>(out.size()) < options_.max_blamed_tensors()) {
-        out.push_back(name);
-      }
-      name.clear();
-    }
-  }
-  return out;
-}
-
-// Every rank's `row` (gather_rank_rows) in a decision's collective: a rank that cannot join it
-// may not train on alone, as for the step's own collective.
-std::vector<double> StepEngine::gather_or_abort(const at::Tensor& row) {
-  try {
-    return consensus::gather_rank_rows(*consensus_, row, step_);
-  } catch (const std::exception& e) {
-    abort_with(e.what());
-    throw;
-  }
-}
-
-// On the step a replica check found a diverged replica: one more collective (each tensor's
-// fingerprint, from every rank) names the tensors that differ, the same list on every rank.
-std::vector<std::string> StepEngine::diverged_tensor_names(const GlobalStats& g) {
-  const auto& params = port_.parameters();
-  const at::Tensor mine = consensus::tensor_fingerprints(params);
-  const std::vector<double> rows = gather_or_abort(mine.to(*step_device_));
-  std::vector<std::string> out;
-  const auto& names = port_.parameter_names();
-  for (std::size_t i : consensus::diverged_tensors(rows, consensus_->world_size(), params.size(),
-                                                   g.diverged_replicas)) {
-    if (static_cast<std::int64_t>(out.size()) >= options_.max_blamed_tensors()) break;
-    out.push_back(names[i]);
-  }
-  return out;
-}
-
-void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
-  const Signals& s = decided.signals;
-  if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio)) || consensus_->world_size() == 1) {
-    return;
-  }
-  GlobalStats& g = agreed->global;
-  if (!g.ranks_named) {
-    consensus::fill_rank_detail(gather_or_abort(agreed->rank_row), consensus_->world_size(), &g);
-  }
-  if (g.origin_ranks.empty()) consensus::name_spike_ranks(s.loss_level, &g);
-}
 
 namespace {
 
@@ -120,6 +34,24 @@ bool clip_only(const StepDecision& decided) {
   return only_norm && std::all_of(a.begin(), a.end(), [](Action x) {
            return x == Action::kApply || x == Action::kClip;
          });
+}
+
+// The weights before the step (incident steps only, one read per tensor): those holding NaN/Inf,
+// and those holding a value above kHugeWeight (named when the loss is non-finite).
+void weight_evidence(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+                     forensics::Evidence* ev) {
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) continue;                         // a shard this rank does not hold
+    const double largest = params[i].abs().max().item<double>();  // NaN and Inf propagate
+    if (!std::isfinite(largest)) {
+      ev->nonfinite_params.push_back(names[i]);
+    } else if (largest > forensics::kHugeWeight) {
+      std::ostringstream s;
+      s << names[i] << " (largest " << largest << ")";
+      ev->huge_params.push_back(s.str());
+    }
+  }
 }
 
 // What a loss spike and the recovery watch add to the evidence: the ranks' losses, the ranks
@@ -160,9 +92,13 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
     if (static_cast<std::int64_t>(f.blamed.size()) >= options_.max_blamed_tensors()) break;
     f.blamed.push_back(names[static_cast<std::size_t>(*it)]);
   }
-  // Under sharding, tensor or pipeline parallelism a rank sees only its own gradients: every
-  // rank learns what the others blame (the same on every rank: the layout is agreed).
-  if (!job_replicated_ && consensus_->world_size() > 1 && g.nonfinite_count() > 0) {
+  // Under sharding, tensor or pipeline parallelism a rank sees only its own gradients, and
+  // under data parallelism a fault made after the average stays on its rank: every rank learns
+  // what the others blame, so that every rank's incident and log line name the same tensors (the
+  // condition is the same on every rank: the layout and the faulty ranks are agreed).
+  const int world = consensus_->world_size();
+  if (world > 1 && g.nonfinite_count() > 0 &&
+      (!job_replicated_ || !g.ranks_named || static_cast<int>(faulty.size()) < world)) {
     f.blamed = blame_across_ranks(f.blamed, step_);
   }
   forensics::Evidence& ev = f.evidence;
@@ -179,10 +115,16 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   const double floor =
       framework_scale_ ? framework_scale_->min_scale : controller_.loss_scale_floor();
   ev.loss_scale_at_floor = ev.loss_scaling && floor > 0 && step_loss_scale_ <= floor;
+  ev.inputs_checked = input_check_ != nullptr;
   if (input_check_) ev.bad_inputs = input_check_->problems();  // the read, on incidents only
   ev.diverged_replica = std::find(g.diverged_replicas.begin(), g.diverged_replicas.end(),
                                   consensus_->rank()) != g.diverged_replicas.end();
-  if (!g.diverged_replicas.empty() && f.blamed.empty()) f.blamed = diverged_tensor_names(g);
+  if (!g.diverged_replicas.empty()) {
+    // One gather on every rank (the condition is agreed): the tensors that differ, named even
+    // on a step whose gradients also hold NaN (the incident's tensors are then those).
+    ev.diverged_tensors = diverged_tensor_names(g);
+    if (f.blamed.empty()) f.blamed = ev.diverged_tensors;
+  }
   ev.blamed_grads = f.blamed;
   ev.loss_scale = step_loss_scale_;
   ev.grad_norm = g.grad_norm;
@@ -191,13 +133,9 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
     ev.recent_grad_norms.push_back(h.grad_norm);
     ev.recent_losses.push_back(h.loss);
   }
-  {
-    at::NoGradGuard no_grad;
-    const auto& params = port_.parameters();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (!at::isfinite(params[i]).all().item<bool>()) ev.nonfinite_params.push_back(names[i]);
-    }
-  }
+  weight_evidence(port_.parameters(), names, &ev);
+  ev.grads_bad_before_reduction =  // one read, on incident steps
+      grads_bad_before_reduction_.defined() && grads_bad_before_reduction_.item<bool>();
   probes_.fill(&ev);
   // Under data parallelism a fault of one rank reaches every rank's gradients through the
   // average: only the ranks it came from replay and classify on their own evidence.
@@ -214,93 +152,6 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   }
   agree_causes(step_, g, &f);
   return f;
-}
-
-namespace {
-
-// The debugging order in which causes are checked: the job's cause is the first any origin rank
-// found (a rank that reproduced bad data outranks another's clean replay).
-int debugging_rank(Cause c) {
-  constexpr Cause kOrder[] = {Cause::kData,       Cause::kForward,  Cause::kPrecisionOverflow,
-                              Cause::kDivergence, Cause::kBackward, Cause::kHardwareSuspect,
-                              Cause::kUnknown};
-  for (int i = 0; i < static_cast<int>(std::size(kOrder)); ++i) {
-    if (kOrder[i] == c) return i;
-  }
-  return static_cast<int>(std::size(kOrder));
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
-  return out;
-}
-
-}  // namespace
-
-// On an incident step the ranks exchange what the origin ranks found (one small collective,
-// incident steps only): every rank's report then carries each origin rank's cause and the one
-// cause agreed for the job.
-void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings* f) {
-  const int world = consensus_->world_size();
-  std::vector<double> rows;
-  if (world == 1) {
-    rows = {1.0, static_cast<double>(f->diagnosis.cause) + 1.0};
-  } else {
-    const at::Tensor row =
-        at::tensor({f->origin ? 1.0 : 0.0,
-                    f->origin ? static_cast<double>(f->diagnosis.cause) + 1.0 : 0.0},
-                   at::TensorOptions().dtype(at::kDouble))
-            .to(*step_device_);
-    rows = consensus::gather_rank_rows(*consensus_, row, step);
-  }
-  std::vector<RankCause> causes;
-  for (int r = 0; r < world; ++r) {
-    const double code = rows[static_cast<std::size_t>(r) * 2 + 1];
-    if (rows[static_cast<std::size_t>(r) * 2] > 0 && code >= 1.0 &&
-        code <= static_cast<double>(Cause::kUnknown) + 1.0) {
-      causes.push_back({r, static_cast<Cause>(static_cast<int>(code) - 1)});
-    }
-  }
-  // Without evidence from before the average, every rank with bad gradients replayed its own
-  // batch: the ranks whose replay came out clean while another's reproduced were not the origin.
-  const bool pre_average_evidence =
-      g.loss_nonfinite_ranks > 0 || g.input_bad_ranks > 0 || g.probe_bad_ranks > 0;
-  const bool someone_reproduced = std::any_of(causes.begin(), causes.end(), [](const RankCause& c) {
-    return c.cause != Cause::kHardwareSuspect && c.cause != Cause::kUnknown;
-  });
-  if (!pre_average_evidence && someone_reproduced && causes.size() > 1) {
-    causes.erase(
-        std::remove_if(causes.begin(), causes.end(),
-                       [](const RankCause& c) { return c.cause == Cause::kHardwareSuspect; }),
-        causes.end());
-    if (g.ranks_named) {
-      f->origin_ranks.clear();
-      for (const RankCause& c : causes) f->origin_ranks.push_back(c.rank);
-    }
-  }
-  f->agreed_cause = Cause::kUnknown;
-  for (const RankCause& c : causes) {
-    if (debugging_rank(c.cause) < debugging_rank(f->agreed_cause)) f->agreed_cause = c.cause;
-  }
-  f->rank_causes = std::move(causes);
-  const bool counted =
-      std::any_of(f->rank_causes.begin(), f->rank_causes.end(),
-                  [&](const RankCause& c) { return c.rank == consensus_->rank(); });
-  f->origin = counted;
-  if (counted || world == 1) return;
-  // This rank was not where the fault came from: its report says where it did.
-  forensics::Diagnosis& d = f->diagnosis;
-  d.cause = f->agreed_cause;
-  d.evidence = {"the fault came from rank" + std::string(f->origin_ranks.size() > 1 ? "s " : " ") +
-                    rank_list(f->origin_ranks) +
-                    "; this rank's own loss, inputs and probes were clean, its gradients were "
-                    "affected only through the gradient average",
-                "agreed cause: " + std::string(to_string(f->agreed_cause)) +
-                    " (the first in the debugging order among the origin ranks' causes)"};
-  d.fixes = {"read the incident report of rank " +
-             (f->origin_ranks.empty() ? std::string("?") : std::to_string(f->origin_ranks[0])) +
-             " first"};
 }
 
 void StepEngine::run_replays(forensics::Evidence* ev) {
@@ -369,6 +220,7 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
   while (history_.size() > kHistory) history_.pop_front();
   input_check_.reset();
   probes_.clear();
+  if (grads_bad_before_reduction_.defined()) grads_bad_before_reduction_.zero_();
   if (replay_) forward_rng_ = checkpoint::capture_rng();  // for the next step's replays
   return report;
 }
@@ -463,6 +315,17 @@ at::Tensor StepEngine::probe(const std::string& name, const at::Tensor& output) 
   // A replay's probes are its own: they name the first bad module of the replayed batch.
   if (replaying_) return replay_probes_.record(name, output);
   return probes_.record(name, output);
+}
+
+void StepEngine::watch_gradient(const at::Tensor& grad) {
+  if (replaying_ || !grad.defined() || !at::isFloatingType(grad.scalar_type())) return;
+  // A sum in fp64 is NaN/Inf exactly when an element is (no bool copy of the gradient).
+  const at::Tensor bad = at::isfinite(grad.detach().sum(at::kDouble)).logical_not();
+  if (!grads_bad_before_reduction_.defined()) {
+    grads_bad_before_reduction_ = bad.clone();
+  } else {
+    grads_bad_before_reduction_.logical_or_(bad.to(grads_bad_before_reduction_.device()));
+  }
 }
 
 void StepEngine::set_replay(forensics::Recompute recompute) {

@@ -91,15 +91,17 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=groups, config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
-    guarded = sg_deepspeed.guard_engine(engine, policy=POLICY, collective_timeout=60)
+    # The NaN gradient of step 3 arrives from backward (a hook registered before the guard's,
+    # so the gradient the guard's watch sees is already NaN, as a fault of the backward's own).
+    poison = [False]
     target = dict(engine.module.named_parameters())["2.weight"]
+    target.register_hook(lambda g: g * float("nan") if poison[0] else g)
+    guarded = sg_deepspeed.guard_engine(engine, policy=POLICY, collective_timeout=60)
     steps, after, counts = [], {}, None
     position = 0  # the data position: a rollback skips batches
     for _ in range(STEPS):
         step = guarded.guard.stats().step_count + 1
-        hook = None
-        if step == NAN_GRAD and rank == world - 1:
-            hook = target.register_hook(lambda g: g * float("nan"))
+        poison[0] = step == NAN_GRAD and rank == world - 1
         reference = None
         for micro in range(MICRO):  # engine.step() after every micro-batch, as DeepSpeed's loop
             x, y = _batch(position, rank, dtype)
@@ -118,8 +120,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
                 counts = _count_in_step(engine, guarded.guard)
             else:
                 engine.step()
-        if hook is not None:
-            hook.remove()
+        poison[0] = False
         report = guarded.last_report
         assert report.step == step  # one guarded step per gradient-accumulation boundary
         position += report.batches_to_skip
@@ -324,6 +325,13 @@ def _check(ranks, key, world):
         assert steps[NAN_BATCH]["outcome"] == "skipped", (key, rank, outcomes)
         assert steps[NAN_GRAD]["unchanged"] and steps[NAN_BATCH]["unchanged"], (key, rank)
         assert steps[NAN_BATCH]["incident"]["ranks"] == [world - 1], (key, steps[NAN_BATCH])
+        # The NaN gradient made on the last rank is traced to it at every stage, not to the
+        # rank whose partition holds the reduced gradient (ZeRO 1/2/3: rank 0 for '2.weight').
+        assert steps[NAN_GRAD]["incident"]["ranks"] == [world - 1], (key, steps[NAN_GRAD])
+        if world > 1 and rank == world - 1:
+            assert any(line.startswith("this rank's own gradients held NaN/Inf before the "
+                                       "framework reduced them")
+                       for line in steps[NAN_GRAD]["incident"]["evidence"]), (key, steps[NAN_GRAD])
         spike = steps[SPIKE]
         assert spike["outcome"] == "rolled_back", (key, rank, outcomes)
         assert spike["restored_snapshot"], (key, rank, spike)

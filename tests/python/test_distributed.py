@@ -2,6 +2,7 @@
 Gloo on loopback, and the demo under torch's own launcher (torchrun) with DDP."""
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -33,7 +34,16 @@ def _rank_main(rank, world, init_file, out_dir):
     guard = stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                        model.named_parameters(), process_group=group,
                                        collective_timeout=60)
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelno, record.getMessage()))
+
+    logging.getLogger("stepguard").addHandler(Lines(logging.DEBUG))
+    logging.getLogger("stepguard").setLevel(logging.DEBUG)
     outcomes = []
+    evidence = None
     for step in range(6):
         guard.zero_grad()
         loss = loss_of(model, step)
@@ -48,9 +58,13 @@ def _rank_main(rank, world, init_file, out_dir):
         if step == 3:
             assert report.incident["ranks"] == [1]
             assert report.incident["rank_causes"] == {1: "backward"}
+            # Every rank's incident names the tensor, though only rank 1's gradient held it.
+            assert report.incident["tensors"] == ["0.bias"], report.incident
+            evidence = report.incident["evidence"]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save({"outcomes": outcomes, "params": flat, "collectives": guard.stats().collective_calls,
-                "step_buffer_bytes": guard.stats().step_buffer_bytes},
+                "step_buffer_bytes": guard.stats().step_buffer_bytes, "lines": lines,
+                "evidence": evidence},
                os.path.join(out_dir, "rank%d.pt" % rank))
     dist.destroy_process_group()
 
@@ -65,9 +79,17 @@ def test_every_rank_skips_a_fault_of_one_rank_and_replicas_stay_equal():
     for r in results:
         assert r["outcomes"] == expected
         # One at construction (the ranks' layouts), one per step; the incident step adds the
-        # per-rank rows and the cause agreement.
-        assert r["collectives"] == 1 + 6 + 2
+        # per-rank rows, the cause agreement and (the NaN stayed on rank 1) the blamed names.
+        assert r["collectives"] == 1 + 6 + 2 + 2
         assert r["step_buffer_bytes"] == 248
+    # The one line a torchrun job prints (rank 0's WARNING) carries the tensor and the origin,
+    # and rank 0's evidence says what it saw: its own gradients were finite.
+    warnings = [text for level, text in results[0]["lines"] if level == logging.WARNING]
+    assert warnings == ["step 4: nonfinite_grad -> skip_batch (cause backward; tensors 0.bias; "
+                        "ranks 1)"], results[0]["lines"]
+    assert results[0]["evidence"][0] == (
+        "the fault came from rank 1; on this rank the loss was clean; its own gradients were "
+        "finite (the fault stayed on that rank)"), results[0]["evidence"]
     assert torch.equal(results[0]["params"], results[1]["params"])
 
 

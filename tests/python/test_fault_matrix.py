@@ -13,6 +13,11 @@ with a fresh model and guard. What each scenario checks is what a practitioner e
   "learning rate too high", and the `stepguard_aborted` gauge the StepguardAborted alert reads.
 - a NaN made in the forward of `blocks.0.ln1` on one rank, without user probes: the replay,
   given the model, names that module (hooks for the replay only).
+- one bad sample on one rank (its loss 7x and NaN gradients on the same step): skipped, cause
+  backward, not a rollback with an LR cut called divergence.
+- a weight set to 1e30 on one rank: the NaN loss that follows names that weight.
+- a NaN in one rank's float batch without check_inputs(): the report says the inputs were not
+  checked (never that they are finite), and the other rank points at the origin's incident.
 - the first 200 steps of the decoder and of a GPT-2 (transformers, trained on the README's text)
   under the default policy: no incident at all.
 """
@@ -83,7 +88,7 @@ def guard_for(model, lr, **options):
 
 
 def run(guard, model, steps, loss_factor=lambda step: 1.0, lr_at=None, opt=None, replay=True,
-        poison=None):
+        poison=None, loss_term=lambda step, logits: 0.0):
     """Trains `steps` steps; returns one row per step (the report's figures and its incident)."""
     rank = dist.get_rank()
     rows = []
@@ -95,7 +100,7 @@ def run(guard, model, steps, loss_factor=lambda step: 1.0, lr_at=None, opt=None,
         with model.no_sync():  # a replay runs on the origin ranks alone: no gradient all-reduce
             logits = model(x)
             loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-            loss = loss * loss_factor(state["step"])
+            loss = loss * loss_factor(state["step"]) + loss_term(state["step"], logits)
             guard.scale_loss(loss).backward()
         if mode != "fp32":
             store_grads(model)
@@ -104,6 +109,12 @@ def run(guard, model, steps, loss_factor=lambda step: 1.0, lr_at=None, opt=None,
 
     if replay:
         guard.set_replay(replay_fn, model=model)
+    if poison is not None and not callable(poison):
+        # A weight set far beyond any trained value on a chosen step, on one rank.
+        poison_step, poison_rank, param = poison
+        poison = None
+    else:
+        poison_step = None
     if poison is not None:
         # A forward NaN inside blocks.0.ln1 on a chosen step (and its replay): no user probes.
         def hook(_module, _inputs, output):
@@ -116,12 +127,15 @@ def run(guard, model, steps, loss_factor=lambda step: 1.0, lr_at=None, opt=None,
         if lr_at is not None:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
+        if step == poison_step and rank == poison_rank:
+            with torch.no_grad():
+                param.view(-1)[0] = 1e30
         x, y = batch(step, rank)
         state.update(batch=(x, y), step=step, fp16=model.module.fp16)
         guard.zero_grad()
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-        loss = loss * loss_factor(step)
+        loss = loss * loss_factor(step) + loss_term(step, logits)
         guard.scale_loss(loss).backward()
         store_grads(model)
         try:
@@ -129,17 +143,18 @@ def run(guard, model, steps, loss_factor=lambda step: 1.0, lr_at=None, opt=None,
         except stepguard.StepguardError as e:  # after an abort
             rows.append({"step": step, "refused": str(e)})
             break
-        incident = report.incident
         rows.append({"step": step, "outcome": str(report.outcome).split(".")[-1],
                      "loss": report.loss, "lr_factor": report.lr_factor,
-                     "loss_scale": report.loss_scale,
-                     "incident": None if incident is None else {
-                         "signal": incident["signal"], "cause": incident["cause"],
-                         "ranks": incident["ranks"], "rank_causes": incident["rank_causes"],
-                         "evidence": incident["evidence"], "fixes": incident["fixes"],
-                         "reason": incident["reason"]}})
+                     "loss_scale": report.loss_scale, "incident": incident_row(report)})
     guard.set_replay(None)
     return rows
+
+
+def incident_row(report):
+    incident = report.incident
+    return None if incident is None else {
+        key: incident[key]
+        for key in ("signal", "cause", "ranks", "rank_causes", "evidence", "fixes", "reason")}
 
 
 def store_grads(model):
@@ -191,6 +206,49 @@ def scenario_forward_nan():
     return run(guard, model, 14, poison=lambda step: step == 10 and rank == 1)
 
 
+def scenario_bad_sample():
+    """One bad sample on rank 1 at step 12, as a hand-written loss meets it: that rank's loss 7x
+    and NaN gradients on the same step (sqrt at 0: an infinite derivative times 0)."""
+    model = ddp(7)
+    _, guard = guard_for(model, 3e-3)
+    rank = dist.get_rank()
+    bad = lambda step: step == 12 and rank == 1  # noqa: E731
+
+    def term(step, logits):
+        if not bad(step):
+            return 0.0
+        return (logits[0, 0, 0] - logits[0, 0, 0].detach()).abs().sqrt()
+    return run(guard, model, 16, loss_factor=lambda step: 7.0 if bad(step) else 1.0,
+               loss_term=term)
+
+
+def scenario_huge_weight():
+    model = ddp(6)
+    _, guard = guard_for(model, 3e-3)
+    return run(guard, model, 10, poison=(10, 1, model.module.blocks[0].mlp[0].weight))
+
+
+def scenario_unchecked_nan_batch():
+    """The README's first example's shape (float inputs, no check_inputs()): a NaN in rank 1's
+    batch at step 8."""
+    torch.manual_seed(8)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    _, guard = guard_for(model, 1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    rows = []
+    for step in range(1, 11):
+        x = torch.randn(16, 8, generator=g)
+        y = x.sum(1, keepdim=True)
+        if step == 8 and dist.get_rank() == 1:
+            x[3, 2] = float("nan")
+        guard.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        rows.append({"step": step, "incident": incident_row(guard.step(loss.detach()))})
+    return rows
+
+
 def scenario_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(4)
@@ -232,7 +290,9 @@ def rank_main(rank, world, init_file, out_dir):
     out = {"overflow": scenario_overflow(), "spike_one": scenario_spike({1}),
            "spike_all": scenario_spike({0, 1}), "lr_bug": scenario_lr_bug(100.0),
            "lr_bug_1000": scenario_lr_bug(1000.0),
-           "forward_nan": scenario_forward_nan(), "decoder_clean": scenario_decoder_clean(),
+           "forward_nan": scenario_forward_nan(), "huge_weight": scenario_huge_weight(),
+           "bad_sample": scenario_bad_sample(),
+           "nan_batch": scenario_unchecked_nan_batch(), "decoder_clean": scenario_decoder_clean(),
            "gpt2": scenario_gpt2()}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
@@ -344,6 +404,56 @@ def test_a_forward_nan_names_the_first_bad_module_without_user_probes(matrix):
             assert "the first non-finite output in forward order: blocks.0.ln1" in \
                 incident["evidence"], incident["evidence"]
             assert not any("anomaly mode names" in line for line in incident["evidence"])
+
+
+def test_one_bad_sample_with_nan_gradients_and_a_high_loss_is_skipped_not_rolled_back(matrix):
+    """The NaN and the loss spike of the same step are one bad sample: the step is skipped (its
+    batch never reaches the weights), not rolled back with an LR cut, and its cause is where the
+    NaN was made (backward, on rank 1), not divergence."""
+    for rank, out in enumerate(matrix):
+        rows = out["bad_sample"]
+        found = incidents(rows)
+        assert [r["step"] for r in found] == [12], found
+        incident = found[0]["incident"]
+        assert (incident["signal"], incident["cause"], incident["ranks"]) == (
+            "nonfinite_grad", "backward", [1]), incident
+        assert found[0]["outcome"] == "skipped", found
+        assert all(r["outcome"] != "rolled_back" and r["lr_factor"] == 1.0 for r in rows), rows
+
+
+def test_a_weight_set_to_1e30_is_named_when_the_loss_turns_nan(matrix):
+    for rank, out in enumerate(matrix):
+        found = incidents(out["huge_weight"])
+        assert [r["step"] for r in found] == [10], found
+        incident = found[0]["incident"]
+        assert incident["ranks"] == [1], incident
+        if rank == 1:
+            assert incident["cause"] == "forward", incident
+            assert any(line.startswith("parameters hold values above 1e+08 before the step")
+                       and line.endswith(": blocks.0.mlp.0.weight (largest 1e+30)")
+                       for line in incident["evidence"]), incident["evidence"]
+            assert not any("weights are finite" in line for line in incident["evidence"])
+
+
+def test_an_unchecked_nan_batch_says_the_inputs_were_not_checked(matrix):
+    """Nothing claims what was never looked at: without check_inputs() the report says the
+    inputs were not checked and its first fix is to check the batch; rank 0, which only
+    received the average, points at rank 1's incident (no incident_dir: its log line)."""
+    for rank, out in enumerate(matrix):
+        found = incidents(out["nan_batch"])
+        assert [r["step"] for r in found] == [8], found
+        incident = found[0]["incident"]
+        assert incident["ranks"] == [1] and incident["cause"] == "forward", incident
+        assert not any("inputs are finite" in line or "found the inputs finite" in line
+                       for line in incident["evidence"]), incident["evidence"]
+        if rank == 1:
+            assert any(line.startswith("the inputs were not checked (call check_inputs(batch)")
+                       for line in incident["evidence"]), incident["evidence"]
+            assert incident["fixes"][0].startswith("check the batch first"), incident["fixes"]
+        else:
+            assert incident["fixes"] == [
+                "read rank 1's incident first (its log line and its report's incident; set "
+                "incident_dir to have it written to a file)"], incident["fixes"]
 
 
 def test_no_false_incident_in_the_first_200_steps(matrix):

@@ -177,6 +177,19 @@ def finish_step(guard, verdict, max_norm=None, update=None, clip=True):
     return guard.settle(verdict, applied)
 
 
+def watch_gradients(guard, parameters):
+    """A hook on each trainable parameter's gradient as backward makes it, before the framework
+    reduces it across ranks: a NaN/Inf there names this rank as the origin of the step's fault,
+    where the guard alone would name the rank whose partition holds the reduced gradient. One
+    fp64 sum per gradient per backward on the device, no read. Returns the handles."""
+    engine = guard._guard
+
+    def hook(grad):
+        engine.watch_gradient(grad)
+
+    return [p.register_hook(hook) for p in parameters if p.requires_grad]
+
+
 def load_guard_state(guard, record, where):
     """Loads the guard's state a framework checkpoint holds (``guard_state_dict()``'s); None,
     from a checkpoint saved without stepguard: a warning naming ``where`` that the guard starts

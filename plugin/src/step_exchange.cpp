@@ -1,0 +1,205 @@
+// StepEngine's exchanges on an incident step: what the ranks tell each other beyond the step's
+// one collective (each rank's blamed tensors, the replicas' tensor fingerprints, the ranks'
+// losses on a spike) and the cause the job agrees on from the origin ranks' findings.
+#include <algorithm>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "plugin/src/step_engine.h"
+
+namespace stepguard {
+
+// With sharded gradients only the ranks holding a bad shard know its parameter; every rank joins
+// one more collective on such a step (the agreed count says so on all of them) so that every
+// rank names it. Parameters are in the same order on every rank.
+// Every rank's blamed gradients, by name, to every rank (names, not indices: the ranks' lists
+// differ under pipeline parallelism and sharding). Two collectives, on a non-finite step only:
+// the lengths, then the names, one byte per slot, -1 between names.
+std::vector<std::string> StepEngine::blame_across_ranks(const std::vector<std::string>& mine,
+                                                        std::int64_t step) {
+  constexpr std::size_t kMaxBytes = 16384;  // per rank: max_blamed_tensors names of any length
+  std::vector<double> packed;
+  for (const std::string& name : mine) {
+    if (packed.size() + name.size() + 1 > kMaxBytes) break;
+    for (unsigned char c : name) packed.push_back(static_cast<double>(c));
+    packed.push_back(-1.0);
+  }
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor length = at::full({1}, static_cast<double>(packed.size()), opts);
+  const std::vector<double> lengths =
+      consensus::gather_rank_rows(*consensus_, length.to(*step_device_), step);
+  const auto width = static_cast<std::int64_t>(*std::max_element(lengths.begin(), lengths.end()));
+  std::vector<std::string> out;
+  if (width == 0) return out;
+  at::Tensor row = at::zeros({width}, opts);
+  if (!packed.empty()) {
+    row.narrow(0, 0, static_cast<std::int64_t>(packed.size())).copy_(at::tensor(packed, opts));
+  }
+  const std::vector<double> rows =
+      consensus::gather_rank_rows(*consensus_, row.to(*step_device_), step);
+  const int world = consensus_->world_size();
+  for (int r = 0; r < world; ++r) {
+    std::string name;
+    const auto n = static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]);
+    for (std::size_t j = 0; j < n; ++j) {
+      const double c = rows[static_cast<std::size_t>(r) * static_cast<std::size_t>(width) + j];
+      if (c >= 0.0) {
+        name.push_back(static_cast<char>(static_cast<unsigned char>(c)));
+        continue;
+      }
+      if (std::find(out.begin(), out.end(), name) == out.end() &&
+          static_cast<std::int64_t>(out.size()) < options_.max_blamed_tensors()) {
+        out.push_back(name);
+      }
+      name.clear();
+    }
+  }
+  return out;
+}
+
+// Every rank's `row` (gather_rank_rows) in a decision's collective: a rank that cannot join it
+// may not train on alone, as for the step's own collective.
+std::vector<double> StepEngine::gather_or_abort(const at::Tensor& row) {
+  try {
+    return consensus::gather_rank_rows(*consensus_, row, step_);
+  } catch (const std::exception& e) {
+    abort_with(e.what());
+    throw;
+  }
+}
+
+// On the step a replica check found a diverged replica: one more collective (each tensor's
+// fingerprint, from every rank) names the tensors that differ, the same list on every rank.
+std::vector<std::string> StepEngine::diverged_tensor_names(const GlobalStats& g) {
+  const auto& params = port_.parameters();
+  const at::Tensor mine = consensus::tensor_fingerprints(params);
+  const std::vector<double> rows = gather_or_abort(mine.to(*step_device_));
+  std::vector<std::string> out;
+  const auto& names = port_.parameter_names();
+  for (std::size_t i : consensus::diverged_tensors(rows, consensus_->world_size(), params.size(),
+                                                   g.diverged_replicas)) {
+    if (static_cast<std::int64_t>(out.size()) >= options_.max_blamed_tensors()) break;
+    out.push_back(names[i]);
+  }
+  return out;
+}
+
+void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
+  const Signals& s = decided.signals;
+  if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio)) || consensus_->world_size() == 1) {
+    return;
+  }
+  GlobalStats& g = agreed->global;
+  if (!g.ranks_named) {
+    consensus::fill_rank_detail(gather_or_abort(agreed->rank_row), consensus_->world_size(), &g);
+  }
+  if (g.origin_ranks.empty()) consensus::name_spike_ranks(s.loss_level, &g);
+}
+
+namespace {
+
+// The debugging order in which causes are checked: the job's cause is the first any origin rank
+// found (a rank that reproduced bad data outranks another's clean replay).
+int debugging_rank(Cause c) {
+  constexpr Cause kOrder[] = {Cause::kData,       Cause::kForward,  Cause::kPrecisionOverflow,
+                              Cause::kDivergence, Cause::kBackward, Cause::kHardwareSuspect,
+                              Cause::kUnknown};
+  for (int i = 0; i < static_cast<int>(std::size(kOrder)); ++i) {
+    if (kOrder[i] == c) return i;
+  }
+  return static_cast<int>(std::size(kOrder));
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
+}  // namespace
+
+// On an incident step the ranks exchange what the origin ranks found (one small collective,
+// incident steps only): every rank's report then carries each origin rank's cause and the one
+// cause agreed for the job.
+void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings* f) {
+  const int world = consensus_->world_size();
+  std::vector<double> rows;
+  if (world == 1) {
+    rows = {1.0, static_cast<double>(f->diagnosis.cause) + 1.0};
+  } else {
+    const at::Tensor row =
+        at::tensor({f->origin ? 1.0 : 0.0,
+                    f->origin ? static_cast<double>(f->diagnosis.cause) + 1.0 : 0.0},
+                   at::TensorOptions().dtype(at::kDouble))
+            .to(*step_device_);
+    rows = consensus::gather_rank_rows(*consensus_, row, step);
+  }
+  std::vector<RankCause> causes;
+  for (int r = 0; r < world; ++r) {
+    const double code = rows[static_cast<std::size_t>(r) * 2 + 1];
+    if (rows[static_cast<std::size_t>(r) * 2] > 0 && code >= 1.0 &&
+        code <= static_cast<double>(Cause::kUnknown) + 1.0) {
+      causes.push_back({r, static_cast<Cause>(static_cast<int>(code) - 1)});
+    }
+  }
+  // Without evidence from before the average, every rank with bad gradients replayed its own
+  // batch: the ranks whose replay came out clean while another's reproduced were not the origin.
+  const bool pre_average_evidence =
+      g.loss_nonfinite_ranks > 0 || g.input_bad_ranks > 0 || g.probe_bad_ranks > 0;
+  const bool someone_reproduced = std::any_of(causes.begin(), causes.end(), [](const RankCause& c) {
+    return c.cause != Cause::kHardwareSuspect && c.cause != Cause::kUnknown;
+  });
+  // A replica the replica check found drifted keeps its finding: that is evidence of its own.
+  const auto& drifted = g.diverged_replicas;
+  if (!pre_average_evidence && someone_reproduced && causes.size() > 1) {
+    causes.erase(std::remove_if(causes.begin(), causes.end(),
+                                [&](const RankCause& c) {
+                                  return c.cause == Cause::kHardwareSuspect &&
+                                         std::find(drifted.begin(), drifted.end(), c.rank) ==
+                                             drifted.end();
+                                }),
+                 causes.end());
+    if (g.ranks_named) {
+      f->origin_ranks.clear();
+      for (const RankCause& c : causes) f->origin_ranks.push_back(c.rank);
+    }
+  }
+  f->agreed_cause = Cause::kUnknown;
+  for (const RankCause& c : causes) {
+    if (debugging_rank(c.cause) < debugging_rank(f->agreed_cause)) f->agreed_cause = c.cause;
+  }
+  f->rank_causes = std::move(causes);
+  const bool counted =
+      std::any_of(f->rank_causes.begin(), f->rank_causes.end(),
+                  [&](const RankCause& c) { return c.rank == consensus_->rank(); });
+  f->origin = counted;
+  if (counted || world == 1) return;
+  // This rank was not where the fault came from: its report says where it did.
+  forensics::Diagnosis& d = f->diagnosis;
+  d.cause = f->agreed_cause;
+  // What this rank looked at, and only that: its inputs only when check_inputs() ran.
+  const bool own_grads_bad = std::find(g.faulty_ranks.begin(), g.faulty_ranks.end(),
+                                       consensus_->rank()) != g.faulty_ranks.end();
+  const std::string grads = g.nonfinite_count() == 0 ? ""
+                            : own_grads_bad
+                                ? "; its gradients held NaN/Inf only through the gradient " +
+                                      std::string(job_replicated_ ? "average" : "reduction")
+                                : "; its own gradients were finite (the fault stayed on that rank)";
+  d.evidence = {
+      "the fault came from rank" + std::string(f->origin_ranks.size() > 1 ? "s " : " ") +
+          rank_list(f->origin_ranks) + "; on this rank the loss" +
+          (f->evidence.inputs_checked ? " and the inputs check_inputs() read were" : " was") +
+          " clean" + grads,
+      "agreed cause: " + std::string(to_string(f->agreed_cause)) +
+          " (the first in the debugging order among the origin ranks' causes)"};
+  const std::string origin =
+      f->origin_ranks.empty() ? std::string("?") : std::to_string(f->origin_ranks[0]);
+  d.fixes = {options_.incident_dir().empty()
+                 ? "read rank " + origin +
+                       "'s incident first (its log line and its report's "
+                       "incident; set incident_dir to have it written to a file)"
+                 : "read the incident report of rank " + origin + " first"};
+}
+
+}  // namespace stepguard

@@ -5,6 +5,8 @@ all back, a second callback on the same Trainer is refused, and a framework func
 changed since the tested releases (a modified copy put in its place) is refused at attach,
 naming it, unless the user opts in."""
 
+import types
+
 import pytest
 import torch
 import lightning.pytorch as pl
@@ -120,6 +122,22 @@ def test_hf_a_changed_framework_function_is_refused_at_attach_naming_it(tmp_path
         callback.attach(trainer)
     trainer.train()
     assert callback.guard.stats().totals.applied == STEPS
+
+
+def test_hf_a_step_whose_loss_never_reached_the_guard_is_an_error(tmp_path):
+    """attach() hands the guard each micro-batch's loss through trainer.training_step: a Trainer
+    that trains without calling it (here: the patch undone behind the callback's back, as a
+    release that calls another method would) is stopped at the first step, before anything is
+    judged or applied, instead of a verdict on the gradients alone."""
+    trainer = _hf_trainer(tmp_path)
+    callback = sg_transformers.StepguardCallback().attach(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.training_step = types.MethodType(Trainer.training_step, trainer)
+    with pytest.raises(RuntimeError, match=r"no loss reached the guard for step 1: "
+                                           r"callback\.attach\(trainer\) hands"):
+        trainer.train()
+    assert callback.guard.stats().step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
 # --- Lightning ------------------------------------------------------------------------------

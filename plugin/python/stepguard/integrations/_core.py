@@ -234,6 +234,7 @@ class SeamGuard(GuardedOptimizer):
         self.clipped = False  # framework_norm: the framework clipped with its own norm already
         self.loss = None      # this step's micro-batch losses, summed (the step's mean loss)
         self.calls = 0        # step() calls: a framework's GradScaler may leave one out
+        self.loss_expected = None  # what hands the loss, when one must reach every step
         self._unapplied = False
         self._clip = True
 
@@ -243,9 +244,19 @@ class SeamGuard(GuardedOptimizer):
 
     def take_verdict(self):
         if self.pending is None:
+            self._check_loss_given()
             loss, self.loss = self.loss, None
             self.pending = self.verdict(loss)
         return self.pending
+
+    def _check_loss_given(self):
+        """A step whose loss never arrived, where a seam should have handed it, is an error (a
+        framework that stopped calling that seam), not a verdict on the gradients alone."""
+        if self.loss is None and self.loss_expected is not None:
+            raise RuntimeError(
+                "stepguard: no loss reached the guard for step %d: %s, which this run did not "
+                "call (a framework release that trains otherwise?); nothing was judged or "
+                "applied" % (self.stats().step_count + 1, self.loss_expected))
 
     def drop_pending(self):
         """A verdict whose step never came (an exception between the seam and the step):
@@ -292,6 +303,8 @@ class SeamGuard(GuardedOptimizer):
             self.pending = None
             return finish_step(self, verdict, update=lambda: False)
         if verdict is None:  # no seam call this step (a strategy or loop that steps otherwise)
+            if loss is None:
+                self._check_loss_given()
             given, self.loss = self.loss, None
             return GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
         return finish_step(self, verdict, max_norm, clip=self._clip)

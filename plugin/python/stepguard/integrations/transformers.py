@@ -24,7 +24,9 @@ the Trainer logs it), the checkpoint ``train(resume_from_checkpoint=...)`` resum
 under DDP or one process, the grad norm the Trainer measures before its clip
 (``max_grad_norm``): the guard's verdict is taken there, on the gradients as backward left them
 (blame names the bad tensor), and its agreed norm is what the Trainer logs and clips with (the
-norm is computed once); the clip runs in the guarded step, on applied steps only. Passed in
+norm is computed once); the clip runs in the guarded step, on applied steps only. After
+``attach``, a step whose loss never reached the guard (a Trainer that no longer calls
+``training_step``) raises before anything is judged or applied. Passed in
 ``Trainer(callbacks=[...])`` without ``attach``, the callback guards on the (already clipped)
 gradients alone: no loss detectors, and a NaN anywhere reaches every tensor through the clip
 coefficient.
@@ -318,6 +320,9 @@ class StepguardCallback(transformers.TrainerCallback):
                               patch_optimizer_step(optimizer, self.guard.step))
         self._load_guard_state(args)
         self._figures = Figures(self.guard)
+        self.guard.loss_expected = ("callback.attach(trainer) hands the guard each micro-batch's "
+                                    "loss through trainer.training_step"
+                                    if self._attached else None)
         if not self._attached:
             logger.warning("stepguard: StepguardCallback was not attached to the Trainer "
                            "(callback.attach(trainer)): the guard sees no loss, so its loss "

@@ -156,7 +156,7 @@ TEST(PolicyFile, MissingFileIsOneIssueAndLoadThrowsWithEveryLine) {
   const auto issues = check_policy_file("/nonexistent/policy.yaml", nullptr);
   ASSERT_EQ(issues.size(), 1u);
   EXPECT_EQ(issues[0].format(),
-            "/nonexistent/policy.yaml:0:0: cannot read policy file: No such file or directory");
+            "/nonexistent/policy.yaml: cannot read policy file: No such file or directory");
 
   const auto dir_issues = check_policy_file(::testing::TempDir(), nullptr);
   ASSERT_EQ(dir_issues.size(), 1u);

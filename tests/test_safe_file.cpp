@@ -158,11 +158,11 @@ TEST(SafeFile, PolicyAndTraceReadersRefuseWhatIsNotABoundedFile) {
     EXPECT_EQ(issues.size(), 1u);
     return issues.empty() ? std::string() : issues[0].format();
   };
-  EXPECT_EQ(policy_issue(fifo), fifo + ":0:0: cannot read policy file: a FIFO, not a regular file");
+  EXPECT_EQ(policy_issue(fifo), fifo + ": cannot read policy file: a FIFO, not a regular file");
   EXPECT_EQ(policy_issue("/dev/zero"),
-            "/dev/zero:0:0: cannot read policy file: a device, not a regular file");
+            "/dev/zero: cannot read policy file: a device, not a regular file");
   EXPECT_EQ(policy_issue(sparse), sparse +
-                                      ":0:0: cannot read policy file: 1073741824 bytes, more than "
+                                      ": cannot read policy file: 1073741824 bytes, more than "
                                       "the 1048576 this file can hold");
   const std::string policy = std::string(STEPGUARD_SOURCE_DIR) + "/tests/data/replay/policy.yaml";
   const auto replay_error = [&policy](const std::string& trace) {

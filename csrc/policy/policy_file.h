@@ -26,7 +26,7 @@ struct PolicyIssue {
   int line = 0;
   int column = 0;
   std::string message;
-  /// "file:line:col: message".
+  /// "file:line:col: message", or "file: message" without a line.
   std::string format() const;
 };
 

@@ -252,7 +252,10 @@ std::string join(const std::vector<std::string>& words) {
 
 std::string PolicyIssue::format() const {
   std::ostringstream out;
-  out << file << ":" << line << ":" << column << ": " << message;
+  // No position (a file that cannot be read, a preset name that is none): the name alone.
+  out << file;
+  if (line > 0) out << ":" << line << ":" << column;
+  out << ": " << message;
   return out.str();
 }
 

@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <system_error>
 
+#include "csrc/policy/policy_file_internal.h"
+
 namespace stepguard {
 namespace policy {
 
@@ -28,6 +30,12 @@ std::string policy_preset_names() {
     out += preset.first;
   }
   return out;
+}
+
+std::string preset_suggestion(const std::string& name) {
+  std::vector<std::string> names;
+  for (const auto& preset : policy_presets()) names.push_back(preset.first);
+  return detail::did_you_mean(name, names);
 }
 
 bool meant_as_preset(const std::string& policy) {

@@ -21,6 +21,9 @@ const std::string* find_policy_preset(const std::string& name);
 /// The preset names, comma-separated, for messages.
 std::string policy_preset_names();
 
+/// " (did you mean 'default'?)" for a misspelt preset name, else "".
+std::string preset_suggestion(const std::string& name);
+
 /// Whether `policy`, as a user gives it (GuardOptions::policy, a CLI argument), was meant as a
 /// preset's name: no file of that name exists and it is a bare word (no '/', no '.'). A path
 /// that names no file is a file's error, not a preset's.

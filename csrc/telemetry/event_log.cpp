@@ -10,8 +10,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <system_error>
 
 namespace stepguard {
 namespace telemetry {
@@ -52,6 +54,12 @@ int open_locked(const std::string& path, int flags) {
 
 EventLog::EventLog(const std::string& path, bool every_step)
     : path_(path), every_step_(every_step) {
+  // Its folder is made, as incident_dir's is (a missing one is an error of open() otherwise).
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  if (!folder.empty()) {
+    std::error_code ignored;  // a folder that cannot be made: open() says why, naming the path
+    std::filesystem::create_directories(folder, ignored);
+  }
   for (int attempt = 0; attempt < 8 && fd_ < 0; ++attempt) {
     const int fd = open_locked(path, O_CREAT);
     if (fd == -1) {

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -367,4 +368,14 @@ class _null:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except stepguard.ConsensusError:
+        # The ranks can no longer agree (a peer is gone): say why and leave at once. Tearing
+        # down a process group whose peers are gone can wait for their deadline, or abort in
+        # its threads' destructors ("terminate called without an active exception").
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(code)

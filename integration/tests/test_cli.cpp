@@ -62,14 +62,14 @@ TEST(Cli, PresetsByNameInCheckExplainReplayAndDemo) {
   r = run_stepguard("policy check defualt");
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err,
-            "defualt:0:0: no policy file of that name and no shipped preset (did you mean "
+            "defualt: no policy file of that name and no shipped preset (did you mean "
             "'default'?) (presets: debug-strict, deepspeed-fp16, default, megatron, "
             "palm-rollback)\n");
   EXPECT_EQ(r.out, "");
   // A path is a path: its own error, no preset talk.
   r = run_stepguard("policy check ./default");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.err.find("./default:0:0: cannot read policy file: No such file"), std::string::npos)
+  EXPECT_NE(r.err.find("./default: cannot read policy file: No such file"), std::string::npos)
       << r.err;
 
   const std::string summary = temp_path("s.json");

@@ -74,14 +74,14 @@ TEST(Demo, NanLossAndNanInputAreSkipped) {
   EXPECT_EQ(s["incidents"][1]["step"], 20);
 }
 
+// One torch thread: with two, this machine's CPU kernels give the demo's parameters in a
+// different last bit in about 1 run in 20, with or without a fault (measured: 2 of 40 clean
+// 12-step runs; 30 of 30 alike with one thread), which a bitwise comparison would read as ours.
 TEST(Demo, SameSeedSameParameters) {
   const std::string a = temp_path("a.json"), b = temp_path("b.json");
-  ASSERT_EQ(run_stepguard("demo --steps 12 --seed 5 --inject nan_grad@4 --summary-json '" + a + "'")
-                .status,
-            0);
-  ASSERT_EQ(run_stepguard("demo --steps 12 --seed 5 --inject nan_grad@4 --summary-json '" + b + "'")
-                .status,
-            0);
+  const std::string run = "demo --steps 12 --seed 5 --threads 1 --inject nan_grad@4 ";
+  ASSERT_EQ(run_stepguard(run + "--summary-json '" + a + "'").status, 0);
+  ASSERT_EQ(run_stepguard(run + "--summary-json '" + b + "'").status, 0);
   EXPECT_EQ(read_json(a)["param_hashes"], read_json(b)["param_hashes"]);
 }
 
@@ -115,10 +115,9 @@ TEST(Demo, BadFlagsExitTwoWithOneClearLine) {
 }
 
 TEST(Demo, UnwritableOutputIsAnErrorNotACrash) {
-  const ProcessResult r = run_stepguard("demo --steps 2 --trace /nonexistent-dir/t.jsonl");
+  const ProcessResult r = run_stepguard("demo --steps 2 --trace /dev/null/t.jsonl");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("cannot open event log '/nonexistent-dir/t.jsonl'"), std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find("cannot open event log '/dev/null/t.jsonl'"), std::string::npos) << r.err;
   // One clear line for a person, not LibTorch's C++ backtrace.
   EXPECT_EQ(r.err.find("frame #"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("Exception raised from"), std::string::npos) << r.err;

@@ -134,18 +134,20 @@ TEST(Checkpoints, CorruptWeightsWithCheckpointsRollsBackAndVerifies) {
 }
 
 // Killed at step 130 (SIGKILL, no goodbye), resumed from the newest valid checkpoint: the run
-// ends with the same parameters, bitwise, as one that was never interrupted.
+// ends with the same parameters, bitwise, as one that was never interrupted. One torch thread
+// (as Demo.SameSeedSameParameters: two threads' CPU kernels vary in the last bit run to run).
 TEST(Checkpoints, ResumeAfterAKillMatchesAnUninterruptedRun) {
   const std::string a = temp_path("ckA"), b = temp_path("ckB");
   std::filesystem::remove_all(a);
   std::filesystem::remove_all(b);
   const std::string sa = temp_path("a.json"), sb = temp_path("b.json");
-  ProcessResult r =
-      run_stepguard("demo --steps 200 --checkpoint-dir '" + a + "' --summary-json '" + sa + "'");
+  ProcessResult r = run_stepguard("demo --steps 200 --threads 1 --checkpoint-dir '" + a +
+                                  "' --summary-json '" + sa + "'");
   ASSERT_EQ(r.status, 0) << r.err;
-  r = run_stepguard("demo --steps 200 --inject kill@130 --checkpoint-dir '" + b + "'");
+  r = run_stepguard("demo --steps 200 --threads 1 --inject kill@130 --checkpoint-dir '" + b + "'");
   ASSERT_EQ(r.status, 128 + 9) << r.err;
-  r = run_stepguard("demo --steps 200 --resume '" + b + "' --summary-json '" + sb + "'");
+  r = run_stepguard("demo --steps 200 --threads 1 --resume '" + b + "' --summary-json '" + sb +
+                    "'");
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("resumed from " + b + "/step-000000100 (step 100, data position 100)"),
             std::string::npos)

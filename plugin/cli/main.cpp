@@ -73,7 +73,7 @@ bool report_policy_issues(const std::string& path) {
   return issues.empty();
 }
 
-// What the preset is for: the first sentence of its leading comment, cut to one line.
+// What the preset is for: the first sentence of its leading comment, whole.
 std::string preset_summary(const std::string& name) {
   std::istringstream text(stepguard::policy_preset_text(name));
   std::string line, comment;
@@ -82,12 +82,22 @@ std::string preset_summary(const std::string& name) {
   }
   const std::size_t end = comment.find(". ");
   if (end != std::string::npos) comment.resize(end + 1);
-  constexpr std::size_t kWidth = 80;
-  if (comment.size() > kWidth) {
-    comment.resize(comment.rfind(' ', kWidth - 4));
-    comment += " ...";
-  }
   return comment;
+}
+
+// `text` in lines of at most `width` characters (broken at spaces; a longer word stands alone),
+// every line after the first indented by `indent` spaces.
+std::string wrapped(const std::string& text, std::size_t width, std::size_t indent) {
+  std::istringstream words(text);
+  std::string word, out, line;
+  while (words >> word) {
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      out += line + "\n" + std::string(indent, ' ');
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + word;
+  }
+  return out + line;
 }
 
 int run_policy_command(const std::vector<std::string>& args) {
@@ -129,7 +139,8 @@ int run_policy_command(const std::vector<std::string>& args) {
   }
   if (args[0] == "list" && files.empty()) {
     for (const auto& name : stepguard::policy_preset_names()) {
-      std::printf("%-16s %s\n", name.c_str(), preset_summary(name).c_str());
+      // The whole first sentence, wrapped under its column (nothing cut with "...").
+      std::printf("%-16s %s\n", name.c_str(), wrapped(preset_summary(name), 63, 17).c_str());
     }
     return 0;
   }

@@ -56,9 +56,8 @@ policy::PolicyConfig read_policy(const GuardOptions& o) {
       // that is neither gets this message, a path the file's own error.
       TORCH_CHECK(
           !policy::meant_as_preset(o.policy()) || policy::find_policy_preset(o.policy()) != nullptr,
-          "stepguard: policy '", o.policy(),
-          "' is neither a file nor a shipped preset (presets: ", policy::policy_preset_names(),
-          ")");
+          "stepguard: policy '", o.policy(), "' is neither a file nor a shipped preset",
+          policy::preset_suggestion(o.policy()), " (presets: ", policy::policy_preset_names(), ")");
       return policy::load_policy_file(o.policy());
     }
     policy::PolicyConfig config;

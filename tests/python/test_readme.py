@@ -165,3 +165,25 @@ def test_the_first_example_runs_as_written(tmp_path):
     r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                        timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_policy_list_gives_each_presets_first_sentence_whole():
+    """`stepguard policy list`: a line per preset with what it is for, the first sentence of its
+    comment whole (wrapped under its column, never cut with "..."), no line over 80 columns."""
+    r = subprocess.run([CLI, "policy", "list"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "..." not in r.stdout and max(len(line) for line in lines) <= 80, r.stdout
+    entries = {}
+    for line in lines:
+        if line.startswith(" "):
+            entries[name] += " " + line.strip()
+        else:
+            name, _, text = line.partition(" ")
+            entries[name] = text.strip()
+    assert sorted(entries) == sorted(stepguard.policy_presets()), entries
+    for name, text in entries.items():
+        comment = [line[1:] for line in stepguard.policy_presets()[name].splitlines()
+                   if line.startswith("#")]
+        assert text.endswith(".") and " ".join(" ".join(comment).split()).startswith(text), \
+            (name, text)

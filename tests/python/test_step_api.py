@@ -170,8 +170,10 @@ def test_options_are_one_type_spelled_as_in_cpp():
     o.collective_timeout = datetime.timedelta(seconds=2.5)
     assert o.collective_timeout == 2.5
     model = make_model(0)
-    with pytest.raises(TypeError, match="unknown option polcy"):
+    with pytest.raises(TypeError, match=r"unknown option polcy \(did you mean policy\?\)"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), polcy="x")
+    with pytest.raises(TypeError, match=r"unknown option metrics_prot \(did you mean metrics_port"):
+        stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), metrics_prot=0)
     with pytest.raises(TypeError, match="option metrics_port must be an int, got bool"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), metrics_port=True)
     with pytest.raises(ValueError, match="collective_timeout must be more than 0 and at most a yea"):
@@ -190,9 +192,22 @@ def test_a_preset_is_accepted_by_name():
     assert guard.step(loss).applied
     with pytest.raises(stepguard.StepguardError,
                        match="policy 'defualt' is neither a file nor a shipped preset "
-                             r"\(presets: debug-strict, deepspeed-fp16, default, megatron, "
+                             r"\(did you mean 'default'\?\) \(presets: debug-strict, deepspeed-fp16, default, megatron, "
                              r"palm-rollback\)"):
         stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="defualt")
+
+
+def test_a_trace_path_in_a_folder_not_made_yet_is_made_as_incident_dirs_is(tmp_path):
+    model = make_model(0)
+    trace = tmp_path / "runs" / "one" / "trace.jsonl"
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), trace_path=str(trace),
+                                       trace_every_step=True)
+    loss = loss_of(model, 0)
+    loss.backward()
+    assert guard.step(loss).applied
+    del guard
+    assert json.loads(trace.read_text().splitlines()[0])["step"] == 1
 
 
 def test_the_policy_tools_take_preset_names_and_print_the_presets(tmp_path):
@@ -212,7 +227,7 @@ def test_the_policy_tools_take_preset_names_and_print_the_presets(tmp_path):
     with pytest.raises(stepguard.StepguardError, match=r"bad.yaml:2:10: unknown key 'bogus'"):
         stepguard.explain_policy_file(str(bad))
     with pytest.raises(stepguard.StepguardError,
-                       match=r"defualt:0:0: no policy file of that name and no shipped preset "
+                       match=r"defualt: no policy file of that name and no shipped preset "
                              r"\(did you mean 'default'\?\)"):
         stepguard.explain_policy_file("defualt")
 

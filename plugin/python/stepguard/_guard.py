@@ -11,26 +11,10 @@ import torch
 
 from . import _C, _amp, _log
 from ._guard_setup import (check_default_group, check_zero_group, checked_scaler,
-                           init_hook_tables)
+                           guard_options_of, init_hook_tables)
 from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, check_name, is_zero_redundancy
-
-
-def _options(policy, policy_yaml, process_group, store, options):
-    """One ``_C.GuardOptions`` from the keywords: the names and types are the C++ struct's."""
-    unknown = sorted(set(options) - set(_C.GuardOptions.fields))
-    if unknown:
-        raise TypeError("stepguard: unknown option %s (known: %s)"
-                        % (", ".join(unknown), ", ".join(_C.GuardOptions.fields)))
-    out = _C.GuardOptions()
-    named = dict(policy=policy, policy_yaml=policy_yaml, process_group=process_group, store=store)
-    for name, value in named.items():
-        if value is not None:  # None: not given
-            setattr(out, name, value)
-    for name, value in options.items():  # a keyword given is a value, None included
-        setattr(out, name, value)
-    return out
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -121,7 +105,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         # it), so Optimizer.__init__, which would rebuild them, is not called; what else it sets
         # up is: the hook tables its public registrars (register_step_pre_hook, ...) fill.
         init_hook_tables(self)
-        guard_options = _options(policy, policy_yaml, process_group, store, options)
+        guard_options = guard_options_of(policy, policy_yaml, process_group, store, options)
         if is_zero_redundancy(optimizer):
             check_zero_group(optimizer, process_group)
         check_default_group(process_group)

@@ -1,11 +1,12 @@
 """The checks a GuardedOptimizer makes when it is built, and the hook tables it sets up: kept
 apart from the guard's step (stepguard/_guard.py)."""
 
+import difflib
 from collections import OrderedDict
 
 import torch
 
-from . import _amp
+from . import _C, _amp
 
 
 def init_hook_tables(optimizer):
@@ -66,3 +67,21 @@ def check_zero_group(optimizer, process_group):
             "stepguard: the guard's process_group has %d ranks, fewer than the %d this "
             "ZeroRedundancyOptimizer shards its state over; give it the optimizer's group or one "
             "that contains it" % (size, optimizer.world_size))
+
+
+def guard_options_of(policy, policy_yaml, process_group, store, options):
+    """One ``_C.GuardOptions`` from the keywords: the names and types are the C++ struct's."""
+    unknown = sorted(set(options) - set(_C.GuardOptions.fields))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], _C.GuardOptions.fields, n=1)
+        raise TypeError("stepguard: unknown option %s%s (known: %s)"
+                        % (", ".join(unknown), " (did you mean %s?)" % near[0] if near else "",
+                           ", ".join(_C.GuardOptions.fields)))
+    out = _C.GuardOptions()
+    named = dict(policy=policy, policy_yaml=policy_yaml, process_group=process_group, store=store)
+    for name, value in named.items():
+        if value is not None:  # None: not given
+            setattr(out, name, value)
+    for name, value in options.items():  # a keyword given is a value, None included
+        setattr(out, name, value)
+    return out

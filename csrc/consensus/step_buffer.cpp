@@ -91,9 +91,9 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
         .copy_(at::maximum(buffer_.select(0, step_slot::kInputRanks), counted));
   }
   buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
-  if (evidence.grads_bad_before_reduction.defined()) {
+  if (evidence.watched_grad_sum.defined()) {
     const at::Tensor watched =
-        evidence.grads_bad_before_reduction.to(buffer_.device(), at::kDouble);
+        at::isfinite(evidence.watched_grad_sum).logical_not().to(buffer_.device(), at::kDouble);
     buffer_.select(0, step_slot::kProbeRanks)
         .copy_(at::maximum(buffer_.select(0, step_slot::kProbeRanks), watched));
   }

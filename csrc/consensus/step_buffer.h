@@ -74,10 +74,10 @@ struct LocalEvidence {
   bool inputs_bad = false;    ///< known on the host (e.g. sequences of length 0)
   at::Tensor inputs_counted;  ///< 0-d bool on the device: check_inputs() counted bad values
   bool probe_bad = false;
-  /// 0-d bool on the device (undefined: not watched): this rank's own gradients held NaN/Inf
-  /// before the framework reduced them. Counted with the probes: evidence from before the
-  /// reduction, which names this rank as an origin.
-  at::Tensor grads_bad_before_reduction;
+  /// 0-d on the device (undefined: not watched): the sum of this rank's own gradients before
+  /// the framework reduced them, NaN/Inf when one held NaN/Inf. Counted with the probes:
+  /// evidence from before the reduction, which names this rank as an origin.
+  at::Tensor watched_grad_sum;
   /// No checkpoint write of this rank is still running (checkpoints become visible only once
   /// every rank's has finished).
   bool checkpoint_written = true;

@@ -251,12 +251,10 @@ Found forward_pass(const Evidence& e) {
   std::vector<std::string> fixes;
   if (!e.inputs_checked)
     fixes.push_back("check the batch first: check_inputs(batch), or look at it");
-  for (const char* f :
-       {"add an eps to divisions and normalizations (0/0)",
-        "clamp before log and sqrt (log(0), sqrt of a negative)",
-        "subtract the max before exp/softmax; look for all-masked attention rows"}) {
-    fixes.push_back(f);
-  }
+  fixes.insert(fixes.end(),
+               {"add an eps to divisions and normalizations (0/0)",
+                "clamp before log and sqrt (log(0), sqrt of a negative)",
+                "subtract the max before exp/softmax; look for all-masked attention rows"});
   return diagnosis(Cause::kForward, std::move(evidence), std::move(fixes));
 }
 

@@ -119,11 +119,9 @@ std::vector<PolicyIssue> check_policy_file(const std::string& path, PolicyConfig
     if (const std::string* preset = find_policy_preset(path)) {
       return parse_policy(*preset, "preset '" + path + "'", config);
     }
-    std::vector<std::string> names;
-    for (const auto& preset : policy_presets()) names.push_back(preset.first);
     return {{path, 0, 0,
-             "no policy file of that name and no shipped preset" +
-                 detail::did_you_mean(path, names) + " (presets: " + detail::join(names) + ")"}};
+             "no policy file of that name and no shipped preset" + preset_suggestion(path) +
+                 " (presets: " + policy_preset_names() + ")"}};
   }
   // A policy is a page of YAML: a FIFO, a device or a file past this is refused unread.
   constexpr std::int64_t kMaxPolicyBytes = std::int64_t{1} << 20;

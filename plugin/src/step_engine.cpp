@@ -302,7 +302,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     local_evidence.inputs_counted = input_check_->any_counted();
   }
   local_evidence.probe_bad = probes_.any_nonfinite();
-  local_evidence.grads_bad_before_reduction = grads_bad_before_reduction_;
+  local_evidence.watched_grad_sum = watched_grad_sum_;
   local_evidence.checkpoint_written = recovery_.checkpoint_written();
   std::optional<at::Tensor> fingerprint;
   if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());

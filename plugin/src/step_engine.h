@@ -252,9 +252,9 @@ class StepEngine {
   /// This step's check_inputs(), if it was called (its inputs are saved with a report).
   std::shared_ptr<const forensics::InputCheck> input_check_;
   forensics::Probes probes_;
-  /// 0-d bool on the gradients' device: a watched gradient held NaN/Inf this step (undefined
-  /// until watch_gradient() is first called).
-  at::Tensor grads_bad_before_reduction_;
+  /// 0-d fp64 on the gradients' device: the sum of this step's watched gradients, NaN/Inf when
+  /// one of them held NaN/Inf (undefined until watch_gradient() is first called).
+  at::Tensor watched_grad_sum_;
   /// What probes saw during a forensic replay (the user's, and the module hooks the Python guard
   /// attaches for the replay when set_replay() was given the model).
   forensics::Probes replay_probes_;

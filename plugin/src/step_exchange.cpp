@@ -10,9 +10,6 @@
 
 namespace stepguard {
 
-// With sharded gradients only the ranks holding a bad shard know its parameter; every rank joins
-// one more collective on such a step (the agreed count says so on all of them) so that every
-// rank names it. Parameters are in the same order on every rank.
 // Every rank's blamed gradients, by name, to every rank (names, not indices: the ranks' lists
 // differ under pipeline parallelism and sharding). Two collectives, on a non-finite step only:
 // the lengths, then the names, one byte per slot, -1 between names.

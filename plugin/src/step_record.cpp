@@ -98,7 +98,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   // condition is the same on every rank: the layout and the faulty ranks are agreed).
   const int world = consensus_->world_size();
   if (world > 1 && g.nonfinite_count() > 0 &&
-      (!job_replicated_ || !g.ranks_named || static_cast<int>(faulty.size()) < world)) {
+      (!job_replicated_ || static_cast<int>(faulty.size()) < world)) {
     f.blamed = blame_across_ranks(f.blamed, step_);
   }
   forensics::Evidence& ev = f.evidence;
@@ -135,7 +135,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   }
   weight_evidence(port_.parameters(), names, &ev);
   ev.grads_bad_before_reduction =  // one read, on incident steps
-      grads_bad_before_reduction_.defined() && grads_bad_before_reduction_.item<bool>();
+      watched_grad_sum_.defined() && !std::isfinite(watched_grad_sum_.item<double>());
   probes_.fill(&ev);
   // Under data parallelism a fault of one rank reaches every rank's gradients through the
   // average: only the ranks it came from replay and classify on their own evidence.
@@ -220,7 +220,7 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
   while (history_.size() > kHistory) history_.pop_front();
   input_check_.reset();
   probes_.clear();
-  if (grads_bad_before_reduction_.defined()) grads_bad_before_reduction_.zero_();
+  if (watched_grad_sum_.defined()) watched_grad_sum_.zero_();
   if (replay_) forward_rng_ = checkpoint::capture_rng();  // for the next step's replays
   return report;
 }
@@ -319,12 +319,13 @@ at::Tensor StepEngine::probe(const std::string& name, const at::Tensor& output) 
 
 void StepEngine::watch_gradient(const at::Tensor& grad) {
   if (replaying_ || !grad.defined() || !at::isFloatingType(grad.scalar_type())) return;
-  // A sum in fp64 is NaN/Inf exactly when an element is (no bool copy of the gradient).
-  const at::Tensor bad = at::isfinite(grad.detach().sum(at::kDouble)).logical_not();
-  if (!grads_bad_before_reduction_.defined()) {
-    grads_bad_before_reduction_ = bad.clone();
+  // A sum in fp64 is NaN/Inf exactly when an element is (no bool copy of the gradient); the
+  // step's sums add up into one, judged once when the step packs its buffer.
+  const at::Tensor sum = grad.detach().sum(at::kDouble);
+  if (!watched_grad_sum_.defined()) {
+    watched_grad_sum_ = sum;
   } else {
-    grads_bad_before_reduction_.logical_or_(bad.to(grads_bad_before_reduction_.device()));
+    watched_grad_sum_.add_(sum.to(watched_grad_sum_.device()));
   }
 }
 

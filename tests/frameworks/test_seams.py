@@ -5,12 +5,14 @@ all back, a second callback on the same Trainer is refused, and a framework func
 changed since the tested releases (a modified copy put in its place) is refused at attach,
 naming it, unless the user opts in."""
 
+import math
 import types
 
 import pytest
 import torch
 import lightning.pytorch as pl
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 from hf_worker import RandomTokens
 from stepguard.integrations import _seams
@@ -40,13 +42,14 @@ def _declared(framework):
 
 
 # --- HF Trainer -----------------------------------------------------------------------------
-def _hf_trainer(out):
+def _hf_trainer(out, **arguments):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
                                        n_positions=32, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
                              learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
-                             seed=7, dataloader_num_workers=0, disable_tqdm=True)
+                             seed=7, dataloader_num_workers=0, disable_tqdm=True,
+                             **arguments)
     return Trainer(model=model, args=args, train_dataset=RandomTokens(64, 16, 64))
 
 
@@ -140,6 +143,40 @@ def test_hf_a_step_whose_loss_never_reached_the_guard_is_an_error(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+class _NaNBeforeTheUpdate(TrainerCallback):
+    """A user's callback that changes a gradient after the Trainer's clip, in
+    on_pre_optimizer_step (here: NaN into one element at step 2)."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:  # the Trainer's second step
+            next(model.parameters()).grad.view(-1)[3] = float("nan")
+
+
+@pytest.mark.parametrize("framework_norm", [False, True])
+def test_hf_a_gradient_changed_in_on_pre_optimizer_step_is_judged(tmp_path, framework_norm):
+    """The verdict is taken in the Trainer's optimizer.step(), after every on_pre_optimizer_step
+    callback (the Trainer's clip, where the norm is measured, runs before them): a NaN put there
+    is skipped, not applied, and the Trainer logs a NaN norm for that step; the clean steps
+    around it are applied with the norm the guard agreed (accelerate's own with
+    framework_norm)."""
+    trainer = _hf_trainer(tmp_path, logging_steps=1)
+    callback = sg_transformers.StepguardCallback(framework_norm=framework_norm).attach(trainer)
+    trainer.add_callback(_NaNBeforeTheUpdate())  # after the guard's, as a user adds one
+    params = []
+    trainer.add_callback(type("Record", (TrainerCallback,), {"on_step_end": lambda *a, **k: (
+        params.append([p.detach().clone() for p in trainer.model.parameters()]))}))
+    trainer.train()
+    totals = callback.guard.stats().totals
+    assert (totals.applied, totals.skipped) == (STEPS - 1, 1)
+    assert all(torch.isfinite(p).all() for step in params for p in step)
+    assert all(torch.equal(a, b) for a, b in zip(params[0], params[1]))  # step 2 not applied
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    outcomes = [e["stepguard/outcome"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(logged) == STEPS and math.isnan(logged[1]), logged
+    assert outcomes == ["applied", "skipped", "applied"], outcomes
+    assert all(math.isfinite(n) and n > 0 for n in (logged[0], logged[2])), logged
+
+
 # --- Lightning ------------------------------------------------------------------------------
 def _lightning_trainer(root, callbacks):
     return pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, gradient_clip_val=1.0,
@@ -221,7 +258,7 @@ def test_the_readme_lists_the_seams_table():
     readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
     with open(readme, encoding="utf-8") as f:
         text = f.read()
-    for framework in ("torch", "transformers", "lightning", "deepspeed", "torchtitan"):
+    for framework in ("torch", "transformers", "lightning", "deepspeed", "megatron", "torchtitan"):
         section = text.split("<!-- seams: %s -->" % framework, 1)[1].split("<!-- seams:", 1)[0]
         listed = set(re.findall(r"^- `([^`]+)` \((\w+)\)", section, flags=re.M))
         table = {(seam.where, seam.kind) for seam in _seams.SEAMS[framework]}

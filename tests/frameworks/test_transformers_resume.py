@@ -154,17 +154,30 @@ class _RaiseOnce(transformers.TrainerCallback):
             raise RuntimeError("interrupted between the clip and the step")
 
 
-def test_a_verdict_whose_step_never_came_is_settled_not_applied_and_not_reused(tmp_path):
+def test_a_step_interrupted_before_its_update_is_neither_judged_nor_applied(tmp_path):
+    """An exception in an on_pre_optimizer_step callback, after the Trainer's clip: the verdict
+    (taken in the Trainer's optimizer.step()) never came, nothing was applied, and the next
+    train() does not reuse the interrupted step's clip."""
     trainer, callback = _trainer(tmp_path / "interrupted")
     trainer.add_callback(_RaiseOnce(at=3))
+    before = None
+
+    class Keep(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            nonlocal before
+            before = _flat(trainer.model)
+
+    trainer.add_callback(Keep())
     with pytest.raises(RuntimeError, match="between the clip and the step"):
         trainer.train()
-    stats = callback.guard.stats()  # step 3's verdict taken, its step not yet settled
-    assert callback.guard.pending is not None and stats.step_count == 3 and stats.totals.steps == 2
+    stats = callback.guard.stats()  # step 3 clipped by the Trainer, never judged
+    assert callback.guard.deferred is not None and callback.guard.pending is None
+    assert stats.step_count == 2 and stats.totals.steps == 2
+    assert torch.equal(_flat(trainer.model), before)  # as step 2 left it
     trainer.train()  # a fresh run on the same Trainer (8 steps, the NaN at its step 2 again)
     stats = callback.guard.stats()
-    assert stats.step_count == 3 + MAX_STEPS and callback.last_report.step == 3 + MAX_STEPS
-    assert stats.totals.skipped == 3  # the NaN steps of both runs and the interrupted one
+    assert stats.step_count == 2 + MAX_STEPS and callback.last_report.step == 2 + MAX_STEPS
+    assert stats.totals.skipped == 2  # the NaN steps of both runs
     assert bool(torch.isfinite(_flat(trainer.model)).all())
 
 

@@ -39,11 +39,21 @@ class ScalerPort(TorchOptimPort):
     def __init__(self, optimizer, named_parameters, scaler=None, layout=None):
         super().__init__(optimizer, named_parameters, layout=layout)
         self.scaler = scaler
+        self.held_scale = None  # hold_scale()'s copy, for a verdict taken after update()
+
+    def hold_scale(self):
+        """Keeps this step's scale (a device copy, no host read) for a verdict that may come
+        after the scaler's ``update()`` (which changes the scale in place): the HF Trainer's,
+        taken after its callbacks, on a step the scaler left out."""
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.held_scale = self.scaler._get_scale_async().clone()
 
     def framework_loss_scale(self):
+        held, self.held_scale = self.held_scale, None
         if self.scaler is None or not self.scaler.is_enabled():
             return None
-        return float(self.scaler.get_scale()), GRAD_SCALER_FLOOR, False
+        scale = held if held is not None else self.scaler.get_scale()
+        return float(scale), GRAD_SCALER_FLOOR, False
 
 
 def _state(scaler, optimizer):

@@ -244,9 +244,10 @@ SEAMS: Dict[str, List[Seam]] = {
              "the checkpoint train() resumes from, which no callback event names",
              (_T + "train", "transformers.trainer_utils.get_last_checkpoint")),
         Seam("accelerate.accelerator.Accelerator.clip_grad_norm_", "replaces",
-             "the verdict is taken where the Trainer measures the grad norm, which gets the "
-             "agreed norm; the clip runs in the guarded step",
-             (_T + "_clip_grad_norm", "accelerate.accelerator.Accelerator.clip_grad_norm_")),
+             "the Trainer's clip hands back the norm the verdict fills; the verdict and the "
+             "clip run in the guarded step, after the on_pre_optimizer_step callbacks",
+             (_T + "_clip_grad_norm", "accelerate.accelerator.Accelerator.clip_grad_norm_",
+              _T + "_run_epoch")),
         Seam(_A + "optimizer", "writes",
              "the Trainer's optimizer.step() is the guarded step", (_A + "__init__", _A + "step")),
         Seam(_A + "_optimizer_original_step_method", "writes",
@@ -321,9 +322,10 @@ SEAMS: Dict[str, List[Seam]] = {
 
 
 if __name__ != "__main__":  # run as a program, the package's own module below is the one
-    from . import _seams_deepspeed, _seams_torchtitan  # noqa: E402  (their tables need Seam)
+    from . import _seams_deepspeed, _seams_megatron, _seams_torchtitan  # noqa: E402
 
-    for _name, _table in (("deepspeed", _seams_deepspeed), ("torchtitan", _seams_torchtitan)):
+    for _name, _table in (("deepspeed", _seams_deepspeed), ("megatron", _seams_megatron),
+                          ("torchtitan", _seams_torchtitan)):
         TESTED_SOURCES[_name] = _table.TESTED
         SEAMS[_name] = _table.SEAMS
 

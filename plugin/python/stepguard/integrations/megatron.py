@@ -55,8 +55,11 @@ scale of the step's backward (the report's ``loss_scale``), an overflow is skipp
 skips it, and what the scale cannot fix (a NaN loss, the scale at ``min_loss_scale``) goes by the
 policy. Megatron also calls ``grad_scale_func`` on ``torch.ones(1)`` for the scale of MoE's
 auxiliary loss; only a loss that requires grad is taken for the step's. Refused with a message:
-multi-token-prediction models (not run with the guard) and fp16 with a chain of several
-optimizers (each has its own grad scaler).
+multi-token-prediction models (not run with the guard), parameters in one of Megatron 0.19's
+separate grad-norm groups, Megatron-FSDP, and fp16 with a chain of several optimizers (each has
+its own grad scaler). What the guarded step relies on beyond Megatron's public stages is
+declared in ``_seams_megatron.py`` and fingerprinted: a release whose code there changed is
+refused, naming it (``allow_untested_framework=True``: a warning).
 """
 
 import math
@@ -68,6 +71,7 @@ from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
 from ._core import TESTED, check_version, finish_step, guard_options, load_guard_state
 from ._chain import ChainedTorchOptimizer
+from ._seams import check_seams
 
 
 # The oldest and the newest megatron-core release the framework tests ran: the public stages
@@ -92,17 +96,22 @@ class GuardedMegatronOptimizer:
     are the wrapped optimizer's, so Megatron's training and checkpointing code take it as is."""
 
     def __init__(self, megatron_optimizer, model=None, *, policy=None, policy_yaml=None,
-                 process_group=None, framework_norm=False, **options):
+                 process_group=None, framework_norm=False, allow_untested_framework=False,
+                 **options):
         """``model``: the model chunk (or list of chunks) the optimizer was built for, which
         names the parameters in reports; the optimizer's own ``model_chunks`` when left out.
         ``framework_norm``: Megatron computes its own norm for its clip (``get_grad_norm()``,
         one more norm and all-reduce per step, as without the guard), so a clean step is
         bitwise Megatron's own; default: Megatron clips with the guard's agreed norm (computed
-        once; it can differ from Megatron's fp32 norm in the last bits)."""
+        once; it can differ from Megatron's fp32 norm in the last bits).
+        ``allow_untested_framework``: run on a Megatron whose functions the guarded step relies
+        on (``_seams_megatron``) changed since the tested releases, with a warning (refused
+        otherwise, naming them)."""
         if not isinstance(framework_norm, bool):
             raise TypeError("stepguard: framework_norm must be a bool, got %s"
                             % type(framework_norm).__name__)
         check_megatron_version()
+        check_seams("megatron", allow_untested_framework)
         chunks = getattr(megatron_optimizer, "model_chunks", None) if model is None else model
         if chunks is None or (isinstance(chunks, (list, tuple)) and not chunks):
             raise TypeError("stepguard: this %s does not know its model: pass the model chunks "
@@ -249,6 +258,14 @@ def _refuse_unguarded(inner, chunks):
     norm-threshold skip (which the guarded step bypasses)."""
     for chunk in chunks:
         config = getattr(chunk, "config", None)
+        if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+            raise ValueError("stepguard: Megatron-FSDP is not guarded yet (not run with the "
+                             "guard; its clip uses decoupled gradients)")
+        tagged = sorted({str(getattr(p, "grad_norm_group")) for p in chunk.parameters()
+                         if getattr(p, "grad_norm_group", None) is not None})
+        if tagged:  # megatron-core 0.19: a group with its own norm and clip
+            raise ValueError("stepguard: parameters in Megatron's separate grad-norm groups %s "
+                             "(their own norm and clip) are not guarded yet" % tagged)
         if (getattr(config, "num_moe_experts", None) is not None
                 and getattr(getattr(inner, "config", None), "fp16", False)):
             # From the config, so that every rank refuses (a pipeline stage without MoE layers

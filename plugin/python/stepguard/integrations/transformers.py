@@ -21,10 +21,13 @@ blamed tensors), and every rank logs a warning line per incident.
 ``attach(trainer)`` also hands the guard what no Trainer callback sees: each step's loss (the
 sum of what ``training_step`` returns for its micro-batches, i.e. the mean micro-batch loss, as
 the Trainer logs it), the checkpoint ``train(resume_from_checkpoint=...)`` resumes from, and,
-under DDP or one process, the grad norm the Trainer measures before its clip
-(``max_grad_norm``): the guard's verdict is taken there, on the gradients as backward left them
-(blame names the bad tensor), and its agreed norm is what the Trainer logs and clips with (the
-norm is computed once); the clip runs in the guarded step, on applied steps only. After
+under DDP or one process, the Trainer's clip (``max_grad_norm``): the guard's verdict is taken
+in the Trainer's ``optimizer.step()``, after every ``on_pre_optimizer_step`` callback (a
+gradient a callback changes there is judged), on the gradients unclipped (blame names the bad
+tensor); its agreed norm is what the Trainer logs and clips with (the norm is computed once;
+Inf or NaN on a step with non-finite gradients, as accelerate alone logs), and the clip runs
+in the guarded step, on applied steps only, so after those callbacks (the Trainer alone clips
+before them). After
 ``attach``, a step whose loss never reached the guard (a Trainer that no longer calls
 ``training_step``) raises before anything is judged or applied. Passed in
 ``Trainer(callbacks=[...])`` without ``attach``, the callback guards on the (already clipped)
@@ -63,6 +66,7 @@ iterator is out of reach; the batch of the bad step itself is dropped, and the c
 once per run).
 """
 
+import math
 import os
 
 import torch
@@ -82,10 +86,44 @@ from .deepspeed import check_config, guard_trainer_engine
 logger = transformers.utils.logging.get_logger(__name__)
 
 _INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reason")
-# The guard inside the Trainer's AcceleratedOptimizer (with ``attach``, its verdict is taken
-# where the Trainer measures the grad norm; the Trainer's optimizer.step() then clips from the
-# agreed norm, runs the update the verdict allows and settles).
-_TrainerGuard = SeamGuard
+class _TrainerGuard(SeamGuard):
+    """The guard inside the Trainer's AcceleratedOptimizer. With ``attach``, the Trainer's clip
+    (``accelerator.clip_grad_norm_``) hands back a norm tensor (``deferred``) and the verdict is
+    taken in the Trainer's ``optimizer.step()``, after every ``on_pre_optimizer_step`` callback,
+    so that a gradient a callback changed there is judged; the verdict fills that tensor (the
+    norm the Trainer logs), then the step clips, runs the update the verdict allows and
+    settles."""
+
+    deferred = None  # (parameters, the norm tensor the Trainer logs, framework_norm)
+
+    def take_verdict(self):
+        fresh = self.pending is None
+        verdict = super().take_verdict()
+        if fresh and self.deferred is not None:
+            parameters, norm, framework_norm = self.deferred
+            if verdict.nonfinite_count:
+                # What accelerate alone logs for such a step (Inf or NaN stays visible).
+                norm.copy_(torch.nn.utils.get_total_norm(
+                    [p.grad for p in parameters if p.grad is not None]))
+            elif not (framework_norm and verdict.applies):
+                norm.fill_(verdict.grad_norm)
+        return verdict
+
+    def step(self, closure=None):
+        if self.deferred is not None:
+            verdict = self.take_verdict()
+            parameters, norm, framework_norm = self.deferred
+            self.deferred = None
+            if framework_norm and verdict.applies and not self._unapplied:
+                # accelerate's own norm and clip (torch's), the policy's clip after it.
+                norm.copy_(torch.nn.utils.clip_grad_norm_(parameters, self.max_norm))
+                policy_clip_after(parameters, self.max_norm, verdict)
+                self.clipped = True
+        return super().step(closure)
+
+    def drop_pending(self):
+        self.deferred = self._port.held_scale = None
+        super().drop_pending()
 
 
 def _state_file(checkpoint, rank):
@@ -218,21 +256,15 @@ class StepguardCallback(transformers.TrainerCallback):
                 if (guard is None or norm_type != 2
                         or any(is_dtensor(p.grad) for p in parameters if p.grad is not None)):
                     return clip_grad_norm_(parameters, max_norm, norm_type)
-                verdict = self._take_verdict()
-                if self.framework_norm and verdict.applies:
-                    # accelerate's own norm and clip (on the gradients unscaled above, as its
-                    # clip_grad_norm_ runs torch's), the policy's clip after it.
-                    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
-                    policy_clip_after(parameters, max_norm, verdict)
-                    guard.clipped = True
-                    return norm
+                if guard.pending is None and self._optimizer.scaler is not None:
+                    unscale_once(self._optimizer.scaler, guard)  # as accelerate's clip does
+                    guard._port.hold_scale()  # the backward's, for a verdict after update()
+                # The verdict in the Trainer's optimizer.step(), after the callbacks' changes.
                 guard.max_norm = max_norm
-                if verdict.nonfinite_count:
-                    # What accelerate alone logs for this step (Inf or NaN: an overflow stays
-                    # visible in the logs); measured on such steps only.
-                    return torch.nn.utils.get_total_norm(
-                        [p.grad for p in parameters if p.grad is not None])
-                return torch.tensor(verdict.grad_norm)
+                device = parameters[0].device if parameters else None
+                guard.deferred = (parameters, torch.full((), math.nan, device=device),
+                                  self.framework_norm)
+                return guard.deferred[1]
 
             self._patches.set(accelerator, "clip_grad_norm_", clip_from_verdict_)
 
@@ -386,9 +418,9 @@ class StepguardCallback(transformers.TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.guard is not None and self._engine_guard is None:
             self.guard.last_report = None
-            if self._optimizer.scaler is not None:
+            if self._optimizer.scaler is not None and self.guard.deferred is None:
                 # fp16: the scaler calls the guard's step on finite gradients only; the verdict
-                # is taken here when the clip did not take it.
+                # is taken here when the clip did not hand it to the step.
                 self._take_verdict()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -404,7 +436,8 @@ class StepguardCallback(transformers.TrainerCallback):
             self._seen_report = report
         else:
             report, self.guard.last_report = self.guard.last_report, None
-            if report is None and self.guard.pending is not None:
+            if report is None and (self.guard.pending is not None
+                                   or self.guard.deferred is not None):
                 # fp16: accelerate's GradScaler found Inf or NaN on this rank and left the
                 # guard's step out (it backed the scale off); the guard's decision is carried
                 # out now.

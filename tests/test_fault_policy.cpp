@@ -289,11 +289,14 @@ TEST(DefaultPreset, TheWatchSurvivesTheStateRoundTrip) {
   EXPECT_EQ(other.engine_state(), run.controller.engine_state());
   EXPECT_EQ(other.engine_state().watch.started, 61);
   EXPECT_FALSE(other.engine_state().loss_ema.recent.empty());
-  // A state of an earlier release (no recent windows, no watch) still decodes, with them empty.
+  // A state of an earlier release (no recent windows, no watch, no trend detectors) still
+  // decodes, with them empty.
   policy::EngineState older = run.controller.engine_state();
   std::vector<std::int64_t> engine_words = older.encode();
+  std::size_t trend_words = 1;  // the trend detectors' count, then each one's length and state
+  for (const std::vector<double>& t : older.trends) trend_words += 1 + t.size();
   const std::size_t tail =
-      2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() + 6 + 1;
+      2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() + 6 + 1 + trend_words;
   engine_words.resize(engine_words.size() - tail);
   const auto& rules = run.controller.config().rules;
   const policy::EngineState decoded =

@@ -105,6 +105,46 @@ TEST(Replay, BadTraceLinesNameFileAndLine) {
             "sg_replay_trace.jsonl:1: not a JSON object: nested deeper than 64 levels");
 }
 
+// What the trend detectors read is in the trace (world_size, loss_given_ranks, largest_lr): a
+// replay of a 2-rank run decides as it did.
+TEST(Replay, TheTrendDetectorsReadWhatTheTraceRecords) {
+  const std::string dir = ::testing::TempDir();
+  const std::string policy = dir + "/sg_trend_policy.yaml";
+  const std::string trace = dir + "/sg_trend_trace.jsonl";
+  std::ofstream(policy) << "version: 1\ndetectors:\n  stall: {steps: 3}\n"
+                           "  rank_loss_shift: {warmup: 10}\nrules:\n  - {on: stall, action: "
+                           "alert}\n  - {on: rank_loss_shift, action: skip_batch}\n";
+  {
+    std::ofstream t(trace);
+    for (int step = 1; step <= 30; ++step) {
+      nlohmann::json line = {{"step", step}, {"grad_norm", 1.0}, {"world_size", 2},
+                             {"loss_given_ranks", 2}, {"largest_lr", step <= 20 ? 1e-3 : 0.0}};
+      const double a = 2.0 + 0.01 * (step % 3);
+      const double b = step > 12 && step <= 18 ? 3.0 * a : a;  // rank 1 apart for 6 steps
+      line["loss"] = (a + b) / 2;
+      if (b > a) line["loss_max_bound"] = b;
+      t << line.dump() << "\n";
+    }
+  }
+  std::ostringstream out;
+  const ReplaySummary s = replay_trace({policy, trace, false}, out);
+  std::vector<int> shifted, stalled;
+  for (const auto& line : lines_of(out.str())) {
+    const auto signals = line.value("signals", nlohmann::json::array());
+    for (const auto& sig : signals) {
+      if (sig == "rank_loss_shift") shifted.push_back(line["step"]);
+      if (sig == "stall") stalled.push_back(line["step"]);
+    }
+  }
+  EXPECT_EQ(shifted, (std::vector<int>{15, 16, 17, 18, 19, 20})) << out.str();
+  EXPECT_EQ(stalled, (std::vector<int>{23, 26, 29})) << out.str();
+  EXPECT_EQ(s.skipped, 6);
+  std::remove(policy.c_str());
+  std::remove(trace.c_str());
+  EXPECT_EQ(replay_error("{\"step\": 1, \"loss\": 1, \"world_size\": 0}\n"),
+            "sg_replay_trace.jsonl:1: 'world_size' must be a whole number in [1, 2^30], got 0");
+}
+
 TEST(Replay, MissingFilesAreClearErrors) {
   std::ostringstream out;
   try {

@@ -84,11 +84,24 @@ struct GlobalStats {
   /// and floor at this step (0: none). The policy reads them as it reads the guard's own scaler.
   double framework_loss_scale = 0.0;
   double framework_min_scale = 0.0;
+  /// Set by the engine: the largest learning rate of the wrapped optimizer's groups before the
+  /// guard's LR factor (NaN when the port cannot tell). The stall detector reads it.
+  double largest_lr = std::numeric_limits<double>::quiet_NaN();
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
   /// "This step is non-finite": a NaN/Inf gradient element or loss on some rank. The one
   /// definition the policy, the loss scaler and forensics read.
   bool nonfinite() const noexcept { return nonfinite_count() > 0 || loss_nonfinite_ranks > 0; }
+};
+
+/// What a trend detector (csrc/policy/trend.h) saw when it raised its signal: the figures and
+/// the sentence its incident's evidence carries.
+struct TrendNote {
+  Signal signal = Signal::kLossTrend;
+  double level = 0.0;      ///< the figure judged now (a window's mean loss, a rank's excess, ...)
+  double reference = 0.0;  ///< what it was judged against
+  std::int64_t since = 0;  ///< the step the trend began
+  std::string what;        ///< one sentence: what was seen
 };
 
 /// What the detectors raised on one step, plus the streak they track.
@@ -103,6 +116,7 @@ struct Signals {
   double grad_norm_level = 0.0;      ///< the grad norm's EMA mean before the spike
   std::int64_t diverging_since = 0;  ///< step of the spike that began the watch
   std::int64_t escalations = 0;      ///< kLossNotRecovered raised in this watch, this one too
+  std::vector<TrendNote> trends;     ///< one per trend signal raised
 
   bool has(Signal s) const noexcept {
     for (Signal r : raised) {

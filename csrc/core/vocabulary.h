@@ -58,6 +58,15 @@ enum class Signal : std::uint8_t {
   /// After a loss spike, the loss did not come back near its level from before the spike within
   /// the detector's window (detectors.loss_recovery): the divergence was not contained.
   kLossNotRecovered,
+  /// The loss rose smoothly over its own earlier level, for longer than a step change rises
+  /// (detectors.loss_trend): a divergence no spike test sees.
+  kLossTrend,
+  /// Training stopped moving: the grad norm exactly 0, the learning rate 0 or the loss the same
+  /// to the last bit, step after step (detectors.stall).
+  kStall,
+  /// One rank's loss stood out from the others' for several steps in a row
+  /// (detectors.rank_loss_shift): that rank's data or its shard of the model.
+  kRankLossShift,
 };
 
 /// The root causes forensics assigns to an incident, in the order they are checked.
@@ -106,7 +115,10 @@ inline constexpr Entry<Signal> kSignals[] = {{Signal::kNonfiniteGrad, "nonfinite
                                              {Signal::kLossScaleFloor, "loss_scale_floor"},
                                              {Signal::kReplicaDivergence, "replica_divergence"},
                                              {Signal::kOverflow, "overflow"},
-                                             {Signal::kLossNotRecovered, "loss_not_recovered"}};
+                                             {Signal::kLossNotRecovered, "loss_not_recovered"},
+                                             {Signal::kLossTrend, "loss_trend"},
+                                             {Signal::kStall, "stall"},
+                                             {Signal::kRankLossShift, "rank_loss_shift"}};
 inline constexpr Entry<ReplayMode> kReplayModes[] = {
     {ReplayMode::kAsIs, "as_is"}, {ReplayMode::kFp32, "fp32"}, {ReplayMode::kAnomaly, "anomaly"}};
 inline constexpr Entry<Cause> kCauses[] = {{Cause::kData, "data"},
@@ -140,11 +152,12 @@ inline constexpr Action kAllActions[] = {
     Action::kApply,   Action::kSkipBatch, Action::kClip,  Action::kDropLossScale,
     Action::kLowerLr, Action::kRollback,  Action::kAbort, Action::kAlert};
 inline constexpr Signal kAllSignals[] = {
-    Signal::kNonfiniteGrad,   Signal::kNonfiniteLoss,     Signal::kConsecutiveLimit,
-    Signal::kRankDesync,      Signal::kLossSpike,         Signal::kGradNormSpike,
-    Signal::kLossRatio,       Signal::kSkipBudget,        Signal::kRollbackBudget,
-    Signal::kLossScaleFloor,  Signal::kReplicaDivergence, Signal::kOverflow,
-    Signal::kLossNotRecovered};
+    Signal::kNonfiniteGrad,    Signal::kNonfiniteLoss,     Signal::kConsecutiveLimit,
+    Signal::kRankDesync,       Signal::kLossSpike,         Signal::kGradNormSpike,
+    Signal::kLossRatio,        Signal::kSkipBudget,        Signal::kRollbackBudget,
+    Signal::kLossScaleFloor,   Signal::kReplicaDivergence, Signal::kOverflow,
+    Signal::kLossNotRecovered, Signal::kLossTrend,         Signal::kStall,
+    Signal::kRankLossShift};
 inline constexpr Cause kAllCauses[] = {
     Cause::kData,       Cause::kForward,         Cause::kBackward, Cause::kPrecisionOverflow,
     Cause::kDivergence, Cause::kHardwareSuspect, Cause::kUnknown};

@@ -168,7 +168,16 @@ Found precision_overflow(const Evidence& e) {
   return diagnosis(Cause::kPrecisionOverflow, std::move(evidence), std::move(fixes));
 }
 
-// 5. Learning rate: values blowing up over the last steps.
+// 5. A trend detector's finding (a smooth rise, a stall, one rank's shifted loss), in its
+// kind's words, when no spike or non-finite value explains the step.
+Found trend(const Evidence& e) {
+  if (e.trend_findings.empty() || e.loss_spike || e.loss_nonfinite || e.grads_nonfinite) {
+    return std::nullopt;
+  }
+  return diagnosis(e.trend_cause, e.trend_findings, e.trend_fixes);
+}
+
+// 6. Learning rate: values blowing up over the last steps.
 Found divergence(const Evidence& e) {
   const double typical_norm = median(e.recent_grad_norms);
   const bool norm_blowup =
@@ -227,7 +236,7 @@ Found divergence(const Evidence& e) {
        "roll back and skip the batches around the spike (policy action rollback)"});
 }
 
-// 6. The forward pass made the loss non-finite from finite data and weights.
+// 7. The forward pass made the loss non-finite from finite data and weights.
 Found forward_pass(const Evidence& e) {
   if (!e.loss_nonfinite) return {};
   const std::string what = std::isinf(e.rank_loss)   ? "Inf"
@@ -258,7 +267,7 @@ Found forward_pass(const Evidence& e) {
   return diagnosis(Cause::kForward, std::move(evidence), std::move(fixes));
 }
 
-// 7. The backward pass made the gradients non-finite from a finite loss.
+// 8. The backward pass made the gradients non-finite from a finite loss.
 Found backward_pass(const Evidence& e) {
   if (!e.grads_nonfinite) return {};
   std::vector<std::string> evidence = {
@@ -285,8 +294,8 @@ Found backward_pass(const Evidence& e) {
 Diagnosis classify(const Evidence& e) {
   // The standard debugging order: the first check that explains the evidence names the cause.
   constexpr Found (*kDebuggingOrder[])(const Evidence&) = {
-      not_reproduced,     bad_data,   one_rank_spike, broken_weights, diverged_replica,
-      precision_overflow, divergence, forward_pass,   backward_pass};
+      not_reproduced,     bad_data, one_rank_spike, broken_weights, diverged_replica,
+      precision_overflow, trend,    divergence,     forward_pass,   backward_pass};
   for (auto check : kDebuggingOrder) {
     if (Found d = check(e)) return *d;
   }

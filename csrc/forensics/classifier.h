@@ -46,6 +46,12 @@ struct Evidence {
   std::int64_t diverging_steps = 0;  ///< steps since the spike that began the watch
   double grad_norm_level = 0.0;      ///< the grad norm's level before that spike
   std::int64_t escalations = 0;      ///< times loss_not_recovered was raised in this watch
+  // Trend detectors (csrc/policy/trend.h) that raised on this step: what each saw, and the
+  // cause and first fixes of the first one's kind (when nothing before it in the debugging
+  // order explains the step).
+  std::vector<std::string> trend_findings;
+  Cause trend_cause = Cause::kUnknown;
+  std::vector<std::string> trend_fixes;
   // Data (from check_inputs on this rank).
   bool inputs_checked = false;          ///< check_inputs() was called for this step
   std::vector<std::string> bad_inputs;  ///< e.g. "input 0: 64 NaN/Inf values"

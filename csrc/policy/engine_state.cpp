@@ -44,7 +44,12 @@ std::vector<std::int64_t> EngineState::encode() const {
         bits_of(watch.grad_norm_level), bits_of(watch.loss_now), watch.escalations}) {
     w.push_back(v);
   }
-  w.push_back(static_cast<std::int64_t>(rules_digest));  // appended in 0.9
+  w.push_back(static_cast<std::int64_t>(rules_digest));   // appended in 0.9
+  w.push_back(static_cast<std::int64_t>(trends.size()));  // appended with the trend detectors
+  for (const std::vector<double>& t : trends) {
+    w.push_back(static_cast<std::int64_t>(t.size()));
+    for (double v : t) w.push_back(bits_of(v));
+  }
   return w;
 }
 
@@ -121,6 +126,18 @@ EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::siz
     s.watch.escalations = next();
   }
   if (at < words.size()) s.rules_digest = static_cast<std::uint64_t>(next());
+  if (at < words.size()) {  // the trend detectors' states (their own checks at restore)
+    const std::int64_t kinds = next();
+    if (kinds < 0 || kinds > 64) {
+      throw std::invalid_argument("stepguard: policy state holds a bad trend detector count");
+    }
+    s.trends.resize(static_cast<std::size_t>(kinds));
+    for (std::vector<double>& t : s.trends) {
+      std::vector<std::int64_t> bits;
+      list(&bits);
+      for (std::int64_t b : bits) t.push_back(double_of(b));
+    }
+  }
   if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
   s.check_ranges();
   const bool other_rules =

@@ -191,6 +191,15 @@ PolicyEngine::PolicyEngine(PolicyConfig config)
   }
   state_.rules.resize(config_.rules.size());
   state_.rules_digest = rules_digest(config_.rules);
+  const std::vector<TrendKind>& kinds = trend_kinds();
+  if (config_.detectors.trends.size() != kinds.size()) {
+    throw std::invalid_argument("stepguard: the policy's trend detector settings do not match");
+  }
+  state_.trends.resize(kinds.size());
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    const TrendSettings& t = config_.detectors.trends[i];
+    trends_.push_back(t.enabled ? kinds[i].make(t.values) : nullptr);
+  }
 }
 
 void PolicyEngine::restore(const EngineState& state) {
@@ -199,14 +208,60 @@ void PolicyEngine::restore(const EngineState& state) {
                                 std::to_string(state.rules.size()) + " rules, the policy has " +
                                 std::to_string(config_.rules.size()));
   }
-  state_ = state;
-  state_.rules_digest = rules_digest(config_.rules);
+  EngineState next = state;
+  next.rules_digest = rules_digest(config_.rules);
+  restore_trends(next.trends);
+  state_ = std::move(next);
 }
 
 void PolicyEngine::restore_detectors(const EngineState& state) {
+  std::vector<std::vector<double>> trends = state.trends;
+  restore_trends(trends);
   state_.loss_ema = state.loss_ema;
   state_.grad_norm_ema = state.grad_norm_ema;
   state_.loss_ratio = state.loss_ratio;
+  state_.trends = std::move(trends);
+}
+
+void PolicyEngine::restore_trends(std::vector<std::vector<double>>& trends) {
+  trends.resize(trends_.size());  // a state of an earlier release: fresh detectors
+  try {
+    for (std::size_t i = 0; i < trends_.size(); ++i) {
+      if (trends_[i] == nullptr) {
+        trends[i].clear();  // off in this policy
+      } else {
+        trends_[i]->restore(trends[i]);
+      }
+    }
+  } catch (const std::invalid_argument&) {
+    for (std::size_t i = 0; i < trends_.size(); ++i) {  // every detector as it was
+      if (trends_[i] != nullptr) trends_[i]->restore(state_.trends[i]);
+    }
+    throw;
+  }
+}
+
+void PolicyEngine::detect_trends(const StepInput& input, Signals* signals) {
+  const GlobalStats& g = input.stats;
+  TrendInput in;
+  in.step = input.step;
+  in.stats = &g;
+  in.judged = g.nonfinite_count() == 0 && g.loss_nonfinite_ranks == 0 && !g.sum_squares_overflow &&
+              std::isfinite(g.grad_norm);
+  in.lr_factor = input.lr_factor;
+  in.watching = state_.watch.started > 0;
+  for (std::size_t i = 0; i < trends_.size(); ++i) {
+    if (trends_[i] == nullptr) continue;
+    TrendNote note;
+    if (trends_[i]->observe(in, &note)) {
+      signals->raised.push_back(note.signal);
+      if (note.signal == Signal::kRankLossShift && signals->loss_level == 0.0) {
+        signals->loss_level = note.reference;  // the level the rank is named against
+      }
+      signals->trends.push_back(std::move(note));
+    }
+    state_.trends[i] = trends_[i]->state();
+  }
 }
 
 void PolicyEngine::detect(const StepInput& input, Signals* signals) {
@@ -366,6 +421,7 @@ Verdict PolicyEngine::evaluate(const StepInput& input) {
   Verdict v;
   Signals& signals = v.signals;
   detect(input, &signals);
+  detect_trends(input, &signals);
   std::vector<const Rule*> fired;
   run_rules(input.step, signals, &fired);
 

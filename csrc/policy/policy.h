@@ -18,6 +18,7 @@
 #include "csrc/core/report.h"
 #include "csrc/core/stats.h"
 #include "csrc/policy/detectors.h"
+#include "csrc/policy/trend.h"
 
 namespace stepguard {
 namespace policy {
@@ -69,6 +70,8 @@ struct DetectorSettings {
   /// Replica check: every this many steps (and on the step after every incident) the ranks
   /// compare a fingerprint of their parameters; 0 turns it off. `detectors.replica_divergence`.
   std::int64_t replica_every = 100;
+  /// The trend detectors (csrc/policy/trend.h), one entry per trend_kinds() entry, in its order.
+  std::vector<TrendSettings> trends = default_trend_settings();
 };
 
 /// An action and its parameters, as a rule or a limit names it.
@@ -194,13 +197,15 @@ struct EngineState {
   /// rules_digest() of the policy whose rules `rules` belongs to (0: a state of an earlier
   /// release, which did not record it). Not compared: it names the policy, not the state.
   std::uint64_t rules_digest = 0;
+  /// Each trend detector's state, in trend_kinds() order (empty: fresh, or off).
+  std::vector<std::vector<double>> trends;
 
   bool operator==(const EngineState& o) const noexcept {
     return consecutive_bad_steps == o.consecutive_bad_steps &&
            bad_steps_total == o.bad_steps_total && loss_ema == o.loss_ema &&
            grad_norm_ema == o.grad_norm_ema && loss_ratio == o.loss_ratio && rules == o.rules &&
            recent_skips == o.recent_skips && recent_rollbacks == o.recent_rollbacks &&
-           watch == o.watch;
+           watch == o.watch && trends == o.trends;
   }
   /// The state as 64-bit words (doubles by their bits), and back. decode() throws
   /// std::invalid_argument on words that do not describe a state; words of an earlier release
@@ -227,6 +232,7 @@ struct StepInput {
   /// Loss scaling is on and the scale can still come down (above its floor, or no floor): an
   /// overflow is then the scaler's to handle.
   bool loss_scale_can_drop = false;
+  double lr_factor = 1.0;  ///< the guard's LR factor before this step's decision
 };
 
 /// What the engine found and decided on one step.
@@ -261,6 +267,11 @@ class PolicyEngine {
   /// kLossNotRecovered at the end of a window the loss did not come back in.
   void watch_recovery(std::int64_t step, double loss, double level, double grad_norm_level,
                       Signals* signals);
+  /// Each trend detector that is on takes its entry of `trends` (resized to one per kind; an
+  /// off detector's entry cleared). Throws std::invalid_argument on an entry it cannot take.
+  void restore_trends(std::vector<std::vector<double>>& trends);
+  /// The trend detectors that are on, each fed the step; raises their signals.
+  void detect_trends(const StepInput& input, Signals* signals);
   void run_rules(std::int64_t step, const Signals& signals, std::vector<const Rule*>* fired);
   double clip_target(const ActionSpec& spec) const;
 
@@ -269,6 +280,8 @@ class PolicyEngine {
   EmaZScore loss_spike_;
   EmaZScore grad_norm_spike_;
   RatioRule loss_ratio_;
+  /// One per trend_kinds() entry; null where the policy leaves it off.
+  std::vector<std::unique_ptr<TrendDetector>> trends_;
 };
 
 }  // namespace policy

@@ -87,6 +87,7 @@ struct PolicyMarks {
     YAML::Mark mark;
     std::string user;  ///< "rule '<name>'"
   };
+
   std::vector<std::string> configured_detectors;  ///< named under 'detectors', in file order
   std::vector<DetectorUse> detector_uses;
   std::vector<std::pair<std::size_t, YAML::Mark>> rule_on;  ///< rule index, position of its 'on'
@@ -94,6 +95,17 @@ struct PolicyMarks {
   YAML::Mark max_rollbacks;                                 ///< the 'limits.max_rollbacks' map
   YAML::Mark loss_scale_floor;                              ///< the 'limits.loss_scale_floor' map
 };
+
+// The trend detectors' sections (trend_reader.cpp).
+/// The keys `detectors` accepts: kDetectorKeys and every trend detector's.
+std::vector<std::string> detector_keys();
+/// Reads every trend detector's section of `detectors` into `out->trends`.
+void read_trends(const YAML::Node& detectors, DetectorSettings* out, Checker* check,
+                 PolicyMarks* marks);
+/// Turns on the trend detector `name` (a rule uses it); nothing when `name` is none.
+void enable_trend(const std::string& name, DetectorSettings* out);
+/// Whether `word` names a trend detector (and its signal).
+bool is_trend_key(const std::string& word);
 
 /// Reads the sections of `root` (a map; policy_reader.cpp) into `config`, reporting every problem
 /// through `check` and noting in `marks` where the whole-file checks will point.

@@ -46,6 +46,9 @@ std::string signal_words(SignalSet on) {
       {Signal::kReplicaDivergence, "a rank whose parameters differ from the other replicas'"},
       {Signal::kOverflow, "an fp16 overflow the loss scale can still back off from"},
       {Signal::kLossNotRecovered, "a loss that has not come back after a spike"},
+      {Signal::kLossTrend, "a loss rising smoothly (loss_trend)"},
+      {Signal::kStall, "training that stopped moving (stall)"},
+      {Signal::kRankLossShift, "one rank's loss standing apart for several steps"},
   };
   for (const auto& [signal, word] : words) {
     if (on & bit(signal)) parts.push_back(word);
@@ -98,7 +101,12 @@ std::string action_words(const ActionSpec& a, const DetectorSettings& d) {
 }
 
 void explain_detectors(const DetectorSettings& d, std::ostream& out) {
-  if (!(d.loss_spike.enabled || d.grad_norm_spike.enabled || d.loss_ratio.enabled)) return;
+  const std::vector<TrendKind>& kinds = trend_kinds();
+  bool trends = false;
+  for (const TrendSettings& t : d.trends) trends = trends || t.enabled;
+  if (!(d.loss_spike.enabled || d.grad_norm_spike.enabled || d.loss_ratio.enabled || trends)) {
+    return;
+  }
   out << "Detectors:\n";
   auto spike = [&out](const char* what, const SpikeSettings& s) {
     out << "  - " << what << " spike: more than " << s.ema.threshold
@@ -129,6 +137,9 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
         << d.loss_recovery.within << " steps, or loss_not_recovered is raised (again every "
         << d.loss_recovery.within
         << " steps until it does); snapshots taken meanwhile are not trusted\n";
+  }
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    if (d.trends[i].enabled) out << "  - " << kinds[i].explain(d.trends[i].values) << "\n";
   }
 }
 

@@ -21,7 +21,6 @@ using detail::describe;
 using detail::did_you_mean;
 using detail::join;
 using detail::kCheckpointKeys;
-using detail::kDetectorKeys;
 using detail::kLimitKeys;
 using detail::kLossScaleKeys;
 using detail::kRatioKeys;
@@ -61,6 +60,7 @@ std::vector<std::pair<std::string, SignalSet>> on_names() {
                    Signal::kOverflow, Signal::kLossNotRecovered}) {
     out.push_back({to_string(s), bit(s)});
   }
+  for (const TrendKind& k : trend_kinds()) out.push_back({k.key, bit(k.signal)});
   out.push_back({"spike", kSpikeSignals});
   return out;
 }
@@ -126,7 +126,8 @@ class Reader {
 
   void detectors(const YAML::Node& d) {
     if (!check_.map(d, "detectors")) return;
-    check_.check_keys(d, kDetectorKeys, " in 'detectors'");
+    check_.check_keys(d, detail::detector_keys(), " in 'detectors'");
+    detail::read_trends(d, &out_.detectors, &check_, &marks_);
     spike(d["loss_spike"], "loss_spike", &out_.detectors.loss_spike);
     spike(d["grad_norm_spike"], "grad_norm_spike", &out_.detectors.grad_norm_spike);
     if (const YAML::Node r = d["replica_divergence"]; r && !r.IsNull()) {
@@ -255,6 +256,7 @@ class Reader {
       if (name == "grad_norm_spike") out_.detectors.grad_norm_spike.enabled = true;
       if (name == "loss_ratio") out_.detectors.loss_ratio.enabled = true;
       if (name == "loss_recovery") out_.detectors.loss_recovery.enabled = true;
+      detail::enable_trend(name, &out_.detectors);
     }
   }
 
@@ -449,7 +451,7 @@ class Reader {
         found = true;
         set |= bits;
         if (word == "loss_spike" || word == "grad_norm_spike" || word == "loss_ratio" ||
-            word == "loss_not_recovered") {
+            word == "loss_not_recovered" || detail::is_trend_key(word)) {
           needs_detector(word == "loss_not_recovered" ? "loss_recovery" : word, *rule, n.Mark());
         }
       }

@@ -22,6 +22,17 @@ namespace detail {
 namespace {
 
 // Configured under 'detectors' but disabled, yet a rule relies on it.
+namespace {
+// Whether `name` is a trend detector the policy turned off.
+bool trend_off(const std::string& name, const DetectorSettings& d) {
+  const std::vector<TrendKind>& kinds = trend_kinds();
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    if (name == kinds[i].key) return !d.trends[i].enabled;
+  }
+  return false;
+}
+}  // namespace
+
 void check_detector_uses(const PolicyConfig& config, const PolicyMarks& marks, Checker* check) {
   const DetectorSettings& d = config.detectors;
   for (const auto& use : marks.detector_uses) {
@@ -33,7 +44,7 @@ void check_detector_uses(const PolicyConfig& config, const PolicyMarks& marks, C
     if ((name == "loss_spike" && !d.loss_spike.enabled) ||
         (name == "grad_norm_spike" && !d.grad_norm_spike.enabled) ||
         (name == "loss_ratio" && !d.loss_ratio.enabled) ||
-        (name == "loss_recovery" && !d.loss_recovery.enabled)) {
+        (name == "loss_recovery" && !d.loss_recovery.enabled) || trend_off(name, d)) {
       check->issue(use.mark, use.user + " can never fire: 'detectors." + name + "' is disabled");
     }
   }

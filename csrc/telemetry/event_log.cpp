@@ -126,6 +126,12 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
     line["loss_max_bound"] = stats.loss_max_bound;
   }
   if (stats.overflow_ruled_out) line["overflow_ruled_out"] = true;
+  // The trend detectors': the ranks (one rank's loss against the others') and the LR (a stall).
+  if (stats.world_size > 1) {
+    line["world_size"] = stats.world_size;
+    line["loss_given_ranks"] = stats.loss_given_ranks;
+  }
+  if (std::isfinite(stats.largest_lr)) line["largest_lr"] = stats.largest_lr;
   if (stats.framework_loss_scale > 0) {
     line["framework_loss_scale"] = stats.framework_loss_scale;
     line["framework_min_scale"] = stats.framework_min_scale;

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <utility>
 
@@ -62,6 +63,7 @@ PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   has_sharded_state_ = py::hasattr(port_, "sharded_state");
   has_layout_ = py::hasattr(port_, "layout");
   has_framework_scale_ = py::hasattr(port_, "framework_loss_scale");
+  has_largest_lr_ = py::hasattr(port_, "largest_lr");
   refresh();
 }
 
@@ -168,6 +170,14 @@ std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scal
                 "); a scale in [2^-126, 2^126] (it and its inverse finite fp32 "
                 "numbers) and a floor >= 0 were expected");
     return out;
+  });
+}
+
+double PythonPort::largest_lr() const {
+  if (!has_largest_lr_) return std::numeric_limits<double>::quiet_NaN();
+  return with_gil("largest_lr", [&] {
+    const py::object got = port_.attr("largest_lr")();
+    return got.is_none() ? std::numeric_limits<double>::quiet_NaN() : got.cast<double>();
   });
 }
 

@@ -46,6 +46,7 @@ class PythonPort final : public OptimizerPort {
   void after_restore() override;
   bool sharded_state() const override;
   std::optional<FrameworkLossScale> framework_loss_scale() const override;
+  double largest_lr() const override;
   /// A port with framework_loss_scale() is a framework's: it decides the loss scale.
   bool owns_loss_scale() const override { return has_framework_scale_; }
   std::vector<Placement> layout() const override { return layout_; }
@@ -58,6 +59,7 @@ class PythonPort final : public OptimizerPort {
   bool has_sharded_state_ = false;
   bool has_layout_ = false;
   bool has_framework_scale_ = false;
+  bool has_largest_lr_ = false;
   bool layout_read_ = false;
   std::vector<Placement> layout_;  ///< the port's layout() when the parameter list last changed
   std::vector<at::Tensor> params_;

@@ -3,7 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -71,6 +73,15 @@ void LibTorchPort::refresh() {
     }
   }
   if (!same || n != params_.size()) collect(named_);
+}
+
+double LibTorchPort::largest_lr() const {
+  double out = std::numeric_limits<double>::quiet_NaN();
+  for (const auto& group : optimizer_.param_groups()) {
+    const double lr = group.options().get_lr();
+    out = std::isnan(out) ? lr : std::max(out, lr);
+  }
+  return out;
 }
 
 void LibTorchPort::apply(double lr_factor) {

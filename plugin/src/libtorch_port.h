@@ -29,6 +29,7 @@ class LibTorchPort final : public OptimizerPort {
   const std::vector<std::string>& parameter_names() const override { return names_; }
   std::vector<Placement> layout() const override { return layout_; }
   void apply(double lr_factor) override;
+  double largest_lr() const override;
   std::vector<NamedTensor> state_tensors() const override;
   std::string state_bytes() const override;
   void check_state_bytes(const std::string& bytes,

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -46,6 +47,9 @@ class OptimizerPort {
   virtual void apply(double lr_factor) = 0;
   /// Drops this step's gradients (zeroes them), for a step that is not applied.
   virtual void discard();
+  /// The largest learning rate of the optimizer's groups, before the guard's LR factor (the
+  /// stall detector's); NaN when the port cannot tell without a read from the device.
+  virtual double largest_lr() const { return std::numeric_limits<double>::quiet_NaN(); }
 
   /// The optimizer's state tensors under stable names, in a fixed order: snapshots and
   /// checkpoints copy them; a restore writes back into them in place.

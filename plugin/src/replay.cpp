@@ -71,6 +71,16 @@ GlobalStats stats_of_line(const nlohmann::json& j, const std::string& file, std:
     }
     g.overflow_ruled_out = it->get<bool>();
   }
+  const std::int64_t world = count_field(j, "world_size", 1, file, line);
+  if (world < 1 || world > (std::int64_t{1} << 30)) {
+    throw TraceError(
+        file, line,
+        "'world_size' must be a whole number in [1, 2^30], got " + std::to_string(world));
+  }
+  g.world_size = static_cast<int>(world);
+  g.loss_given_ranks = count_field(j, "loss_given_ranks", g.world_size, file, line);
+  g.largest_lr =
+      number_field(j, "largest_lr", std::numeric_limits<double>::quiet_NaN(), file, line);
   g.framework_loss_scale = number_field(j, "framework_loss_scale", 0.0, file, line);
   g.framework_min_scale = number_field(j, "framework_min_scale", 0.0, file, line);
   g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;

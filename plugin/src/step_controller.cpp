@@ -55,6 +55,7 @@ StepDecision StepController::decide(std::int64_t step, const GlobalStats& stats,
       scaler_ ? scaler_->state().steps_at_floor : framework_steps_at_floor_;
   input.loss_scale_can_drop =
       scaler_ ? !scaler_->at_floor() : stats.framework_loss_scale > stats.framework_min_scale;
+  input.lr_factor = lr_.factor();
   policy::Verdict verdict = engine_.evaluate(input);
   StepDecision out;
   update_knobs(stats, &verdict.decision);

@@ -128,11 +128,10 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   t = Clock::now();
   check_can_step(loss);
   framework_scale_ = port_.framework_loss_scale();
-  TORCH_CHECK(
-      !(framework_scale_ && controller_.loss_scaling()),
-      "stepguard: the framework's own loss scaler is on, and so is the guard's (loss_scaling "
-      "or a policy with a loss_scale section): one scaler owns the scale; leave the guard's "
-      "off");
+  TORCH_CHECK(!(framework_scale_ && controller_.loss_scaling()),
+              "stepguard: the framework's own loss scaler is on, and so is the guard's "
+              "(loss_scaling or a policy with a loss_scale section): one scaler owns the scale; "
+              "leave the guard's off");
   const std::int64_t step = step_ + 1;
   Pending p;
   p.agreed = inspect_and_agree(loss, step);
@@ -141,6 +140,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   t = Clock::now();
   GlobalStats& g = p.agreed.global;
   g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
+  g.largest_lr = port_.largest_lr();  // the stall detector's
   if (framework_scale_) {
     g.framework_loss_scale = framework_scale_->scale;
     g.framework_min_scale = framework_scale_->min_scale;

@@ -84,7 +84,8 @@ std::vector<std::string> StepEngine::diverged_tensor_names(const GlobalStats& g)
 
 void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
   const Signals& s = decided.signals;
-  if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio)) || consensus_->world_size() == 1) {
+  if (!(s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio) || s.has(Signal::kRankLossShift)) ||
+      consensus_->world_size() == 1) {
     return;
   }
   GlobalStats& g = agreed->global;

@@ -16,6 +16,7 @@
 #include "csrc/common/json_text.h"
 #include "csrc/forensics/input_check.h"
 #include "csrc/forensics/report.h"
+#include "csrc/policy/trend.h"
 #include "plugin/src/step_engine.h"
 
 namespace stepguard {
@@ -73,6 +74,25 @@ void spike_evidence(const GlobalStats& g, const Signals& s, int rank, std::int64
   }
 }
 
+// What the trend detectors that raised saw (a shifted rank's loss names the rank once the ranks
+// were named), and the cause and first fixes of the first one's kind.
+void trend_evidence(const GlobalStats& g, const Signals& s, forensics::Evidence* ev) {
+  for (const TrendNote& note : s.trends) {
+    std::string what = note.what;
+    if (note.signal == Signal::kRankLossShift && g.ranks_named && !g.origin_ranks.empty()) {
+      std::string ranks;
+      for (int r : g.origin_ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      what += " (rank " + ranks + ")";
+    }
+    ev->trend_findings.push_back(std::move(what));
+    const policy::TrendKind* kind = policy::trend_kind(note.signal);
+    if (ev->trend_findings.size() == 1 && kind != nullptr) {
+      ev->trend_cause = kind->cause;
+      ev->trend_fixes = kind->fixes;
+    }
+  }
+}
+
 }  // namespace
 
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
@@ -110,6 +130,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
       decided.signals.has(Signal::kLossSpike) || decided.signals.has(Signal::kLossRatio);
   ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
   spike_evidence(g, decided.signals, consensus_->rank(), step_, &ev);
+  trend_evidence(g, decided.signals, &ev);
   ev.overflow_ruled_out = g.overflow_ruled_out;
   ev.loss_scaling = controller_.loss_scaling() || framework_scale_.has_value();
   const double floor =

@@ -299,16 +299,20 @@ def rank_main(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def matrix():
-    world = 2
+def spawn_scenarios(main, world=2):
+    """Runs ``main(rank, world, init_file, out_dir)`` on `world` Gloo ranks; each rank's JSON."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(rank_main, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
+        mp.spawn(main, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
         out = []
         for r in range(world):
             with open(os.path.join(d, "rank%d.json" % r)) as f:
                 out.append(json.load(f))
         return out
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return spawn_scenarios(rank_main)
 
 
 def incidents(rows):

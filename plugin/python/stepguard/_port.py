@@ -187,6 +187,21 @@ class TorchOptimPort:
     #: did not come through the guard).
     updating = False
 
+    def largest_lr(self):
+        """The largest ``lr`` of the groups (the stall detector's), None when one is a tensor on
+        a device (reading it would wait for the device) or not a number."""
+        out = None
+        for group in self.optimizer.param_groups:
+            lr = group.get("lr")
+            if torch.is_tensor(lr):
+                if lr.device.type != "cpu" or lr.numel() != 1:
+                    return None
+                lr = float(lr)
+            if not isinstance(lr, (int, float)):
+                return None
+            out = lr if out is None else max(out, lr)
+        return None if out is None else float(out)
+
     def apply(self, lr_factor):
         """One optimizer step with every group's lr multiplied by ``lr_factor`` for its duration."""
         self.updating = True

@@ -3,6 +3,7 @@
 #include "plugin/src/step_engine.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -114,7 +115,11 @@ StepReport StepEngine::step(const at::Tensor& loss) {
   return report;
 }
 
+// Each stage is a named range in torch.profiler traces (stepguard::verdict, ::inspect, ::agree,
+// ::decide, ::forensics, ::settle, ::act, ::restore, ::snapshot, ::snapshot_wait, ::record),
+// from Python, C++ and every framework integration alike; free when no profiler runs.
 Verdict StepEngine::verdict(const at::Tensor& loss) {
+  RECORD_USER_SCOPE("stepguard::verdict");
   check_not_pending("verdict()");
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
   // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
@@ -184,6 +189,7 @@ void StepEngine::clip_gradients(const Verdict& v) {
 }
 
 StepReport StepEngine::settle(const Verdict& v, bool applied) {
+  RECORD_USER_SCOPE("stepguard::settle");
   TORCH_CHECK(pending_.has_value(), "stepguard: settle() without a verdict: step ", step_,
               " is settled already; call verdict(loss) first");
   TORCH_CHECK(v.guard_id == id_, "stepguard: settle() was given a verdict of another guard (step ",
@@ -292,9 +298,12 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   }
   consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
   const auto t_inspect = Clock::now();
-  // Validation inside inspection throws before anything changes.
-  inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
-                                buffer.inspection_block(), &a.local, &a.blame);
+  {
+    RECORD_USER_SCOPE("stepguard::inspect");
+    // Validation inside inspection throws before anything changes.
+    inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
+                                  buffer.inspection_block(), &a.local, &a.blame);
+  }
   a.inspect_seconds = seconds_since(t_inspect);
   consensus::LocalEvidence local_evidence;
   if (input_check_) {
@@ -311,6 +320,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   ++data_position_;  // this step's batch
   const auto t_agree = Clock::now();
   try {
+    RECORD_USER_SCOPE("stepguard::agree");
     consensus_->all_reduce_sum(buffer.tensor(), step);
     a.global = buffer.unpack(step);
     a.rank_row = buffer.rank_row();
@@ -335,6 +345,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
 
 // 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
 StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
+  RECORD_USER_SCOPE("stepguard::decide");
   step_loss_scale_ = framework_scale_ ? framework_scale_->scale : controller_.loss_scale();
   try {
     // Recovery owns the snapshots: it confirms them and agrees on a rollback target.
@@ -351,6 +362,7 @@ StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
 // 5 act: restore or drop the step (the update itself ran between the phases), then the snapshot
 // and checkpoint cadence.
 void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided) {
+  RECORD_USER_SCOPE("stepguard::act");
   const Decision& decision = decided.decision;
   switch (decision.outcome) {
     case Outcome::kApplied:
@@ -362,6 +374,7 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
       break;
     case Outcome::kRolledBack:
       try {
+        RECORD_USER_SCOPE("stepguard::restore");
         recovery_.restore_snapshot(decided.rolled_back_to);
       } catch (const std::exception& e) {
         // Every rank agreed to restore; one that cannot may not train on alone.
@@ -394,6 +407,7 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
   (void)recovery_.settle_pending(step, !decided.signals.any(), all_written);
   const auto t_snapshot = Clock::now();
   if (recovery_.snapshot_due(step, decided.decision.outcome)) {
+    RECORD_USER_SCOPE("stepguard::snapshot");
     last_snapshot_step_ = step;  // the replica-check schedule is the same on every rank
     try {
       // Copied in the background; it lands (or is reported failed) at the next settle_snapshot().
@@ -409,6 +423,7 @@ void StepEngine::checkpoint_after(std::int64_t step, const StepDecision& decided
 }
 
 void StepEngine::settle_snapshot() noexcept {
+  RECORD_USER_SCOPE("stepguard::snapshot_wait");
   const std::int64_t flying = recovery_.snapshot_in_flight();
   try {
     recovery_.finish_snapshot();
@@ -462,34 +477,6 @@ bool StepEngine::replica_check_due(std::int64_t step) const {
 void StepEngine::abort_with(const std::string& reason) {
   aborted_ = true;
   abort_reason_ = reason;
-}
-
-GuardStats StepEngine::stats() {
-  settle_snapshot();  // a copy that failed changes the counts
-  GuardStats g;
-  g.step_count = step_;
-  g.totals = totals_;
-  g.aborted = aborted_;
-  g.consecutive_bad_steps = controller_.engine_state().consecutive_bad_steps;
-  g.bad_steps_total = controller_.engine_state().bad_steps_total;
-  g.loss_scale = controller_.loss_scale();
-  g.lr_factor = controller_.lr_factor();
-  g.rank = consensus_->rank();
-  g.world_size = consensus_->world_size();
-  g.data_position = data_position_;
-  g.skipped_ranges = skipped_ranges_;
-  g.snapshots_held = static_cast<std::int64_t>(recovery_.snapshots_held());
-  g.snapshot_bytes = recovery_.snapshot_bytes();
-  const CheckpointCounts& c = recovery_.checkpoint_counts();
-  g.checkpoints_written = c.written;
-  g.checkpoints_failed = c.failed;
-  g.checkpoints_skipped = c.skipped;
-  g.collective_calls = consensus_->collectives();
-  g.collective_bytes = consensus_->bytes();
-  g.step_buffer_bytes = consensus::StepBuffer::bytes();
-  g.last_step_seconds = stage_seconds_;
-  g.metrics_endpoint = metrics_ ? "http://" + metrics_->endpoint() + "/metrics" : std::string();
-  return g;
 }
 
 at::Tensor StepEngine::scale_loss(const at::Tensor& loss) const {

@@ -1,6 +1,7 @@
 // StepEngine's record stage and its forensics: what this rank can tell about an incident
 // (blame, evidence, replays, cause), the report and incident files, the trace and the metrics.
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
@@ -96,6 +97,7 @@ void trend_evidence(const GlobalStats& g, const Signals& s, forensics::Evidence*
 }  // namespace
 
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
+  RECORD_USER_SCOPE("stepguard::forensics");
   Findings f;
   if (!decided.signals.any() || clip_only(decided)) return f;
   const GlobalStats& g = agreed.global;
@@ -210,6 +212,7 @@ void StepEngine::run_replays(forensics::Evidence* ev) {
 
 StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const StepDecision& decided,
                               const Findings& findings) {
+  RECORD_USER_SCOPE("stepguard::record");
   StepReport report = make_report(step, agreed.global, decided);
   report.incident = make_incident(step, agreed, decided, findings, report);
   if (report.incident) {

@@ -164,4 +164,32 @@ void StepEngine::parameters_changed() {
   refresh_layout();
 }
 
+GuardStats StepEngine::stats() {
+  settle_snapshot();  // a copy that failed changes the counts
+  GuardStats g;
+  g.step_count = step_;
+  g.totals = totals_;
+  g.aborted = aborted_;
+  g.consecutive_bad_steps = controller_.engine_state().consecutive_bad_steps;
+  g.bad_steps_total = controller_.engine_state().bad_steps_total;
+  g.loss_scale = controller_.loss_scale();
+  g.lr_factor = controller_.lr_factor();
+  g.rank = consensus_->rank();
+  g.world_size = consensus_->world_size();
+  g.data_position = data_position_;
+  g.skipped_ranges = skipped_ranges_;
+  g.snapshots_held = static_cast<std::int64_t>(recovery_.snapshots_held());
+  g.snapshot_bytes = recovery_.snapshot_bytes();
+  const CheckpointCounts& c = recovery_.checkpoint_counts();
+  g.checkpoints_written = c.written;
+  g.checkpoints_failed = c.failed;
+  g.checkpoints_skipped = c.skipped;
+  g.collective_calls = consensus_->collectives();
+  g.collective_bytes = consensus_->bytes();
+  g.step_buffer_bytes = consensus::StepBuffer::bytes();
+  g.last_step_seconds = stage_seconds_;
+  g.metrics_endpoint = metrics_ ? "http://" + metrics_->endpoint() + "/metrics" : std::string();
+  return g;
+}
+
 }  // namespace stepguard

@@ -184,10 +184,21 @@ def _torch_requirement():
     return ["torch==%s.%s.*" % (major, minor)]
 
 
+def _readme_opening():
+    """The README up to its second section: what stepguard is, and its two commands."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"),
+              encoding="utf-8") as f:
+        text = f.read()
+    cut = text.find("\n## ", text.find("\n## ") + 1)
+    return text if cut < 0 else text[:cut]
+
+
 setup(
     name="stepguard",
     version="0.1.0",
     description="Guards every optimizer step of PyTorch training against NaN/Inf and loss spikes",
+    long_description=_readme_opening(),
+    long_description_content_type="text/markdown",
     packages=["stepguard", "stepguard.integrations"],
     package_data={"stepguard": ["_C.pyi", "py.typed"]},
     package_dir={"stepguard": "plugin/python/stepguard",
@@ -196,7 +207,9 @@ setup(
     cmdclass={"build_ext": CMakeBuild, "bdist_wheel": RepairedWheel},
     # Not build/: that is make's CMake build tree.
     options={"build": {"build_base": "build-pip"}},
-    python_requires=">=3.8",
+    python_requires=">=3.11",
     install_requires=_torch_requirement(),
+    # Incident pictures (stepguard.plot): the guard draws them when matplotlib is installed.
+    extras_require={"plots": ["matplotlib>=3.7"]},
     entry_points={"console_scripts": ["stepguard = stepguard._cli:main"]},
 )

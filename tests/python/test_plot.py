@@ -205,3 +205,30 @@ def test_guarded_optimizer_draws_a_picture_beside_its_incident_report(tmp_path):
     drawn = plot.plot_trace(str(trace), str(tmp_path / "again.png"), around=4, window=10)
     assert [(i["step"], i["signal"], i["action"]) for i in drawn["incidents"]] == \
         [(4, "nonfinite_grad", incident["action"])]
+
+
+def test_without_matplotlib_the_guard_says_once_that_pictures_are_off(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A pip install without the `plots` extra: the guard with a trace and an incident
+    directory says so on stderr (once, at construction) instead of leaving the pictures
+    silently out; the incident reports are written as always."""
+    from stepguard import _pictures
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(_pictures.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    model = make_model(3)
+    guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(),
+                                       trace_path=str(tmp_path / "t.jsonl"),
+                                       incident_dir=str(tmp_path / "incidents"))
+    err = capsys.readouterr().err
+    assert err.count("incident pictures need matplotlib") == 1, err
+    assert "pip install 'stepguard[plots]'" in err, err
+    guard.zero_grad()
+    loss = loss_of(model, 1)
+    loss.backward()
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    report = guard.step(loss.detach())
+    assert report.incident is not None and os.path.exists(report.incident["report"])
+    assert not [f for f in os.listdir(tmp_path / "incidents") if f.endswith(".png")]

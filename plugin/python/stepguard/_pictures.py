@@ -1,7 +1,7 @@
 """Pictures of incidents for GuardedOptimizer: after a step that wrote an incident report, the
 steps around it are drawn from the trace into ``<report stem>.png`` beside the report, and the
 report (JSON and Markdown) links it. Only with a trace and an incident directory, and where
-matplotlib imports. A picture that cannot be drawn never stops training: it is said once on
+matplotlib is installed (the ``plots`` extra; without it the guard says so once). A picture that cannot be drawn never stops training: it is said once on
 stderr and no more are drawn."""
 
 import importlib.util
@@ -29,6 +29,9 @@ class IncidentPictures:
         if not options.get("trace_path") or not options.get("incident_dir"):
             return None
         if importlib.util.find_spec("matplotlib") is None:  # found, not imported: that waits
+            print("stepguard: incident pictures need matplotlib, which is not installed (pip "
+                  "install 'stepguard[plots]'); the incident reports are written without them",
+                  file=sys.stderr)
             return None
         return cls(str(options["trace_path"]))
 

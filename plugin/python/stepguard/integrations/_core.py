@@ -16,10 +16,10 @@ from .._amp import (GRAD_SCALER_FLOOR, ScalerPort, scaled_loss_unscaled, scaler_
 from .._guard import GuardedOptimizer
 from .._port import is_dtensor
 
-__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass", "clip_with_verdict", "policy_clip_after", "finish_step", "load_guard_state", "SeamGuard",
-           "incident_line", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
-           "scaler_unscaled",
-           "GRAD_SCALER_FLOOR"]
+__all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass",
+           "clip_with_verdict", "policy_clip_after", "finish_step", "load_guard_state",
+           "SeamGuard", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
+           "scaler_unscaled", "GRAD_SCALER_FLOOR"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -317,17 +317,6 @@ class SeamGuard(GuardedOptimizer):
             super()._load_state_dict(state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)
-
-
-def incident_line(report):
-    """One log line for a step's incident: step, outcome, signal, action, cause, origin ranks
-    and the tensors blamed."""
-    incident = report.incident
-    ranks = ",".join(str(r) for r in incident.get("ranks") or [])
-    return ("stepguard: step %d %s: %s -> %s (cause %s) from %s; tensors: %s"
-            % (report.step, report.outcome, incident.get("signal"), incident.get("action"),
-               incident.get("cause"), "rank " + ranks if ranks else "no single rank",
-               ", ".join(incident.get("tensors") or []) or "-"))
 
 
 class Figures:

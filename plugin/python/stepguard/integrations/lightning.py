@@ -12,8 +12,8 @@ several ranks run. Lightning then steps the guard as it stepped the optimizer
 applies, skips or rolls back the step together. A step the guard did not apply does not move the
 step-interval LR schedulers, and after a rollback the batches the policy says to drop
 (``skip_batches``) are run but not stepped. Each step's figures reach the trainer's loggers
-through ``pl_module.log`` (``stepguard/grad_norm``...); each incident is logged on rank 0 as one
-line naming its ranks and tensors.
+through ``pl_module.log`` (``stepguard/grad_norm``...); each incident is logged once for the job
+(rank 0) by the guard's logger, ``stepguard``, naming its ranks and tensors.
 
 Under ``DeepSpeedStrategy`` the callback hands the strategy's engine to
 ``stepguard.integrations.deepspeed`` at train start (after Lightning restored a checkpoint into
@@ -42,7 +42,7 @@ except ImportError:  # the standalone package of older installs
 
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
-                    guard_options, incident_line, load_guard_state, policy_clip_after,
+                    guard_options, load_guard_state, policy_clip_after,
                     refuse_bypass, scaled_loss_unscaled, scaler_unscaled, with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import _check_engine, check_config, guard_trainer_engine
@@ -394,9 +394,8 @@ class StepguardCallback(pl.Callback):
                                on_step=True, on_epoch=False, batch_size=1)
 
     def _incident(self, trainer: "pl.Trainer", report: Any) -> None:
+        # The guard's logger says it once for the job (rank 0): stepguard._log.
         self.incidents.append(dict(report.incident))
-        if trainer.is_global_zero:
-            log.warning(incident_line(report))
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                  stage: str) -> None:

@@ -48,14 +48,12 @@ from typing import Optional
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as _dist_utils
-from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._chain import ChainedTorchOptimizer
-from ._core import (check_version, clip_with_verdict, guard_options, incident_line,
-                    policy_clip_after)
+from ._core import check_version, clip_with_verdict, guard_options, policy_clip_after
 from ._seams import check_seams
 
 __all__ = ["GuardedTrainer", "StepguardConfig", "guarded"]
@@ -265,9 +263,7 @@ class GuardedTrainer(Trainer):
             return
         report = self.guard.settle(verdict, self._step_applied)
         self.last_report = report
-        self._to_skip += report.batches_to_skip
-        if report.incident is not None and self.guard._rank == 0:
-            logger.warning(incident_line(report))
+        self._to_skip += report.batches_to_skip  # (the guard's logger says the incident)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _state_key(self):

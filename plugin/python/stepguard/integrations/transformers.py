@@ -16,7 +16,7 @@ only. Each log of the Trainer gets ``stepguard/grad_norm``, ``stepguard/applied`
 ``stepguard/skipped``, ``stepguard/rolled_back``, ``stepguard/incidents``,
 ``stepguard/loss_scale`` and ``stepguard/lr_factor``; the entry in ``state.log_history`` also gets
 ``stepguard/outcome`` and ``stepguard/incident`` (step, signal, action, cause, origin ranks,
-blamed tensors), and every rank logs a warning line per incident.
+blamed tensors); the guard's logger (``stepguard``) says each incident once for the job (rank 0).
 
 ``attach(trainer)`` also hands the guard what no Trainer callback sees: each step's loss (the
 sum of what ``training_step`` returns for its micro-batches, i.e. the mean micro-batch loss, as
@@ -78,8 +78,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .. import _files
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
-                    incident_line, load_guard_state, policy_clip_after, refuse_bypass,
-                    unscale_once, with_sharding)
+                    load_guard_state, policy_clip_after, refuse_bypass, unscale_once,
+                    with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import check_config, guard_trainer_engine
 
@@ -456,9 +456,8 @@ class StepguardCallback(transformers.TrainerCallback):
             logger.warning("stepguard: the policy's rollback asks to drop the next %d batch(es); "
                            "the Trainer's data order is out of the guard's reach, so they are "
                            "trained on (said once per run)", report.batches_to_skip)
-        if report.incident is not None:
+        if report.incident is not None:  # (the guard's logger says it, once for the job)
             self._incidents.append({k: report.incident.get(k) for k in _INCIDENT_KEYS})
-            logger.warning(incident_line(report))
         if report.aborted:
             logger.error("stepguard: the guard aborted training at step %d (%s)",
                          report.step, ", ".join(report.actions))

@@ -117,8 +117,11 @@ TEST(Replay, TheTrendDetectorsReadWhatTheTraceRecords) {
   {
     std::ofstream t(trace);
     for (int step = 1; step <= 30; ++step) {
-      nlohmann::json line = {{"step", step}, {"grad_norm", 1.0}, {"world_size", 2},
-                             {"loss_given_ranks", 2}, {"largest_lr", step <= 20 ? 1e-3 : 0.0}};
+      nlohmann::json line = {{"step", step},
+                             {"grad_norm", 1.0},
+                             {"world_size", 2},
+                             {"loss_given_ranks", 2},
+                             {"largest_lr", step <= 20 ? 1e-3 : 0.0}};
       const double a = 2.0 + 0.01 * (step % 3);
       const double b = step > 12 && step <= 18 ? 3.0 * a : a;  // rank 1 apart for 6 steps
       line["loss"] = (a + b) / 2;

@@ -2,8 +2,8 @@
 // run reads them: a smooth rise of the loss raises loss_trend and a step change or a spike that
 // comes back never does; a stall (grad norm 0, learning rate 0, a loss flat to the last bit)
 // raises stall every `steps` steps; one rank's loss standing apart for several steps raises
-// rank_loss_shift (the median of its window), a single bad batch does not; the states survive encode/decode and a
-// rollback's restore; the reader refuses bad settings naming the field.
+// rank_loss_shift (the median of its window), a single bad batch does not; the states survive
+// encode/decode and a rollback's restore; the reader refuses bad settings naming the field.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -262,4 +262,7 @@ class StepEngine {
   static constexpr std::size_t kHistory = 16;
 };
 
+/// "0, 3": ranks for a report's sentences (step_exchange.cpp).
+std::string rank_list(const std::vector<int>& ranks);
+
 }  // namespace stepguard

@@ -109,13 +109,13 @@ int debugging_rank(Cause c) {
   return static_cast<int>(std::size(kOrder));
 }
 
+}  // namespace
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
   return out;
 }
-
-}  // namespace
 
 // On an incident step the ranks exchange what the origin ranks found (one small collective,
 // incident steps only): every rank's report then carries each origin rank's cause and the one

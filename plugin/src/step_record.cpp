@@ -81,9 +81,7 @@ void trend_evidence(const GlobalStats& g, const Signals& s, forensics::Evidence*
   for (const TrendNote& note : s.trends) {
     std::string what = note.what;
     if (note.signal == Signal::kRankLossShift && g.ranks_named && !g.origin_ranks.empty()) {
-      std::string ranks;
-      for (int r : g.origin_ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      what += " (rank " + ranks + ")";
+      what += " (rank " + rank_list(g.origin_ranks) + ")";
     }
     ev->trend_findings.push_back(std::move(what));
     const policy::TrendKind* kind = policy::trend_kind(note.signal);

@@ -153,20 +153,12 @@ def _mtp_is_refused():
     return False
 
 
-def _with_the_megatron_preset(rank, guarded, steps=3):
-    """bf16 steps with the ``megatron`` preset (its loss_scale section: DynamicGradScaler's
-    numbers, 2^32 initial) or unguarded: inside Megatron the section is Megatron's scaler's, so
-    the guard scales nothing and the steps are Megatron's (before, the guard unscaled bf16
-    gradients by 2^-32). Returns the model parameters and the guard's loss scale."""
+def train_steps(model, config, optimizer, steps, rank=0):
+    """`steps` steps of MICRO micro-batches (seeded by step and rank) through Megatron's
+    forward-backward schedule and `optimizer.step()`; the model's parameters after them."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from stepguard.integrations.megatron import GuardedMegatronOptimizer
-
-    model, config, optimizer = _build("bf16", False)
-    if guarded:
-        optimizer = GuardedMegatronOptimizer(optimizer, model, policy="megatron")
     config.grad_scale_func = optimizer.scale_loss
-    before = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
     for step in range(steps):
         batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(
             10 * step + micro + 100 * rank)) for micro in range(MICRO)]
@@ -183,7 +175,21 @@ def _with_the_megatron_preset(rank, guarded, steps=3):
                                     model=[model], num_microbatches=MICRO, seq_length=8,
                                     micro_batch_size=2, forward_only=False)
         optimizer.step()
-    flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    return torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+
+
+def _with_the_megatron_preset(rank, guarded, steps=3):
+    """bf16 steps with the ``megatron`` preset (its loss_scale section: DynamicGradScaler's
+    numbers, 2^32 initial) or unguarded: inside Megatron the section is Megatron's scaler's, so
+    the guard scales nothing and the steps are Megatron's (before, the guard unscaled bf16
+    gradients by 2^-32). Returns the model parameters and the guard's loss scale."""
+    from stepguard.integrations.megatron import GuardedMegatronOptimizer
+
+    model, config, optimizer = _build("bf16", False)
+    if guarded:
+        optimizer = GuardedMegatronOptimizer(optimizer, model, policy="megatron")
+    before = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    flat = train_steps(model, config, optimizer, steps, rank)
     return flat, before, optimizer.guard.stats().loss_scale if guarded else None
 
 

@@ -16,32 +16,13 @@ import torch.distributed as dist
 
 import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
 from conftest import POLICY, spawn_ranks
-from test_megatron import MICRO, _build
+from test_megatron import _build, train_steps
 
 STEPS = 3
 
 
 def _train(model, config, optimizer, steps=STEPS):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    config.grad_scale_func = optimizer.scale_loss
-    for step in range(steps):
-        batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(
-            10 * step + micro)) for micro in range(MICRO)]
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-            output = model(batch, positions, None, labels=batch)
-            return output, lambda out: (out.float().mean(), {})
-
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
-                                    model=[model], num_microbatches=MICRO, seq_length=8,
-                                    micro_batch_size=2, forward_only=False)
-        optimizer.step()
-    return torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    return train_steps(model, config, optimizer, steps)
 
 
 def _objects(model, config, megatron_optimizer):

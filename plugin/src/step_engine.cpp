@@ -3,6 +3,7 @@
 #include "plugin/src/step_engine.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
@@ -181,11 +182,14 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
 
 void StepEngine::clip_gradients(const Verdict& v) {
   if (!v.applies() || v.clip_norm <= 0.0 || !(v.grad_norm > v.clip_norm)) return;
-  // ZClip-style: one factor for every gradient, so the global norm becomes the target.
+  // ZClip-style: one factor for every gradient, so the global norm becomes the target; one
+  // foreach multiply by a host scalar (no tensor made, nothing copied to the device).
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
   for (auto& g : port_.gradients()) {
-    if (g.defined()) g.mul_(v.clip_norm / v.grad_norm);
+    if (g.defined()) grads.push_back(g);
   }
+  if (!grads.empty()) at::_foreach_mul_(grads, v.clip_norm / v.grad_norm);
 }
 
 StepReport StepEngine::settle(const Verdict& v, bool applied) {

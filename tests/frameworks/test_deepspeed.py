@@ -21,7 +21,8 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 import deepspeed  # noqa: E402  (a missing DeepSpeed fails the test)
 
 import stepguard.integrations.deepspeed as sg_deepspeed  # noqa: E402
-from conftest import POLICY, counted_calls, deepspeed_step_counters, spawn_ranks  # noqa
+from conftest import (POLICY, DataPositions, counted_calls, deepspeed_step_counters,  # noqa
+                      spawn_ranks)
 
 CONFIGS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
            (0, "bf16-fused"),  # the config's AdamW as DeepSpeed builds it: FusedAdam, FP16_Optimizer
@@ -98,14 +99,17 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     target.register_hook(lambda g: g * float("nan") if poison[0] else g)
     guarded = sg_deepspeed.guard_engine(engine, policy=POLICY, collective_timeout=60)
     steps, after, counts = [], {}, None
-    position = 0  # the data position: a rollback skips batches
+    positions = DataPositions()  # the loop's data iterator
     for _ in range(STEPS):
         step = guarded.guard.stats().step_count + 1
+        # The batches the last rollback drops: MICRO micro-batches each, drawn by the guard.
+        before = positions.position
+        dropped = guarded.drop_batches(positions)
+        drawn = positions.position - before
         poison[0] = step == NAN_GRAD and rank == world - 1
         reference = None
         for micro in range(MICRO):  # engine.step() after every micro-batch, as DeepSpeed's loop
-            x, y = _batch(position, rank, dtype)
-            position += 1
+            x, y = _batch(next(positions), rank, dtype)
             if step == NAN_BATCH and rank == world - 1 and micro == 0:
                 x[0, 0] = float("nan")
             if step == SPIKE:
@@ -123,7 +127,6 @@ def _run(rank, world, stage, precision, checkpoint_dir):
         poison[0] = False
         report = guarded.last_report
         assert report.step == step  # one guarded step per gradient-accumulation boundary
-        position += report.batches_to_skip
         ds_norm = engine.get_global_grad_norm()
         flat = _flat_params(engine.module)
         after[report.step] = flat
@@ -142,6 +145,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
             "restored_snapshot": (torch.equal(flat, after[report.rolled_back_to])
                                   if report.rolled_back else None),
             "finite": bool(torch.isfinite(flat).all()), "unchanged": unchanged,
+            "batches_to_skip": report.batches_to_skip, "dropped": [dropped, drawn],
         })
     # DeepSpeed's own checkpoint carries the guard's decision state as client state.
     engine.save_checkpoint(checkpoint_dir, client_state=guarded.state_dict())
@@ -151,8 +155,7 @@ def _run(rank, world, stage, precision, checkpoint_dir):
     resumed = {"same_state": guarded.guard.guard_state_dict() == before,
                "equal": torch.equal(_flat_params(engine.module), after[STEPS])}
     for _ in range(MICRO):
-        x, y = _batch(position, rank, dtype)
-        position += 1
+        x, y = _batch(next(positions), rank, dtype)
         engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
         engine.step()
     resumed["next"] = [guarded.last_report.step, guarded.last_report.outcome]
@@ -334,6 +337,11 @@ def _check(ranks, key, world):
                        for line in steps[NAN_GRAD]["incident"]["evidence"]), (key, steps[NAN_GRAD])
         spike = steps[SPIKE]
         assert spike["outcome"] == "rolled_back", (key, rank, outcomes)
+        # The batches the rollback drops, drawn by drop_batches before the next step (each
+        # MICRO micro-batches), and none at any other step.
+        skip = spike["batches_to_skip"]
+        assert skip > 0 and steps[SPIKE + 1]["dropped"] == [skip, skip * MICRO], (key, steps)
+        assert all(s["dropped"] == [0, 0] for s in run["steps"] if s["step"] != SPIKE + 1)
         assert spike["restored_snapshot"], (key, rank, spike)
         assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
         assert run["resumed"] == {"same_state": True, "equal": True,

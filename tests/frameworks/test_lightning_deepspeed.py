@@ -181,8 +181,10 @@ def train(out, mode):
 # --- the tests -----------------------------------------------------------------------------
 def _ranks(out, mode):
     os.makedirs(out, exist_ok=True)
-    run_ranks(out, timeout=240, mode=mode, script=__file__)
-    return [torch.load(os.path.join(out, "rank%d.pt" % r), weights_only=False) for r in (0, 1)]
+    text = run_ranks(out, timeout=240, mode=mode, script=__file__)
+    ranks = [torch.load(os.path.join(out, "rank%d.pt" % r), weights_only=False) for r in (0, 1)]
+    ranks[0]["output"] = text
+    return ranks
 
 
 def _outcomes(steps):
@@ -239,6 +241,10 @@ def _check_faults(ranks):
             if s["applied"]:
                 assert abs(s["ds_norm"] - s["grad_norm"]) <= 1e-6 * s["grad_norm"], s
         assert got["left_in_engine"] == [], got["left_in_engine"]  # detached at teardown
+    # The batches the rollback drops are out of the guard's reach here: said once for the job.
+    told = [l for l in ranks[0]["output"].splitlines() if "under Lightning's DeepSpeedStrategy "
+            "the data order is out of the guard's reach" in l]
+    assert len(told) == 1, ranks[0]["output"][-4000:]
 
 
 def test_lightning_deepspeed_clean_run_is_the_unguarded_twin_bitwise(tmp_path):

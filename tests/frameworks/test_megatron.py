@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import megatron.core  # noqa: F401  (a missing Megatron-core fails the test)
-from conftest import POLICY, spawn_ranks
+from conftest import POLICY, DataPositions, spawn_ranks
 
 CONFIGS = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
 STEPS, NAN_GRAD, NAN_LOSS, SPIKE = 12, 3, 5, 8
@@ -88,11 +88,13 @@ def _run(rank, world, precision, distributed_optimizer):
     inner = optimizer._inner
     main_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
     steps, after, mains = [], {}, {}
-    position = 0
+    positions = DataPositions()  # the loop's data iterator, one item per micro-batch
     for _ in range(STEPS):
         step = optimizer.guard.stats().step_count + 1
-        batches = _batches(position, rank)
-        position += MICRO
+        dropped = optimizer.drop_batches(positions, MICRO)  # the last rollback's batches
+        batches = _batches(positions.position, rank)
+        for _ in batches:
+            next(positions)
         factor = 1.0
         if step == NAN_LOSS and rank == world - 1:
             factor = float("nan")
@@ -114,7 +116,6 @@ def _run(rank, world, precision, distributed_optimizer):
             hook.remove()
         success, grad_norm, zeros = optimizer.step()
         report = optimizer.last_report
-        position += report.batches_to_skip
         flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
         main = torch.cat([p.detach().reshape(-1) for p in main_params])
         after[report.step], mains[report.step] = flat, main
@@ -132,6 +133,7 @@ def _run(rank, world, precision, distributed_optimizer):
                 [d["loss"] for d in losses]).mean()),
             "equal_across_ranks": all(torch.equal(flat, t) for t in gathered),
             "finite": bool(torch.isfinite(flat).all()), "unchanged": unchanged,
+            "batches_to_skip": report.batches_to_skip, "dropped": dropped,
             "restored_snapshot": ((torch.equal(flat, after[report.rolled_back_to])
                                    and torch.equal(main, mains[report.rolled_back_to]))
                                   if report.rolled_back else None),
@@ -248,6 +250,11 @@ def _check(ranks, key, world):
         assert steps[SPIKE]["outcome"] == "rolled_back", (key, rank, run["steps"])
         # Main (fp32) and model parameters are both the snapshot's again.
         assert steps[SPIKE]["restored_snapshot"], (key, rank, steps[SPIKE])
+        # The rollback's batches drawn by drop_batches before the next step, none elsewhere.
+        assert steps[SPIKE]["batches_to_skip"] > 0, steps[SPIKE]
+        assert [s["dropped"] for s in run["steps"]] == [
+            steps[SPIKE]["batches_to_skip"] if s["step"] == SPIKE + 1 else 0
+            for s in run["steps"]], (key, rank)
         assert len(run["steps"]) == STEPS and run["steps"][-1]["outcome"] == "applied"
     # The guard's loss is the step's: the mean of the micro-batch losses Megatron reports, over
     # the ranks (Megatron hands grad_scale_func each loss divided by the micro-batch count).

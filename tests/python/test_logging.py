@@ -45,7 +45,7 @@ def test_clean_steps_log_nothing_and_each_incident_one_warning(caplog):
         ("WARNING", "step 5: nonfinite_loss -> rollback (cause forward; tensors 2.bias,2.weight,"
                     "0.bias,0.weight; ranks 0)"),
         # Step 3's snapshot was never confirmed (step 4 was skipped): back to step 2's.
-        ("INFO", "step 5: rolled back to step 2; the loop skips the next 2 batches"),
+        ("INFO", "step 5: rolled back to step 2; the policy asks to drop the next 2 batches"),
     ]
 
 

@@ -16,6 +16,9 @@ from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, check_name, is_zero_redundancy
 
+#: The key of the guard's own state in every saved state dict and framework checkpoint.
+STATE_KEY = "stepguard"
+
 
 class GuardedOptimizer(torch.optim.Optimizer):
     """A guarded optimizer, accepted wherever ``optimizer`` is.
@@ -407,16 +410,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def _state_dict(self) -> Dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "stepguard": self.guard_state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), STATE_KEY: self.guard_state_dict()}
 
     def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict) or not {"stepguard", "optimizer"} <= set(state_dict):
+        if not isinstance(state_dict, dict) or not {STATE_KEY, "optimizer"} <= set(state_dict):
             raise ValueError("stepguard: not a GuardedOptimizer state dict (it needs the keys "
                              "'optimizer' and 'stepguard')")
         # The guard's part is checked whole before it changes anything; if the optimizer's part
         # then fails, the guard goes back to what it was: both load, or neither.
         before = self.guard_state_dict()
-        self.load_guard_state_dict(state_dict["stepguard"])
+        self.load_guard_state_dict(state_dict[STATE_KEY])
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])
         except BaseException:

@@ -33,7 +33,7 @@ def after_step(report, incident, rank):
                    _names(incident["tensors"]), _names(incident["ranks"]), where)
     if report.rolled_back:
         logger.log(logging.INFO if lead else logging.DEBUG,
-                   "step %d: rolled back to step %d; the loop skips the next %d batches",
+                   "step %d: rolled back to step %d; the policy asks to drop the next %d batches",
                    report.step, report.rolled_back_to, report.batches_to_skip)
 
 

@@ -5,7 +5,7 @@ guard's agreed norm, and each step's figures for the framework's logger, read of
 reports (no call that waits for the step's background snapshot copy)."""
 
 import importlib.metadata
-import math
+import logging
 import warnings
 
 import torch
@@ -13,13 +13,16 @@ from packaging.version import InvalidVersion, Version
 
 from .._amp import (GRAD_SCALER_FLOOR, ScalerPort, scaled_loss_unscaled, scaler_unscaled,
                     unscale_once)
-from .._guard import GuardedOptimizer
+from .._guard import STATE_KEY, GuardedOptimizer
+from .._log import logger
 from .._port import is_dtensor
+from ._clip import HostValue, clip_to, clip_with_verdict, policy_clip_after
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass",
-           "clip_with_verdict", "policy_clip_after", "finish_step", "load_guard_state",
+           "clip_with_verdict", "policy_clip_after", "clip_to", "HostValue", "finish_step", "load_guard_state",
            "SeamGuard", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
-           "scaler_unscaled", "GRAD_SCALER_FLOOR"]
+           "scaler_unscaled", "GRAD_SCALER_FLOOR", "STATE_KEY", "StepLoss", "DroppedBatches",
+           "FrameworkGuard"]
 
 #: A report's outcome as a number for loggers that take numbers only ("dropped": a batch after a
 #: rollback that was run but not stepped, as the policy's ``skip_batches`` says).
@@ -121,32 +124,6 @@ def refuse_bypass(guard, framework):
     return guard.optimizer.register_step_pre_hook(check)
 
 
-def clip_with_verdict(parameters, max_norm, verdict):
-    """The framework's gradient clip to ``max_norm`` (and the policy's clip, when it clipped this
-    step) by one factor, from the norm the guard agreed (``verdict.grad_norm``): the norm is not
-    computed a second time. Nothing when neither clips or the norm is not finite."""
-    targets = [t for t in (max_norm, verdict.clip_norm) if t is not None and t > 0.0]
-    norm = verdict.grad_norm
-    if not targets or not math.isfinite(norm):
-        return
-    params = [p for p in parameters if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(params, min(targets), torch.tensor(norm))
-
-
-def policy_clip_after(parameters, max_norm, verdict):
-    """With ``framework_norm``: the framework clipped to ``max_norm`` with its own norm; the
-    policy's clip (``verdict.clip_norm``) on top, from the norm that clip left (the agreed norm
-    brought to ``max_norm``). Nothing when the policy did not clip or the norm is not finite."""
-    norm = verdict.grad_norm
-    if not verdict.applies or verdict.clip_norm is None or not math.isfinite(norm):
-        return
-    if max_norm and max_norm > 0:
-        norm = norm * min(1.0, max_norm / (norm + 1e-6))
-    if norm > verdict.clip_norm:
-        grads = [p for p in parameters if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(grads, verdict.clip_norm, torch.tensor(norm))
-
-
 def finish_step(guard, verdict, max_norm=None, update=None, clip=True):
     """The second half of a step whose verdict a framework seam took: the update the verdict
     allows, then ``settle``. The update: ``update()`` when given (the framework's own, which
@@ -206,6 +183,138 @@ def load_guard_state(guard, record, where):
     return True
 
 
+class StepLoss:
+    """The one owner of a step's loss, the loss the guard judges and reports: the mean of the
+    step's micro-batch losses, however the framework hands them over. ``reduction`` says how
+    it does: ``"mean"``, each micro-batch's own loss (DeepSpeed's ``engine.backward(loss)``);
+    ``"sum"``, each already divided by the step's micro-batch count before backward (Lightning,
+    HF's Trainer, Megatron's ``grad_scale_func``: their sum is the mean); ``"tokens"``, each a
+    sum over its tokens divided by the step's token count over every rank (torchtitan:
+    ``add(loss, tokens=<this micro-batch's tokens>, total=<the step's global count>)``, the
+    step's loss this rank's mean per token). Kept on the device; ``take()`` hands it over once
+    and starts the next step."""
+
+    REDUCTIONS = ("mean", "sum", "tokens")
+
+    def __init__(self, reduction):
+        if reduction not in self.REDUCTIONS:
+            raise ValueError("stepguard: StepLoss reduction %r is not one of %s"
+                             % (reduction, ", ".join(self.REDUCTIONS)))
+        self.reduction = reduction
+        self._parts = []
+
+    def add(self, loss, tokens=None, total=None):
+        self._parts.append((loss.detach().float().sum().reshape(()), tokens, total))
+
+    def __bool__(self):
+        return bool(self._parts)
+
+    def clear(self):
+        self._parts = []
+
+    def take(self):
+        """The step's loss (a 0-d fp32 tensor on the loss's device), or None when none came."""
+        parts, self._parts = self._parts, []
+        if not parts:
+            return None
+        total = torch.stack([loss for loss, _, _ in parts]).sum()
+        if self.reduction == "sum":
+            return total
+        if self.reduction == "mean":
+            return total / len(parts)
+        tokens = torch.stack([torch.as_tensor(t) for _, t, _ in parts]).sum()
+        every = torch.as_tensor(parts[0][2]).to(total.device, torch.float32)
+        return total * every / tokens.to(total.device, torch.float32).clamp(min=1.0)
+
+
+#: How an integration honours the batches a rollback drops (``DroppedBatches``).
+DRAWN, RUN_NOT_STEPPED, LOOP, OUT_OF_REACH = "drawn", "run", "loop", "out of reach"
+
+
+class DroppedBatches:
+    """The one rule for the batches a rollback drops (the policy's ``skip_batches``, a report's
+    ``batches_to_skip``): never trained on where the integration reaches the data order, said
+    once per run where it cannot. ``how``: ``DRAWN``, the integration draws them from the
+    framework's data iterator before the next step (``draw``: torchtitan); ``RUN_NOT_STEPPED``,
+    the framework runs them and the guard steps none of them (``take``: Lightning); ``LOOP``, the
+    user's loop owns the iterator (DeepSpeed, Megatron): ``draw(iterator)`` before its next step
+    does it, and the first rollback says so; ``OUT_OF_REACH`` (HF's Trainer, Lightning over
+    DeepSpeed): the first rollback warns that they are trained on. ``pending``: batches still to
+    drop; ``dropped``: dropped so far."""
+
+    def __init__(self, framework, how):
+        self.framework, self.how = framework, how
+        self.pending = 0
+        self.dropped = 0
+        self._told = False
+
+    def note(self, report):
+        """After each step's report: its ``batches_to_skip`` join the pending ones."""
+        if report is None or not report.batches_to_skip:
+            return
+        if self.how != OUT_OF_REACH:
+            self.pending += report.batches_to_skip
+        if self._told or self.how in (DRAWN, RUN_NOT_STEPPED):
+            return
+        self._told = True
+        lead = _world()[0] == 0  # every rank drops the same batches: rank 0 says it
+        if self.how == LOOP:
+            logger.log(logging.INFO if lead else logging.DEBUG,
+                       "stepguard: the policy's rollback drops the next %d batch(es); under %s "
+                       "the training loop owns the data iterator: draw them with "
+                       "drop_batches(iterator) before the next step (or skip "
+                       "report.batches_to_skip); said once per run",
+                       report.batches_to_skip, self.framework)
+        else:
+            logger.log(logging.WARNING if lead else logging.DEBUG,
+                       "stepguard: the policy's rollback asks to drop the next %d batch(es); "
+                       "under %s the data order is out of the guard's reach, so they are trained "
+                       "on (said once per run)", report.batches_to_skip, self.framework)
+
+    def take(self):
+        """Whether this batch is one to drop (``RUN_NOT_STEPPED``): counts it as dropped."""
+        if self.pending <= 0:
+            return False
+        self.pending -= 1
+        self.dropped += 1
+        return True
+
+    def draw(self, iterator, per_batch=1):
+        """Draws the pending batches from ``iterator`` (``per_batch`` items each: micro-batches);
+        returns how many batches were dropped."""
+        count, self.pending = self.pending, 0
+        for _ in range(count * per_batch):
+            next(iterator)
+        self.dropped += count
+        return count
+
+
+class FrameworkGuard:
+    """What each framework integration keeps of its guarded steps, in one owner: the step's
+    loss (``loss``, a ``StepLoss``), the newest report (``last_report``: None before the first
+    step and for a batch a rollback dropped) and the batches a rollback drops (``batches``, a
+    ``DroppedBatches``). The guard's saved state goes under ``STATE_KEY`` ("stepguard") in every
+    framework's checkpoint (``state_key(rank)`` where each rank saves a file of its own); the
+    incident line is the guard's logger's (rank 0, once per job)."""
+
+    def __init__(self, framework, reduction, drops):
+        self.loss = StepLoss(reduction)
+        self.batches = DroppedBatches(framework, drops)
+        self.last_report = None
+
+    def finished(self, report):
+        """A step's report (None: a dropped batch): the newest, its dropped batches noted."""
+        self.last_report = report
+        self.batches.note(report)
+        return report
+
+
+def state_key(rank=None):
+    """The key (or file stem) of the guard's saved state: ``STATE_KEY``, with ``_rank<r>`` where
+    each rank saves its own."""
+    return STATE_KEY if rank is None else "%s_rank%d" % (STATE_KEY, rank)
+
+
 class TrainerPort(ScalerPort):
     """A torch optimizer a Trainer steps (Lightning, HF): the Trainer decides the loss scale, so
     the guard scales nothing of its own; under fp16 (Lightning's '16-mixed', HF and accelerate's
@@ -225,34 +334,40 @@ class SeamGuard(GuardedOptimizer):
     # The framework's scaler steps the guard as it steps any optimizer (it leaves the step out
     # on Inf/NaN; step_the_scaler_skipped carries that step out) and unscales before the seam.
     _step_supports_amp_scaling = False
+    framework = "the framework"  # for the messages of the subclass's framework
+    drops = OUT_OF_REACH         # how its batches a rollback drops are honoured
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.last_report = None
         self.pending = None   # the verdict the seam took this step
         self.max_norm = None  # the framework's clip of this step, done from the agreed norm
         self.clipped = False  # framework_norm: the framework clipped with its own norm already
-        self.loss = None      # this step's micro-batch losses, summed (the step's mean loss)
+        # This step's loss and the batches a rollback drops: the framework hands each
+        # micro-batch's loss divided by their count (Lightning, HF's Trainer).
+        self.core = FrameworkGuard(self.framework, "sum", self.drops)
         self.calls = 0        # step() calls: a framework's GradScaler may leave one out
         self.loss_expected = None  # what hands the loss, when one must reach every step
         self._unapplied = False
         self._clip = True
 
     def add_loss(self, loss):
-        loss = loss.detach().float().reshape(())
-        self.loss = loss if self.loss is None else self.loss + loss
+        self.core.loss.add(loss)
+
+    @property
+    def loss_given(self):
+        """Whether a loss of this step reached the guard."""
+        return bool(self.core.loss)
 
     def take_verdict(self):
         if self.pending is None:
             self._check_loss_given()
-            loss, self.loss = self.loss, None
-            self.pending = self.verdict(loss)
+            self.pending = self.verdict(self.core.loss.take())
         return self.pending
 
     def _check_loss_given(self):
         """A step whose loss never arrived, where a seam should have handed it, is an error (a
         framework that stopped calling that seam), not a verdict on the gradients alone."""
-        if self.loss is None and self.loss_expected is not None:
+        if not self.core.loss and self.loss_expected is not None:
             raise RuntimeError(
                 "stepguard: no loss reached the guard for step %d: %s, which this run did not "
                 "call (a framework release that trains otherwise?); nothing was judged or "
@@ -294,8 +409,16 @@ class SeamGuard(GuardedOptimizer):
         verdict, self.pending = self.pending, None
         max_norm, self.max_norm = self.max_norm, None
         self._clip, self.clipped = not self.clipped, False
-        self.last_report = self._run(verdict, max_norm, loss)
-        return self.last_report
+        return self.core.finished(self._run(verdict, max_norm, loss))
+
+    @property
+    def last_report(self):
+        """This guard's newest step report (``core.last_report``)."""
+        return self.core.last_report
+
+    @last_report.setter
+    def last_report(self, report):
+        self.core.last_report = report
 
     def _run(self, verdict, max_norm, loss):
         if self._unapplied:
@@ -305,7 +428,7 @@ class SeamGuard(GuardedOptimizer):
         if verdict is None:  # no seam call this step (a strategy or loop that steps otherwise)
             if loss is None:
                 self._check_loss_given()
-            given, self.loss = self.loss, None
+            given = self.core.loss.take()
             return GuardedOptimizer.step.__wrapped__(self, loss if loss is not None else given)
         return finish_step(self, verdict, max_norm, clip=self._clip)
 
@@ -313,7 +436,7 @@ class SeamGuard(GuardedOptimizer):
         return self.optimizer.state_dict()
 
     def _load_state_dict(self, state_dict):
-        if "stepguard" in state_dict and "optimizer" in state_dict:  # a guard's own layout
+        if STATE_KEY in state_dict and "optimizer" in state_dict:  # a guard's own layout
             super()._load_state_dict(state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)

@@ -12,6 +12,7 @@ import math
 import torch
 
 from .._port import check_name
+from ._clip import HostValue, clip_to
 
 
 def _norm_after(verdict):
@@ -60,6 +61,7 @@ class _Layout:
     all-reduce per step); else the agreed norm is handed in where DeepSpeed's step takes one."""
     sharded = False
     framework_norm = False
+    _norm = None  # the agreed norm as the 0-d device tensor DeepSpeed's step takes (HostValue)
 
     def framework_loss_scale(self):
         return None
@@ -104,9 +106,8 @@ class _PlainLayout(_Layout):
         if self.clip > 0.0 and self.framework_norm:
             self._engine_clip()  # DeepSpeed's own clip, its own norm
         elif self.clip > 0.0 and math.isfinite(norm):
-            params = [p for g in self.optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, torch.tensor(norm))
+            clip_to([p.grad for g in self.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None], self.clip, norm)
         ds_step()
 
     def skip(self, ds_step):
@@ -322,9 +323,9 @@ class _ZeroLayout(_Partitioned):
             ds_step()  # DeepSpeed's overflow check and norm as without the guard
             return
         ds, norm = self.ds, _norm_after(self.verdict)
-        device = ds.single_partition_of_fp32_groups[0].device
-        ds.scaled_global_norm = lambda norm_type=2: torch.tensor(norm * ds.loss_scale,
-                                                                 dtype=torch.float, device=device)
+        if self._norm is None:
+            self._norm = HostValue(ds.single_partition_of_fp32_groups[0].device)
+        ds.scaled_global_norm = lambda norm_type=2: self._norm.of(norm * ds.loss_scale)
         saved, ds.check_grad_overflow = ds.check_grad_overflow, False
         try:
             ds_step()
@@ -418,8 +419,9 @@ class _Zero3Layout(_Layout):
     def _run(self, ds_step, overflow, norm):
         ds = self.ds
         ds.check_overflow = lambda partition_gradients=True: setattr(ds, "overflow", overflow)
-        device = getattr(ds, "device", None)
-        ds._get_norm_groups = lambda: [torch.tensor(norm, dtype=torch.float, device=device)]
+        if self._norm is None:
+            self._norm = HostValue(getattr(ds, "device", None))
+        ds._get_norm_groups = lambda: [self._norm.of(norm)]
         try:
             with _kept_at_floor(ds) if overflow else contextlib.nullcontext():
                 ds_step()

@@ -70,8 +70,8 @@ import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
-from ._core import (check_version, finish_step, guard_options, load_guard_state,
-                    watch_gradients)
+from ._core import (LOOP, OUT_OF_REACH, STATE_KEY, FrameworkGuard, check_version, finish_step,
+                    guard_options, load_guard_state, watch_gradients)
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
                                  _Zero3Layout, _ZeroLayout)
 from ._seams import Patches, check_seams
@@ -93,6 +93,9 @@ def guard_engine(engine, *, policy=None, policy_yaml=None, process_group=None,
 
 class EngineGuard:
     """The guard installed in a DeepSpeed engine (see the module's docstring)."""
+
+    _reduction = "mean"  # engine.backward(loss) gets each micro-batch's own loss
+    _drops = LOOP
 
     def __init__(self, engine, *, policy=None, policy_yaml=None, process_group=None,
                  framework_norm=False, allow_untested_framework=False, **options):
@@ -126,8 +129,9 @@ class EngineGuard:
         self.guard = GuardedOptimizer(engine.basic_optimizer, port=port, policy=policy,
                                       policy_yaml=policy_yaml, **options)
         self._layout = layout
-        self._losses = []
-        self.last_report = None
+        # The step's loss (each micro-batch's as engine.backward gets it: their mean), the
+        # newest report, the batches a rollback drops (the loop's iterator: drop_batches).
+        self.core = FrameworkGuard("DeepSpeed", self._reduction, self._drops)
         self._expected = None  # (global_steps, skipped_steps) once DeepSpeed ends the last step
         self._ds_backward, self._ds_scale = engine.backward, engine.scale
         # Instance attributes over the engine's and its optimizer's methods: the engine calls
@@ -159,19 +163,34 @@ class EngineGuard:
         for handle in self._watch:
             handle.remove()
         self._watch = []
-        self._losses = []
+        self.core.loss.clear()
         self._expected = None
 
     def record_loss(self, loss):
         """This micro-batch's loss, for a loop that calls ``loss.backward()`` itself instead of
         ``engine.backward(loss)``."""
-        self._losses.append(loss.detach().float().reshape(()))
+        self.core.loss.add(loss)
+
+    @property
+    def last_report(self):
+        """The newest optimizer step's report (None before the first)."""
+        return self.core.last_report
+
+    def drop_batches(self, iterator, micro_batches=None):
+        """Draws from ``iterator`` the batches the last rollback drops (the policy's
+        ``skip_batches``), for a loop that owns its data iterator: call it before each step's
+        first micro-batch. Each batch is ``micro_batches`` items of the iterator (default: the
+        engine's gradient accumulation steps, as DeepSpeed's loop draws one micro-batch per
+        ``engine.backward``). Returns how many batches were dropped (0 on most steps)."""
+        if micro_batches is None:
+            micro_batches = self.engine.gradient_accumulation_steps()
+        return self.core.batches.draw(iterator, micro_batches)
 
     def state_dict(self):
         """The guard's decision state, for DeepSpeed's checkpoint:
         ``engine.save_checkpoint(dir, client_state=sg.state_dict())``; DeepSpeed saves the
         optimizer state itself."""
-        return {"stepguard": self.guard.guard_state_dict()}
+        return {STATE_KEY: self.guard.guard_state_dict()}
 
     def load_state_dict(self, client_state):
         """After ``_, client_state = engine.load_checkpoint(dir)``. A client state without the
@@ -180,14 +199,8 @@ class EngineGuard:
         if client_state is not None and not isinstance(client_state, dict):
             raise TypeError("stepguard: load_state_dict takes the client state dict "
                             "engine.load_checkpoint returned, got %s" % type(client_state).__name__)
-        load_guard_state(self.guard, (client_state or {}).get("stepguard"),
+        load_guard_state(self.guard, (client_state or {}).get(STATE_KEY),
                          "this DeepSpeed client state")
-
-    @staticmethod
-    def _step_loss(losses):
-        """The step's loss from its micro-batches' (engine.backward scales each by the
-        accumulation steps itself): their mean."""
-        return torch.stack(losses).mean()
 
     def _backward(self, loss, *args, **kwargs):
         self.record_loss(loss)
@@ -199,8 +212,7 @@ class EngineGuard:
 
     def _step(self, closure=None):
         self._check_last_step()
-        loss = self._step_loss(self._losses) if self._losses else None
-        self._losses = []
+        loss = self.core.loss.take()
         # The verdict first (the step's one collective); an applied step is DeepSpeed's update
         # with the agreed norm as its norm (no second norm, no second all-reduce).
         verdict = self.guard.verdict(loss)
@@ -209,7 +221,7 @@ class EngineGuard:
             report = finish_step(self.guard, verdict)
         finally:
             self._layout.verdict = None
-        self.last_report = report
+        self.core.finished(report)
         if not report.applied:
             self._layout.skip(self._ds_step)
             if not getattr(self.engine.optimizer, "overflow", False):
@@ -278,14 +290,14 @@ def check_config(config):
 class _TrainerEngineGuard(EngineGuard):
     """The guard in the engine of a Trainer (HF's, Lightning's DeepSpeedStrategy): the Trainer
     hands the engine each micro-batch's loss already divided by the accumulation steps, so the
-    step's loss is their sum, the loss the Trainer logs."""
+    step's loss is their sum, the loss the Trainer logs. The Trainer's data order is out of the
+    guard's reach (the batches a rollback drops are trained on, said once)."""
 
-    @staticmethod
-    def _step_loss(losses):
-        return torch.stack(losses).sum()
+    _reduction = "sum"
+    _drops = OUT_OF_REACH
 
 
-def guard_trainer_engine(engine, previous, policy, options, framework_norm=False,
+def guard_trainer_engine(engine, previous, policy, options, framework, framework_norm=False,
                          allow_untested_framework=False):
     """The guard in a Trainer's engine: ``previous`` (an earlier fit's) put back when it guards
     this engine, else a new one that goes on with ``previous``'s state."""
@@ -295,6 +307,7 @@ def guard_trainer_engine(engine, previous, policy, options, framework_norm=False
     options.pop("layout", None)  # the engine's own
     guard = _TrainerEngineGuard(engine, policy=policy, framework_norm=framework_norm,
                                 allow_untested_framework=allow_untested_framework, **options)
+    guard.core.batches.framework = framework
     if previous is not None:
         previous.detach()
         guard.guard.load_guard_state_dict(previous.guard.guard_state_dict())

@@ -41,7 +41,8 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import (OUTCOME_CODES, Figures, SeamGuard, TrainerPort, check_version,
+from ._core import (OUTCOME_CODES, RUN_NOT_STEPPED, Figures, SeamGuard,
+                    TrainerPort, check_version,
                     guard_options, load_guard_state, policy_clip_after,
                     refuse_bypass, scaled_loss_unscaled, scaler_unscaled, with_sharding)
 from ._seams import Patches, check_seams
@@ -61,35 +62,43 @@ class _LightningGuard(SeamGuard):
     also drops the batches a rollback asks to drop and tells the step schedulers to hold still
     after a step not applied."""
 
+    framework = "Lightning"
+    drops = RUN_NOT_STEPPED  # Lightning draws them; their steps are left out
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.held_back = False    # the last step was not applied: step schedulers hold still
         self.fresh = False        # a step happened since the callback last logged
-        self.to_drop = 0
-        self.dropped = 0
         self.figures = Figures(self)
 
+    @property
+    def dropping(self) -> bool:
+        """This batch is one a rollback drops."""
+        return self.core.batches.pending > 0
+
+    @property
+    def dropped(self) -> int:
+        """The batches dropped so far (run, not stepped)."""
+        return self.core.batches.dropped
+
     def take_verdict(self) -> Any:
-        return None if self.to_drop > 0 else super().take_verdict()
+        return None if self.dropping else super().take_verdict()
 
     def _run(self, verdict: Any, max_norm: Any, loss: Any) -> Any:
         self.fresh = True
         self.held_back = True
-        if verdict is None and self.to_drop == 0 and not self._unapplied:
+        if verdict is None and not self.dropping and not self._unapplied:
             # No clip took it: the verdict now, after the closure and every hook, on the loss
             # of the step's micro-batches.
             verdict, self.pending = self.take_verdict(), None
-        if self.to_drop > 0:
-            self.to_drop -= 1
-            self.dropped += 1
-            self.loss = None
+        if self.core.batches.take():
+            self.core.loss.clear()
             self.figures.update(None)
             self.zero_grad()
             return None
         report = super()._run(verdict, max_norm, loss)
         self.figures.update(report)
         self.held_back = not report.applied
-        self.to_drop += report.batches_to_skip
         return report
 
 
@@ -209,6 +218,7 @@ class StepguardCallback(pl.Callback):
                 self._take_records(trainer)
             return
         self._engine = guard_trainer_engine(engine, self._engine, self.policy, self.guard_options,
+                                            "Lightning's DeepSpeedStrategy",
                                             framework_norm=self.framework_norm,
                                             allow_untested_framework=self.allow_untested_framework)
         guard = self._engine.guard
@@ -330,7 +340,7 @@ class StepguardCallback(pl.Callback):
             out = original(optimizer, model=model, closure=closure, **kwargs)
             # A step with a backward (its loss recorded) that the scaler left out.
             if guard is not None and guard.calls == calls and (
-                    guard.pending is not None or guard.to_drop > 0 or guard.loss is not None):
+                    guard.pending is not None or guard.dropping or guard.loss_given):
                 # Manual optimization's opt.step() returns the step's report either way.
                 return guard.step_the_scaler_skipped()
             return out
@@ -388,9 +398,13 @@ class StepguardCallback(pl.Callback):
                       (report.incident or {}).get("reason", ""))
             trainer.should_stop = True
         if self.log_metrics:
-            # From the reports: stats() would wait for the snapshot copy the step began.
+            # From the reports: stats() would wait for the snapshot copy the step began. One
+            # host tensor for the figures: Lightning makes a device tensor of each number it is
+            # given (a copy to the device per value per step), a host tensor it keeps as it is.
             metrics = figures.step_figures()
-            pl_module.log_dict({prefix + k: float(v) for k, v in metrics.items()},
+            values = torch.tensor([float(v) for v in metrics.values()],
+                                  dtype=torch.get_default_dtype())
+            pl_module.log_dict({prefix + k: v for k, v in zip(metrics, values)},
                                on_step=True, on_epoch=False, batch_size=1)
 
     def _incident(self, trainer: "pl.Trainer", report: Any) -> None:

@@ -9,6 +9,7 @@ Wrap what ``get_megatron_optimizer`` returns; Megatron's training loop is unchan
     config.grad_scale_func = optimizer.scale_loss   # Megatron-LM's training.py does this itself
     ...
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    optimizer.drop_batches(data_iterator, num_microbatches)  # a rollback's dropped batches
 
 ``step()`` runs Megatron's own stages with the guard's two phases between them:
 ``prepare_grads()`` (model gradients into the fp32 main gradients; each rank's shard under the
@@ -17,8 +18,7 @@ over every rank of the job), then on an applied step Megatron's clip given the a
 (``clip_grad_by_total_norm_fp32(total_norm=...)``: the norm is computed once per step, and not
 at all beyond the guard's when ``clip_grad == 0``; ``framework_norm=True``: Megatron's own
 norm for its clip, one more norm and all-reduce per step, and a clean step bitwise Megatron's
-own), Megatron's zero count and
-``step_with_ready_grads()``, and the guard's ``settle()``. It returns Megatron's
+own), Megatron's zero count and ``step_with_ready_grads()``, and the guard's ``settle()``. It returns Megatron's
 ``(update_successful, grad_norm, num_zeros_in_grad)`` with the agreed norm on an applied step,
 ``(False, None, None)`` on a step the guard did not apply (the training loop then counts a skipped
 iteration and does not step its LR scheduler). A rollback restores the fp32 main parameters and
@@ -36,11 +36,8 @@ stage inspects its own parameters.
 Checkpoints: ``state_dict()``/``load_state_dict()`` (the per-rank ``torch.save`` format) and
 ``sharded_state_dict()`` (``dist_checkpointing``, Megatron-LM's default) carry the guard's state
 under the key ``"stepguard"`` beside Megatron's; a checkpoint without it loads with a warning
-that the guard starts fresh.
-
-Megatron's ``grad_scale_func`` records each micro-batch's loss (Megatron divides it by the number
-of micro-batches: the step's loss is their sum; under pipeline parallelism the last stage's).
-Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
+that the guard starts fresh. ``grad_scale_func`` records each micro-batch's loss (see
+``scale_loss``; under pipeline parallelism the last stage's). Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
 ``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
 (``FP32Optimizer``), bf16 and fp16 (``Float16OptimizerWithFloat16Params``) and the distributed
 optimizer, one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks
@@ -53,8 +50,7 @@ grad scaler owns the loss scale. ``prepare_grads()`` unscales the main gradients
 scaler (backoff with its hysteresis, growth) as without the guard; the guard judges them with the
 scale of the step's backward (the report's ``loss_scale``), an overflow is skipped as Megatron
 skips it, and what the scale cannot fix (a NaN loss, the scale at ``min_loss_scale``) goes by the
-policy. Megatron also calls ``grad_scale_func`` on ``torch.ones(1)`` for the scale of MoE's
-auxiliary loss; only a loss that requires grad is taken for the step's. Refused with a message:
+policy. Refused with a message:
 multi-token-prediction models (not run with the guard), parameters in one of Megatron 0.19's
 separate grad-norm groups, Megatron-FSDP, and fp16 with a chain of several optimizers (each has
 its own grad scaler). What the guarded step relies on beyond Megatron's public stages is
@@ -69,7 +65,8 @@ import torch
 from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import TESTED, check_version, finish_step, guard_options, load_guard_state
+from ._core import (LOOP, STATE_KEY, TESTED, FrameworkGuard, check_version, finish_step,
+                    guard_options, load_guard_state)
 from ._chain import ChainedTorchOptimizer
 from ._seams import check_seams
 
@@ -141,8 +138,9 @@ class GuardedMegatronOptimizer:
         self.guard = GuardedOptimizer(self._port.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)
-        self._losses = []
-        self.last_report = None
+        # The step's loss (each micro-batch's divided by their count: their sum), the newest
+        # report, the batches a rollback drops (the loop's data iterator: drop_batches).
+        self.core = FrameworkGuard("Megatron", "sum", LOOP)
 
     def __getattr__(self, name):  # everything else is Megatron's
         if name.startswith("_"):
@@ -150,17 +148,25 @@ class GuardedMegatronOptimizer:
         return getattr(self._megatron, name)
 
     def scale_loss(self, loss):
-        """Megatron's ``grad_scale_func``: records the micro-batch's loss for the guard and scales
-        it as Megatron's optimizer does. Megatron also calls it on ``torch.ones(1)`` for the
-        scale of MoE's auxiliary loss: only a loss backward can run on (one that requires grad)
-        is the step's."""
+        """Megatron's ``grad_scale_func``: records the micro-batch's loss for the guard (Megatron
+        divided it by the micro-batch count: the step's loss is their sum) and scales it as
+        Megatron's optimizer does. Megatron also calls it on ``torch.ones(1)`` for the scale of
+        MoE's auxiliary loss: only a loss that requires grad is the step's."""
         if loss.requires_grad:
-            self._losses.append(loss.detach().float().reshape(()))
+            self.core.loss.add(loss)
         return self._megatron.scale_loss(loss)
 
     def record_loss(self, loss):
         """The step's loss, for a loop that does not pass ``scale_loss`` as grad_scale_func."""
-        self._losses = [loss.detach().float().reshape(())]
+        self.core.loss.clear()
+        self.core.loss.add(loss)
+
+    last_report = property(lambda self: self.core.last_report, doc="The newest step's report.")
+
+    def drop_batches(self, data_iterator, micro_batches=1):
+        """Draws from ``data_iterator`` the batches the last rollback drops (``skip_batches``),
+        ``micro_batches`` items each, before the next step; returns their count (mostly 0)."""
+        return self.core.batches.draw(data_iterator, micro_batches)
 
     @torch.no_grad()
     def step(self):
@@ -171,8 +177,7 @@ class GuardedMegatronOptimizer:
         found_inf = self._megatron.prepare_grads()
         if found_inf and port.scale is None:  # only a grad scaler finds inf
             raise RuntimeError("stepguard: Megatron's prepare_grads() found inf without a scaler")
-        loss = torch.stack(self._losses).sum() if self._losses else None
-        self._losses = []
+        loss = self.core.loss.take()
         port.result = None
         port.verdict = verdict = self.guard.verdict(loss)
 
@@ -189,7 +194,7 @@ class GuardedMegatronOptimizer:
             report = finish_step(self.guard, verdict, update=update)
         finally:
             port.verdict = None
-        self.last_report = report
+        self.core.finished(report)
         if not report.applied:
             return False, None, None
         return self._port.result
@@ -198,16 +203,14 @@ class GuardedMegatronOptimizer:
         self._megatron.zero_grad(set_to_none)
 
     def state_dict(self):
-        """The per-rank format: Megatron's state dict under "optimizer", the guard's under
-        "stepguard"."""
-        return {"optimizer": self._megatron.state_dict(), "stepguard": self.guard.guard_state_dict()}
+        """The per-rank format: Megatron's under "optimizer", the guard's under "stepguard"."""
+        return {"optimizer": self._megatron.state_dict(), STATE_KEY: self.guard.guard_state_dict()}
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
-        """Megatron's ``sharded_state_dict`` for ``dist_checkpointing``, with the guard's state
-        under "stepguard": the same on every rank (the guard decides the same everywhere), so it
-        travels in the checkpoint's common part."""
+        """Megatron's ``sharded_state_dict`` with the guard's state under "stepguard", the same
+        on every rank: it travels in the checkpoint's common part."""
         sharded = self._megatron.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        sharded[_SHARDED_KEY] = {"format": _SHARDED_FORMAT,
+        sharded[STATE_KEY] = {"format": _SHARDED_FORMAT,
                                  "record": self.guard.guard_state_dict()}
         return sharded
 
@@ -218,7 +221,7 @@ class GuardedMegatronOptimizer:
         if not isinstance(state_dict, dict):
             raise TypeError("stepguard: load_state_dict takes a dict, got %s"
                             % type(state_dict).__name__)
-        entry = state_dict.get(_SHARDED_KEY)
+        entry = state_dict.get(STATE_KEY)
         if entry is None:
             load_guard_state(self.guard, None, "this optimizer state dict")
             with torch.no_grad():  # Megatron writes into leaf main parameters in place
@@ -229,8 +232,8 @@ class GuardedMegatronOptimizer:
                 raise ValueError("stepguard: the state dict's 'stepguard' entry has the keys %s, "
                                  "not 'format' and 'record'" % sorted(entry))
             record = entry["record"]
-            megatron_part = {k: v for k, v in state_dict.items() if k != _SHARDED_KEY}
-        elif set(state_dict) == {"optimizer", _SHARDED_KEY}:
+            megatron_part = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        elif set(state_dict) == {"optimizer", STATE_KEY}:
             record, megatron_part = entry, state_dict["optimizer"]
         else:
             raise ValueError("stepguard: not a GuardedMegatronOptimizer state dict: it has a "
@@ -248,7 +251,6 @@ class GuardedMegatronOptimizer:
 
 
 # The guard's entry in Megatron's state dicts, and the form sharded_state_dict() gives it.
-_SHARDED_KEY = "stepguard"
 _SHARDED_FORMAT = "stepguard-megatron-1"
 
 

@@ -53,7 +53,8 @@ from torchtitan.trainer import Trainer
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._chain import ChainedTorchOptimizer
-from ._core import check_version, clip_with_verdict, guard_options, policy_clip_after
+from ._core import (DRAWN, FrameworkGuard, HostValue, check_version, clip_with_verdict,
+                    guard_options, policy_clip_after, state_key)
 from ._seams import check_seams
 
 __all__ = ["GuardedTrainer", "StepguardConfig", "guarded"]
@@ -167,12 +168,13 @@ class GuardedTrainer(Trainer):
                                       **guard_options(kwargs, options.policy))
         self.optimizers = _GuardedOptimizers(self, self._containers[0])
         self.lr_schedulers = _HeldSchedulers(self, self._containers[1])
-        self.last_report = None
         self._per_step = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
-        self._to_skip = 0         # batches a rollback drops, drawn at the next step
-        self._losses = []         # (loss, local tokens) per micro-batch group of this step
+        # The step's loss (this rank's mean per token), the newest report, the batches a
+        # rollback drops (drawn from torchtitan's data iterator before the next step).
+        self.core = FrameworkGuard("torchtitan", "tokens", DRAWN)
         self._verdict = None
         self._step_applied = False
+        self._shown_norm = None  # the norm torchtitan logs, handed back by its clip
 
     # -- the step -----------------------------------------------------------------------------
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
@@ -182,20 +184,15 @@ class GuardedTrainer(Trainer):
                                        or self.pp_has_last_stage):
             mine = labels if isinstance(labels, list) else [labels]
             tokens = sum((l != IGNORE_INDEX).sum() for l in mine)
-            self._losses.append((loss.detach().float().sum(), tokens, global_valid_tokens))
+            # torchtitan's loss: the local sum over the global token count.
+            self.core.loss.add(loss, tokens=tokens, total=global_valid_tokens)
         return loss
 
-    def _step_loss(self):
-        """This rank's mean loss per token over the step (torchtitan's loss is the local sum
-        over the global token count), on the device; None on a stage without the loss."""
-        losses, self._losses = self._losses, []
-        if not losses:
-            return None
-        total = torch.stack([loss for loss, _, _ in losses]).sum()
-        tokens = torch.stack([torch.as_tensor(t) for _, t, _ in losses]).sum()
-        global_tokens = losses[0][2]
-        return (total * global_tokens.to(total.device, torch.float32)
-                / tokens.to(total.device, torch.float32).clamp(min=1.0))
+    @property
+    def last_report(self):
+        """The newest step's report (None before the first)."""
+        core = getattr(self, "core", None)  # (none before the guard, or without one)
+        return core.last_report if core is not None else None
 
     def _clip(self, real):
         """torchtitan's ``dist_utils.clip_grad_norm_`` during a guarded step: the verdict, then
@@ -203,7 +200,7 @@ class GuardedTrainer(Trainer):
         def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                             foreach=None, pp_mesh=None, ep_enabled=False):
             parameters = list(parameters)
-            verdict = self._verdict = self.guard.verdict(self._step_loss())
+            verdict = self._verdict = self.guard.verdict(self.core.loss.take())
             if self.framework_norm:
                 norm = real(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
                             pp_mesh=pp_mesh, ep_enabled=ep_enabled)
@@ -212,8 +209,10 @@ class GuardedTrainer(Trainer):
             if verdict.applies:
                 clip_with_verdict(parameters, max_norm, verdict)
             shown = verdict.grad_norm if verdict.nonfinite_count == 0 else float("nan")
-            device = next((p.device for p in parameters), torch.device("cpu"))
-            return torch.tensor(shown, device=device)
+            if self._shown_norm is None:
+                self._shown_norm = HostValue(next((p.device for p in parameters),
+                                                  torch.device("cpu")))
+            return self._shown_norm.of(shown)
         return clip_grad_norm_
 
     def _apply_update(self):
@@ -239,10 +238,9 @@ class GuardedTrainer(Trainer):
     def train_step(self, data_iterator):
         if self.guard is None:
             return super().train_step(data_iterator)
-        for _ in range(self._to_skip * self._per_step):
-            next(data_iterator)  # the batches the last rollback drops
-        self._to_skip = 0
-        self._losses, self._verdict, self._step_applied = [], None, False
+        self.core.batches.draw(data_iterator, self._per_step)  # the last rollback's drops
+        self.core.loss.clear()
+        self._verdict, self._step_applied = None, False
         try:
             with self._clip_seam():
                 super().train_step(data_iterator)
@@ -258,16 +256,15 @@ class GuardedTrainer(Trainer):
 
     def _settle(self):
         verdict, self._verdict = self._verdict, None
-        self._losses = []
+        self.core.loss.clear()
         if verdict is None:
             return
-        report = self.guard.settle(verdict, self._step_applied)
-        self.last_report = report
-        self._to_skip += report.batches_to_skip  # (the guard's logger says the incident)
+        # (the guard's logger says the incident)
+        self.core.finished(self.guard.settle(verdict, self._step_applied))
 
     # -- checkpoints --------------------------------------------------------------------------
     def _state_key(self):
-        return "stepguard_rank%d" % self.guard._rank
+        return state_key(self.guard._rank)
 
     def state_dict(self):
         state = super().state_dict()

@@ -95,6 +95,7 @@ class _TrainerGuard(SeamGuard):
     settles."""
 
     deferred = None  # (parameters, the norm tensor the Trainer logs, framework_norm)
+    framework = "the HF Trainer"  # its data order is out of reach (the default drops)
 
     def take_verdict(self):
         fresh = self.pending is None
@@ -173,7 +174,6 @@ class StepguardCallback(transformers.TrainerCallback):
         self._logged_step = None
         self._resume_from = None  # the checkpoint folder train() resumes from
         self._figures = None
-        self._told_skip = False
         self._optimizer = None    # the Trainer's AcceleratedOptimizer
         self._engine_guard = None  # under DeepSpeed: the guard inside the Trainer's engine
         self._seen_report = None  # under DeepSpeed: the engine guard's report handled last
@@ -320,7 +320,7 @@ class StepguardCallback(transformers.TrainerCallback):
         if isinstance(optimizer.optimizer, _TrainerGuard):  # a second train() on this Trainer
             self.guard = optimizer.optimizer
             self.guard.drop_pending()
-            self.guard.loss = None
+            self.guard.core.loss.clear()
             self._load_guard_state(args)
             self._figures = Figures(self.guard)
             return
@@ -339,7 +339,7 @@ class StepguardCallback(transformers.TrainerCallback):
                                        **with_sharding(options, optimizer.optimizer))
         else:  # attached again after detach(): the same guard, its state kept
             self.guard.drop_pending()
-            self.guard.loss = None
+            self.guard.core.loss.clear()
         if self._watch is not None:
             self._watch.remove()
         self._watch = refuse_bypass(self.guard, "the HF Trainer")
@@ -369,7 +369,7 @@ class StepguardCallback(transformers.TrainerCallback):
                 "train() (the guard goes inside the Trainer's DeepSpeed engine)")
         self._engine_guard = guard_trainer_engine(self._trainer.model_wrapped,
                                                   self._engine_guard, self.policy,
-                                                  self.guard_options,
+                                                  self.guard_options, "the HF Trainer",
                                                   framework_norm=self.framework_norm,
                                                   allow_untested_framework=(
                                                       self.allow_untested_framework))
@@ -451,11 +451,6 @@ class StepguardCallback(transformers.TrainerCallback):
             optimizer._is_overflow = not report.applied
         self.last_report = report
         self._figures.update(report)
-        if report.batches_to_skip and not self._told_skip:
-            self._told_skip = True
-            logger.warning("stepguard: the policy's rollback asks to drop the next %d batch(es); "
-                           "the Trainer's data order is out of the guard's reach, so they are "
-                           "trained on (said once per run)", report.batches_to_skip)
         if report.incident is not None:  # (the guard's logger says it, once for the job)
             self._incidents.append({k: report.incident.get(k) for k in _INCIDENT_KEYS})
         if report.aborted:

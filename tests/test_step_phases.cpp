@@ -145,5 +145,46 @@ TEST(StepPhases, TensorsSwappedIntoAGroupAreTheOnesInspected) {
     EXPECT_TRUE(bitwise_equal(before[i], swapped[i]));
 }
 
+// enabled(false): the wrapped optimizer steps as without the guard, whole or in two phases, with
+// no collective and nothing measured; a NaN gradient is applied as the plain optimizer applies it.
+TEST(StepPhases, AGuardThatIsOffStepsAsThePlainOptimizer) {
+  auto off_model = make_model(6);
+  auto plain_model = make_model(6);
+  torch::optim::AdamW off_opt(off_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW plain_opt(plain_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  GuardedOptimizer off(off_opt, GuardOptions().enabled(false).policy("default"));
+  const auto collectives = off.stats().collective_calls;
+  for (int step = 0; step < 4; ++step) {
+    off_opt.zero_grad();
+    auto loss = loss_of(off_model, step);
+    loss.backward();
+    if (step == 3) off_model->parameters()[0].mutable_grad().view(-1)[0] = NAN;
+    StepReport r;
+    if (step % 2 == 0) {
+      r = off.step(loss);
+    } else {
+      const Verdict v = off.verdict(loss);
+      EXPECT_TRUE(v.applies());
+      EXPECT_TRUE(std::isnan(v.grad_norm));
+      off_opt.step();
+      r = off.settle(v, true);
+    }
+    EXPECT_TRUE(r.applied());
+    EXPECT_EQ(r.step, step + 1);
+    EXPECT_FALSE(r.loss_given);
+    EXPECT_TRUE(std::isnan(r.grad_norm));
+    plain_opt.zero_grad();
+    loss_of(plain_model, step).backward();
+    if (step == 3) plain_model->parameters()[0].mutable_grad().view(-1)[0] = NAN;
+    plain_opt.step();
+  }
+  const auto a = off_model->parameters();
+  const auto b = plain_model->parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << i;
+  EXPECT_EQ(off.stats().collective_calls, collectives);
+  EXPECT_EQ(off.stats().totals.applied, 4);
+  EXPECT_EQ(off.stats().totals.snapshots, 0);
+}
+
 }  // namespace
 }  // namespace stepguard

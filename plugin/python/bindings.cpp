@@ -268,8 +268,7 @@ py::dict stats_dict(const GuardStats& g) {
 void bind_options(py::module_& m) {
   py::class_<GuardOptions> options(
       m, "GuardOptions",
-      "The C++ GuardOptions: one property per option, with its name, type and default. "
-      "GuardedOptimizer(**options) sets them by keyword; collective_timeout is in seconds.");
+      "The C++ GuardOptions, one property per option (name, type, default), set by keyword.");
   options.def(py::init<>());
   py::list fields;
   STEPGUARD_BIND_OPTION(options, policy);
@@ -290,6 +289,7 @@ void bind_options(py::module_& m) {
   STEPGUARD_BIND_OPTION(options, metrics_bind_address);
   STEPGUARD_BIND_OPTION(options, metrics_run_label);
   STEPGUARD_BIND_OPTION(options, sharded_gradients);
+  STEPGUARD_BIND_OPTION(options, enabled);
   STEPGUARD_BIND_OPTION(options, collective_timeout);
   options.attr("fields") = py::tuple(fields);
 }

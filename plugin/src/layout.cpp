@@ -98,7 +98,8 @@ constexpr int kRowDiskEvery = 9;
 constexpr int kRowLossScaling = 10;
 constexpr int kRowSharded = 11;
 constexpr int kRowDistinctTensors = 12;
-constexpr int kRowSize = 13;
+constexpr int kRowEnabled = 13;
+constexpr int kRowSize = 14;
 
 // The settings that differ across ranks, each with every rank's value: empty when all agree.
 std::string settings_differ(const std::vector<double>& rows, int world) {
@@ -128,6 +129,7 @@ std::string settings_differ(const std::vector<double>& rows, int world) {
   compare("the disk checkpoint cadence", kRowDiskEvery, 1, true);
   compare("loss scaling", kRowLossScaling, 1, true);
   compare("sharded_gradients", kRowSharded, 1, true);
+  compare("enabled", kRowEnabled, 1, true);
   return m.str();
 }
 
@@ -150,6 +152,7 @@ bool reconcile_ranks(consensus::Consensus& consensus, const ResolvedLayout& mine
   row[kRowLossScaling] = settings.loss_scaling ? 1.0 : 0.0;
   row[kRowSharded] = settings.sharded_gradients ? 1.0 : 0.0;
   row[kRowDistinctTensors] = mine.distinct_tensors;
+  row[kRowEnabled] = settings.enabled ? 1.0 : 0.0;
   const std::vector<double> rows =
       consensus::gather_rank_rows(consensus, row.to(device), /*step=*/0);
   auto at = [&](int r, int col) { return rows[static_cast<std::size_t>(r) * kRowSize + col]; };

@@ -48,6 +48,7 @@ struct RankSettings {
   std::int64_t disk_every = 0;
   bool loss_scaling = false;
   bool sharded_gradients = false;
+  bool enabled = true;
 };
 
 /// A 64-bit FNV-1a digest of `text`.

@@ -59,9 +59,11 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
       consensus_(make_consensus(options_)),
       controller_(make_controller(config_)),
       recovery_(*consensus_, port_, recovery_config(options_, config_)) {
-  metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor(),
-                          config_.disk_every);
-  event_log_ = open_trace(options_);
+  if (options_.enabled()) {  // a guard that is off serves no metrics and writes no trace
+    metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor(),
+                            config_.disk_every);
+    event_log_ = open_trace(options_);
+  }
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
   for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
   refresh_layout();
@@ -74,6 +76,7 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   settings.disk_every = config_.disk_every;
   settings.loss_scaling = controller_.loss_scaling();
   settings.sharded_gradients = options_.sharded_gradients();
+  settings.enabled = options_.enabled();
   const auto& params = port_.parameters();
   job_replicated_ =
       reconcile_ranks(*consensus_, layout_, settings,
@@ -122,6 +125,7 @@ StepReport StepEngine::step(const at::Tensor& loss) {
 Verdict StepEngine::verdict(const at::Tensor& loss) {
   RECORD_USER_SCOPE("stepguard::verdict");
   check_not_pending("verdict()");
+  if (!options_.enabled()) return unguarded_verdict();
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
   // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
   stage_seconds_ = StageSeconds{};
@@ -202,6 +206,7 @@ StepReport StepEngine::settle(const Verdict& v, bool applied) {
               "; the verdict waiting for its settle() is step ", step_);
   Pending p = std::move(*pending_);
   pending_.reset();
+  if (!options_.enabled()) return unguarded_report(applied);
   overrule(&p.decided, applied, step_);
   const double settled = stage_seconds_.snapshot;  // verdict()'s wait for the last copy
   stage_seconds_.snapshot = 0.0;
@@ -484,7 +489,7 @@ void StepEngine::abort_with(const std::string& reason) {
 }
 
 at::Tensor StepEngine::scale_loss(const at::Tensor& loss) const {
-  if (!controller_.loss_scaling()) return loss;
+  if (!controller_.loss_scaling() || !options_.enabled()) return loss;
   return loss * replay_scale_.value_or(controller_.loss_scale());
 }
 

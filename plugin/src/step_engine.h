@@ -157,6 +157,9 @@ class StepEngine {
   };
 
   void check_can_step(const at::Tensor& loss);
+  /// enabled(false): the step as without the guard (counted; no inspection, collective or read).
+  Verdict unguarded_verdict();
+  StepReport unguarded_report(bool applied);
   void check_not_pending(const char* what) const;
   void refresh_layout();
   void parameters_changed();

@@ -5,6 +5,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include "csrc/common/bits.h"
@@ -190,6 +191,32 @@ GuardStats StepEngine::stats() {
   g.last_step_seconds = stage_seconds_;
   g.metrics_endpoint = metrics_ ? "http://" + metrics_->endpoint() + "/metrics" : std::string();
   return g;
+}
+
+// A guard that is off: the step is counted (the state stays a run's) and nothing else of the
+// guard's runs: no inspection, collective, read of the loss, snapshot or record.
+Verdict StepEngine::unguarded_verdict() {
+  Verdict v;
+  v.step = ++step_;
+  ++data_position_;
+  v.grad_norm = std::numeric_limits<double>::quiet_NaN();  // not measured
+  v.loss_given = false;
+  v.loss = std::numeric_limits<double>::quiet_NaN();
+  v.guard_id = id_;
+  pending_.emplace();
+  return v;
+}
+
+StepReport StepEngine::unguarded_report(bool applied) {
+  StepReport r;
+  r.step = step_;
+  r.outcome = applied ? Outcome::kApplied : Outcome::kSkipped;
+  r.loss_given = false;
+  r.loss = std::numeric_limits<double>::quiet_NaN();
+  r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+  ++totals_.steps;
+  ++(applied ? totals_.applied : totals_.skipped);
+  return r;
 }
 
 }  // namespace stepguard

@@ -1,6 +1,7 @@
 """The DeepSpeed integration's declared seams with the real DeepSpeed (CPU, Gloo): with
 ``framework_norm=True`` and a binding clip a clean guarded run is bitwise its unguarded twin's
-(ZeRO 0 fp32, bf16 without ZeRO, ZeRO 2 bf16, BF16_Optimizer, ZeRO 3, 2 ranks); what
+(ZeRO 0 fp32, bf16 without ZeRO, ZeRO 2 bf16, BF16_Optimizer, ZeRO 3, 2 ranks), and so is a
+run with the guard off (``enabled=False``: no collective); what
 ``guard_engine`` writes on DeepSpeed's objects is what the seams table declares and
 ``detach()`` puts it all back; a DeepSpeed function the integration relies on that changed is
 refused at ``guard_engine``, naming it, unless the user opts in."""
@@ -69,7 +70,15 @@ def _twins_main(rank, world, port, out_dir):
         sg = sg_deepspeed.guard_engine(engine, policy="default", framework_norm=True,
                                        collective_timeout=60)
         guarded, guarded_norms, agreed = _train(engine, rank, dtype, sg=sg)
+        # The guard off (enabled=False): DeepSpeed's own step, bitwise, and no collective.
+        engine = _engine(stage, precision, accum)
+        off = sg_deepspeed.guard_engine(engine, policy="default", enabled=False)
+        built = off.guard.stats().collective_calls
+        off_params, off_norms, _ = _train(engine, rank, dtype, sg=off)
         out["%d-%s%s" % (stage, precision, "-fp32accum" if accum else "")] = {
+            "off_same": [torch.equal(a, b) for a, b in zip(plain, off_params)],
+            "off_same_norms": plain_norms == off_norms,
+            "off_collectives": off.guard.stats().collective_calls - built,
             "optimizer": type(engine.optimizer).__name__,
             "same": [torch.equal(a, b) for a, b in zip(plain, guarded)],
             "same_norms": plain_norms == guarded_norms,
@@ -89,6 +98,8 @@ def test_framework_norm_with_a_binding_clip_is_bitwise_the_unguarded_twin():
             assert run["applied"] == STEPS, (key, run)
             assert all(run["same"]), (rank, key, run)
             assert run["same_norms"], (rank, key, run)  # DeepSpeed's own norm, logged
+            assert all(run["off_same"]) and run["off_same_norms"], (rank, key, run)
+            assert run["off_collectives"] == 0, (rank, key, run)
     optimizers = {key: run["optimizer"] for key, run in ranks[0].items()}
     assert optimizers == {"0-fp32": "AdamW", "0-bf16": "FP16_UnfusedOptimizer",
                           "2-bf16": "DeepSpeedZeroOptimizer", "1-bf16-fp32accum": "BF16_Optimizer",

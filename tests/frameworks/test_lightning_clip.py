@@ -63,3 +63,19 @@ def test_lightning_framework_norm_is_lightnings_own_clip_bitwise(tmp_path):
     assert torch.equal(guarded.after[NAN_STEP], guarded.after[NAN_STEP - 1])
     with pytest.raises(TypeError, match="framework_norm must be a bool"):
         StepguardCallback(framework_norm="yes")
+
+
+def test_lightning_with_the_guard_off_is_lightnings_own_step_bitwise(tmp_path):
+    """StepguardCallback(enabled=False): every step is Lightning's own (its norm, its clip), the
+    NaN step applied as an unguarded run applies it, bit for bit; no collective."""
+    from stepguard.integrations.lightning import StepguardCallback
+
+    torch.set_num_threads(1)
+    guard_cb = StepguardCallback(policy="default", enabled=False)
+    off = clipped_fit(tmp_path, NAN_STEP + 1, [guard_cb])
+    plain = clipped_fit(tmp_path, NAN_STEP + 1, [])
+    for step in range(NAN_STEP + 1):
+        assert torch.equal(off.after[step].view(torch.int32), plain.after[step].view(torch.int32))
+    assert not torch.isfinite(off.after[NAN_STEP]).all()  # the guard looked at nothing
+    stats = guard_cb.guards[0].stats()
+    assert stats.totals.to_dict()["applied"] == NAN_STEP + 1 and stats.collective_calls == 0

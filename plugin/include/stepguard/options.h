@@ -81,6 +81,13 @@ struct GuardOptions {
   /// consensus errors naming the step after this long, instead of hanging.
   /// (Python: seconds as a number, or a datetime.timedelta.)
   TORCH_ARG(std::chrono::milliseconds, collective_timeout) = std::chrono::minutes(5);
+  /// false: the guard is off and the wrapped optimizer steps as without it (GradScaler's
+  /// `enabled=False`): no inspection, no collective and no read per step, no snapshot, trace or
+  /// metrics endpoint; reports say `applied` with the grad norm and loss not measured (NaN), the
+  /// step count goes on and the guard's state round-trips through state dicts unchanged. Every
+  /// rank must agree (checked when the guard is built, the one collective a guard that is off
+  /// makes). The policy is still read and checked.
+  TORCH_ARG(bool, enabled) = true;
 };
 
 }  // namespace stepguard

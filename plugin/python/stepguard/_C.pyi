@@ -34,6 +34,8 @@ class GuardOptions:
     sharded_gradients: bool
     # seconds; set with a number or a datetime.timedelta
     collective_timeout: Union[float, datetime.timedelta]
+    # False: the guard is off, the wrapped optimizer steps as without it
+    enabled: bool
     def __init__(self) -> None: ...
 
 class StepReport:

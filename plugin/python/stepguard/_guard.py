@@ -42,7 +42,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         checkpoint_dir, checkpoint_every, incident_dir, metrics_port, metrics_bind_address,
         metrics_run_label, loss_scaling, sharded_gradients, collective_timeout (seconds),
         max_consecutive_bad_steps, zero_grad_on_skip, max_blamed_tensors, run_id (the run its
-        checkpoints belong to).
+        checkpoints belong to), enabled.
+        enabled: False turns the guard off, as ``GradScaler(enabled=False)`` does: the wrapped
+            optimizer steps as without it (no inspection, collective or read per step; no
+            snapshot, trace, incident or metrics endpoint; a GradScaler steps it as a plain
+            optimizer); reports say ``applied`` with the grad norm and loss NaN (not measured);
+            the step count goes on and ``state_dict()`` round-trips the guard's state. Every rank
+            must agree (checked when the guard is built). The policy is still read and checked.
         grad_scaler: the ``torch.amp.GradScaler`` that steps the guard (PyTorch's fp16 recipe:
             ``scaler.scale(loss).backward(); scaler.step(guard, loss.detach());
             scaler.update()``). The scaler calls the guard on every step, the ones it would
@@ -117,6 +123,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
                              "guard, not both")
         self._grad_scaler = checked_scaler(grad_scaler, port, guard_options,
                                            allow_untested_framework)
+        self.enabled = guard_options.enabled
+        if not self.enabled:
+            # Off: a GradScaler steps the guard as a plain optimizer (it unscales, and calls
+            # step() on finite steps only), as it steps the wrapped one without the guard.
+            self._step_supports_amp_scaling = False
         self.optimizer = optimizer
         if port is None:
             port = (TorchOptimPort(optimizer, named_parameters, layout=layout)

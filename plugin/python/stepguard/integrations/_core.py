@@ -20,7 +20,7 @@ from ._clip import HostValue, clip_to, clip_with_verdict, policy_clip_after
 
 __all__ = ["check_version", "TESTED", "guard_options", "per_rank_path", "refuse_bypass",
            "clip_with_verdict", "policy_clip_after", "clip_to", "HostValue", "finish_step", "load_guard_state",
-           "SeamGuard", "Figures", "OUTCOME_CODES", "TrainerPort", "unscale_once",
+           "SeamGuard", "Figures", "is_off", "OUTCOME_CODES", "TrainerPort", "unscale_once",
            "scaler_unscaled", "GRAD_SCALER_FLOOR", "STATE_KEY", "StepLoss", "DroppedBatches",
            "FrameworkGuard"]
 
@@ -93,6 +93,12 @@ def guard_options(options, policy=None):
     if policy is not None:
         out["policy"] = policy
     return out
+
+
+def is_off(options):
+    """Whether the guard's ``options`` turn it off (``enabled=False``): the framework then clips
+    with its own norm, as without the guard (the guard measures none)."""
+    return options.get("enabled", True) is False
 
 
 def with_sharding(options, optimizer):

@@ -71,7 +71,7 @@ import torch
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._core import (LOOP, OUT_OF_REACH, STATE_KEY, FrameworkGuard, check_version, finish_step,
-                    guard_options, load_guard_state, watch_gradients)
+                    guard_options, is_off, load_guard_state, watch_gradients)
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
                                  _Zero3Layout, _ZeroLayout)
 from ._seams import Patches, check_seams
@@ -112,7 +112,7 @@ class EngineGuard:
         # ZeRO 3 (and ZeRO-Offload) with Muon: DeepSpeed orthogonalises the gradients inside
         # its step, before its norm; the clip must take that norm, not the agreed one of the raw
         # gradients.
-        layout.framework_norm = framework_norm or (_uses_muon(engine) and (
+        layout.framework_norm = framework_norm or is_off(options) or (_uses_muon(engine) and (
             isinstance(layout, _Zero3Layout) or getattr(layout, "offload", False)))
         # Every rank of the job takes each step's decision together (model-parallel peers too):
         # WORLD over several ranks unless given; one trace file per rank.
@@ -149,7 +149,8 @@ class EngineGuard:
             self._patches.set(self.engine, "scale", self._scale)
             self._patches.set(self.engine.optimizer, "step", self._step)
             self._layout.install(self._patches)
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if (self.guard.enabled and torch.distributed.is_initialized()
+                    and torch.distributed.get_world_size() > 1):  # (off: no work per gradient)
                 self._watch = watch_gradients(self.guard, self.engine.module.parameters())
         return self
 

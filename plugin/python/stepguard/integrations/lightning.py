@@ -43,7 +43,7 @@ except ImportError:  # the standalone package of older installs
 from .._guard import GuardedOptimizer
 from ._core import (OUTCOME_CODES, RUN_NOT_STEPPED, Figures, SeamGuard,
                     TrainerPort, check_version,
-                    guard_options, load_guard_state, policy_clip_after,
+                    guard_options, is_off, load_guard_state, policy_clip_after,
                     refuse_bypass, scaled_loss_unscaled, scaler_unscaled, with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import _check_engine, check_config, guard_trainer_engine
@@ -147,7 +147,7 @@ class StepguardCallback(pl.Callback):
         if not isinstance(framework_norm, bool):
             raise TypeError("stepguard: framework_norm must be a bool, got %s"
                             % type(framework_norm).__name__)
-        self.framework_norm = framework_norm
+        self.framework_norm = framework_norm or is_off(guard_options)
         self.policy = policy
         self.log_metrics = log_metrics
         self.allow_untested_framework = allow_untested_framework

@@ -66,7 +66,7 @@ from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
 from ._core import (LOOP, STATE_KEY, TESTED, FrameworkGuard, check_version, finish_step,
-                    guard_options, load_guard_state)
+                    guard_options, is_off, load_guard_state)
 from ._chain import ChainedTorchOptimizer
 from ._seams import check_seams
 
@@ -134,7 +134,7 @@ class GuardedMegatronOptimizer:
                              "integration reads how every parameter is held (tensor, pipeline "
                              "and data parallel, the distributed optimizer) from Megatron")
         self._port = _MegatronPort(megatron_optimizer, inners, chunks, process_group)
-        self._port.framework_norm = framework_norm
+        self._port.framework_norm = framework_norm or is_off(options)
         self.guard = GuardedOptimizer(self._port.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)

@@ -73,6 +73,8 @@ class StepguardConfig:
     and all-reduce per step). Default: the guard's agreed norm, computed once."""
     allow_untested_framework: bool = False
     """Run on a torchtitan whose relied-on functions differ from the tested release's (warns)."""
+    enabled: bool = True
+    """False: the guard is off and every step is torchtitan's own (its own clip and norm)."""
     incident_dir: Optional[str] = None
     trace_path: Optional[str] = None
     metrics_port: Optional[int] = None
@@ -154,13 +156,13 @@ class GuardedTrainer(Trainer):
         check_seams("torchtitan", options.allow_untested_framework)
         _refuse(config)
         super().__init__(config)
-        self.framework_norm = bool(options.framework_norm)
+        self.framework_norm = bool(options.framework_norm) or not options.enabled
         self._containers = (self.optimizers, self.lr_schedulers)
         named = [pair for part in self.model_parts for pair in part.named_parameters()]
         port = _ContainerPort(self.optimizers, named)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         kwargs = {k: getattr(options, k) for k in ("incident_dir", "trace_path", "metrics_port",
-                                                    "collective_timeout")
+                                                    "collective_timeout", "enabled")
                   if getattr(options, k) is not None}
         # Every rank holds a shard (FSDP2) or a stage's parameters (PP) of each gradient, never
         # a copy (refused above): the guard sums over every rank.

@@ -77,7 +77,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .. import _files
 from .._port import is_dtensor
-from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options,
+from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options, is_off,
                     load_guard_state, policy_clip_after, refuse_bypass, unscale_once,
                     with_sharding)
 from ._seams import Patches, check_seams
@@ -157,7 +157,7 @@ class StepguardCallback(transformers.TrainerCallback):
         if not isinstance(framework_norm, bool):
             raise TypeError("stepguard: framework_norm must be a bool, got %s"
                             % type(framework_norm).__name__)
-        self.framework_norm = framework_norm
+        self.framework_norm = framework_norm or is_off(guard_options)
         self.policy = policy
         self.allow_untested_framework = allow_untested_framework
         self.guard_options = guard_options

@@ -13,7 +13,7 @@ namespace consensus {
 namespace {
 
 TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
-  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 10 + 4 * step_slot::kChunks + 1);
+  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 12 + 4 * step_slot::kChunks + 1);
   EXPECT_LE(StepBuffer::bytes(), 1024);
   for (int world : {1, 2, 4, 16, 16384}) {
     StepBuffer b(0, world, at::kCPU);
@@ -194,6 +194,28 @@ TEST(StepBuffer, RanksStillWritingACheckpointAreCounted) {
   const GlobalStats g = agreed.unpack(4);
   EXPECT_EQ(g.checkpoint_written_ranks, 2);
   EXPECT_FALSE(needs_rank_detail(g));  // no incident: no second collective
+}
+
+// A framework scaler's scale and floor, device tensors of any dtype, arrive with the sums (their
+// mean over the ranks); none given reads as 0.
+TEST(StepBuffer, TheFrameworkScaleRidesInTheBuffer) {
+  at::Tensor sum;
+  for (int r = 0; r < 2; ++r) {
+    StepBuffer b(r, 2, at::kCPU);
+    LocalEvidence evidence;
+    evidence.framework_scale = at::full({1}, 65536.0f);  // GradScaler's: float32, one element
+    evidence.framework_floor = at::tensor(1.0f);
+    b.pack(at::tensor(1.0), 1, evidence);
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+  }
+  StepBuffer agreed(0, 2, at::kCPU);
+  agreed.tensor().copy_(sum);
+  const GlobalStats g = agreed.unpack(3);
+  EXPECT_EQ(g.framework_loss_scale, 65536.0);
+  EXPECT_EQ(g.framework_min_scale, 1.0);
+  StepBuffer none(0, 1, at::kCPU);
+  none.pack(at::tensor(1.0), 1, LocalEvidence{});
+  EXPECT_EQ(none.unpack(1).framework_loss_scale, 0.0);
 }
 
 // Any difference in any 16-bit chunk shows, including values whose sums agree.

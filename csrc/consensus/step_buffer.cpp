@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <utility>
 
 namespace stepguard {
 namespace consensus {
@@ -98,6 +99,16 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
         .copy_(at::maximum(buffer_.select(0, step_slot::kProbeRanks), watched));
   }
   buffer_.select(0, step_slot::kCheckpointWritten).fill_(evidence.checkpoint_written ? 1.0 : 0.0);
+  const std::pair<int, const at::Tensor*> scales[] = {
+      {step_slot::kFrameworkScale, &evidence.framework_scale},
+      {step_slot::kFrameworkFloor, &evidence.framework_floor}};
+  for (const auto& [slot, value] : scales) {
+    if (value->defined()) {
+      buffer_.select(0, slot).copy_(value->detach().reshape({}).to(buffer_.options()));
+    } else {
+      buffer_.select(0, slot).fill_(0.0);
+    }
+  }
   for (int c = 0; c < step_slot::kChunks; ++c) {
     const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
     buffer_.select(0, step_slot::kDigest + c).fill_(chunk);
@@ -167,6 +178,8 @@ GlobalStats StepBuffer::unpack(std::int64_t step) const {
   g.input_bad_ranks = static_cast<std::int64_t>(s[step_slot::kInputRanks]);
   g.probe_bad_ranks = static_cast<std::int64_t>(s[step_slot::kProbeRanks]);
   g.checkpoint_written_ranks = static_cast<std::int64_t>(s[step_slot::kCheckpointWritten]);
+  g.framework_loss_scale = s[step_slot::kFrameworkScale] / world;  // every rank's scaler's mean
+  g.framework_min_scale = s[step_slot::kFrameworkFloor] / world;
   g.state_differs = chunks_differ(s, step_slot::kDigest, world);
   const double checked = s[step_slot::kFingerprintChecked];
   g.replica_checked = checked == world;

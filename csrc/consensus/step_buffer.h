@@ -51,7 +51,11 @@ constexpr int kFingerprintChecked = kFingerprint + 2 * kChunks;  ///< ranks that
 constexpr int kCheckpointWritten = kFingerprintChecked + 1;
 constexpr int kLossSquares = kCheckpointWritten + 1;  ///< sum of the finite losses' squares
 constexpr int kLossInf = kLossSquares + 1;            ///< ranks whose loss is +Inf
-constexpr int kSize = kLossInf + 1;                   ///< slots, at any world size
+/// The framework's loss scale and its floor as each rank's scaler holds them on the device
+/// (GradScaler, Megatron's): summed, the mean arrives with the one read (0: none given).
+constexpr int kFrameworkScale = kLossInf + 1;
+constexpr int kFrameworkFloor = kFrameworkScale + 1;
+constexpr int kSize = kFrameworkFloor + 1;  ///< slots, at any world size
 /// Digests are masked to the integers fp64 holds exactly in a rank row.
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace step_slot
@@ -81,6 +85,11 @@ struct LocalEvidence {
   /// No checkpoint write of this rank is still running (checkpoints become visible only once
   /// every rank's has finished).
   bool checkpoint_written = true;
+  /// One-element tensors on any device (undefined: none): the framework's loss scale and its
+  /// floor where the framework's scaler keeps them on the device, so that they reach the host
+  /// with the step's one read instead of a read of their own before it.
+  at::Tensor framework_scale;
+  at::Tensor framework_floor;
 };
 
 class StepBuffer {

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
 #include <limits>
@@ -151,6 +152,25 @@ void PythonPort::after_restore() {
   with_gil("after_restore", [&] { port_.attr("after_restore")(); });
 }
 
+namespace {
+
+// One item of framework_loss_scale(): a one-element floating tensor (kept, not read) or a number.
+// Returns whether it was a tensor.
+bool scale_tensor(const py::handle& item, const char* what, at::Tensor* tensor, double* number) {
+  if (THPVariable_Check(item.ptr())) {
+    const at::Tensor t = THPVariable_Unpack(item.ptr());
+    TORCH_CHECK(t.numel() == 1 && at::isFloatingType(t.scalar_type()),
+                "stepguard: the port's framework_loss_scale() gave a ", what, " tensor of ",
+                t.numel(), " elements of ", t.scalar_type(), "; one floating element was expected");
+    *tensor = t.detach();
+    return true;
+  }
+  *number = item.cast<double>();
+  return false;
+}
+
+}  // namespace
+
 std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scale() const {
   if (!has_framework_scale_) return std::nullopt;
   return with_gil("framework_loss_scale", [&]() -> std::optional<FrameworkLossScale> {
@@ -160,8 +180,19 @@ std::optional<OptimizerPort::FrameworkLossScale> PythonPort::framework_loss_scal
     TORCH_CHECK(items.size() == 2 || items.size() == 3,
                 "stepguard: the port's framework_loss_scale() gave ", items.size(),
                 " items; (scale, floor) or (scale, floor, gradients_scaled) was expected");
-    FrameworkLossScale out{items[0].cast<double>(), items[1].cast<double>(),
-                           items.size() == 2 || items[2].cast<bool>()};
+    FrameworkLossScale out;
+    out.gradients_scaled = items.size() == 2 || items[2].cast<bool>();
+    // A scaler's device tensors ride in the step buffer (no read here); numbers are checked now.
+    const bool scale_on_device = scale_tensor(items[0], "scale", &out.scale_tensor, &out.scale);
+    const bool floor_on_device =
+        scale_tensor(items[1], "floor", &out.min_scale_tensor, &out.min_scale);
+    TORCH_CHECK(scale_on_device || !floor_on_device,
+                "stepguard: the port's framework_loss_scale() gave the floor as a tensor and the "
+                "scale as a number; give both as tensors, or the floor as a number");
+    TORCH_CHECK(!(scale_on_device && out.gradients_scaled),
+                "stepguard: the port's framework_loss_scale() gave a tensor for gradients it "
+                "says are scaled: their inspection needs the scale as a number before it");
+    if (out.scale_tensor.defined()) return out;  // checked once agreed
     // A scale whose inverse is no finite fp32 number would unscale gradients to Inf or NaN.
     TORCH_CHECK(out.scale >= scaling::kMinUsableScale && out.scale <= scaling::kMaxUsableScale &&
                     out.min_scale >= 0,

@@ -87,6 +87,12 @@ class OptimizerPort {
     double scale = 1.0;
     double min_scale = 0.0;
     bool gradients_scaled = true;
+    /// Where the framework's scaler keeps them on the device (GradScaler, Megatron's): one-element
+    /// tensors that ride in the step buffer, read with the step's one read (then `scale` and
+    /// `min_scale` are filled from them after the collective). Not with gradients_scaled, whose
+    /// inspection needs the scale before it.
+    at::Tensor scale_tensor;
+    at::Tensor min_scale_tensor;
   };
   virtual std::optional<FrameworkLossScale> framework_loss_scale() const { return std::nullopt; }
   /// True when a framework decides the loss scale (its own scaler in fp16, none in bf16 or fp32;

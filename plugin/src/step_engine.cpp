@@ -151,10 +151,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   GlobalStats& g = p.agreed.global;
   g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
   g.largest_lr = port_.largest_lr();  // the stall detector's
-  if (framework_scale_) {
-    g.framework_loss_scale = framework_scale_->scale;
-    g.framework_min_scale = framework_scale_->min_scale;
-  }
+  if (framework_scale_) agree_framework_scale(&g);
   p.decided = decide(step, g);
   stage_seconds_.decide = seconds_since(t);
   t = Clock::now();
@@ -322,6 +319,10 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
   local_evidence.probe_bad = probes_.any_nonfinite();
   local_evidence.watched_grad_sum = watched_grad_sum_;
   local_evidence.checkpoint_written = recovery_.checkpoint_written();
+  if (framework_scale_) {  // a scaler's device tensors: no read of their own
+    local_evidence.framework_scale = framework_scale_->scale_tensor;
+    local_evidence.framework_floor = framework_scale_->min_scale_tensor;
+  }
   std::optional<at::Tensor> fingerprint;
   if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
   buffer.pack(loss, controller_.digest(step_), local_evidence, fingerprint);

@@ -157,6 +157,9 @@ class StepEngine {
   };
 
   void check_can_step(const at::Tensor& loss);
+  /// The framework's scale and floor for the step: from the step buffer where the port gave
+  /// device tensors (checked then), else the port's host numbers into `global`.
+  void agree_framework_scale(GlobalStats* global);
   /// enabled(false): the step as without the guard (counted; no inspection, collective or read).
   Verdict unguarded_verdict();
   StepReport unguarded_report(bool applied);

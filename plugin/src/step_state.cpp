@@ -9,6 +9,7 @@
 #include <string>
 
 #include "csrc/common/bits.h"
+#include "csrc/scaling/loss_scaler.h"
 #include "plugin/src/step_engine.h"
 
 namespace stepguard {
@@ -191,6 +192,25 @@ GuardStats StepEngine::stats() {
   g.last_step_seconds = stage_seconds_;
   g.metrics_endpoint = metrics_ ? "http://" + metrics_->endpoint() + "/metrics" : std::string();
   return g;
+}
+
+void StepEngine::agree_framework_scale(GlobalStats* g) {
+  OptimizerPort::FrameworkLossScale& f = *framework_scale_;
+  if (!f.scale_tensor.defined()) {
+    g->framework_loss_scale = f.scale;
+    g->framework_min_scale = f.min_scale;
+    return;
+  }
+  // The same on every rank (the sums' mean): every rank throws alike on a bad one.
+  f.scale = g->framework_loss_scale;
+  f.min_scale = f.min_scale_tensor.defined() ? g->framework_min_scale : f.min_scale;
+  g->framework_min_scale = f.min_scale;
+  TORCH_CHECK(f.scale >= scaling::kMinUsableScale && f.scale <= scaling::kMaxUsableScale &&
+                  f.min_scale >= 0,
+              "stepguard: step ", step_, ": the framework's loss scale and floor are (", f.scale,
+              ", ", f.min_scale,
+              "); a scale in [2^-126, 2^126] (it and its inverse finite fp32 numbers) and a floor "
+              ">= 0 were expected");
 }
 
 // A guard that is off: the step is counted (the state stays a run's) and nothing else of the

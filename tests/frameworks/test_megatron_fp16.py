@@ -14,6 +14,7 @@ every step and the same parameters bit for bit up to the spike; every step of th
 rolled back bit for bit (model and main parameters); step() returns Megatron's tuple and the
 guard's norm is Megatron's own; replicas stay equal."""
 
+import contextlib
 import os
 
 import pytest
@@ -55,6 +56,19 @@ def _build(tp, distributed_optimizer):
                                        loss_scale_window=WINDOW, hysteresis=HYSTERESIS,
                                        use_distributed_optimizer=distributed_optimizer)
     return model, config, get_megatron_optimizer(optimizer_config, [model])
+
+
+@contextlib.contextmanager
+def _host_reads():
+    """The Python-level reads of a tensor to the host inside the block (item(), float())."""
+    reads, real = [], {name: getattr(torch.Tensor, name) for name in ("item", "__float__")}
+    for name, f in real.items():
+        setattr(torch.Tensor, name, lambda self, _f=f, _n=name: reads.append(_n) or _f(self))
+    try:
+        yield reads
+    finally:
+        for name, f in real.items():
+            setattr(torch.Tensor, name, f)
 
 
 def _run(rank, world, tp, distributed_optimizer, guarded):
@@ -99,12 +113,14 @@ def _run(rank, world, tp, distributed_optimizer, guarded):
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
                                     model=[model], num_microbatches=MICRO, seq_length=8,
                                     micro_batch_size=2, forward_only=False)
-        success, grad_norm, zeros = optimizer.step()
+        with _host_reads() as reads:  # item() and float() of tensors, from Python
+            success, grad_norm, zeros = optimizer.step()
         flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
         main = torch.cat([p.detach().reshape(-1) for p in main_params])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         row = {"success": success, "grad_norm": grad_norm, "scale_before": scale_before,
+               "reads": len(reads),
                "scale": float(inner.grad_scaler.scale), "flat": flat.tolist(),
                "main": main.tolist(),
                "replicas_equal": all(torch.equal(flat, t) for t in gathered[rank % tp::tp])}
@@ -160,6 +176,12 @@ def _check(ranks, layout):
             assert (g["scale"], g["flat"], g["main"]) == (t["scale"], t["flat"], t["main"]), (
                 layout, rank, i + 1)
             assert g["loss_scale"] == t["scale_before"], (layout, rank, i + 1)
+            # The guard reads nothing from Python (its scale and floor ride in its step buffer):
+            # a guarded step makes Megatron's own reads (its found-inf flag), less the norm's on
+            # an applied step, which Megatron leaves to the guard.
+            reads = (g["reads"], t["reads"])
+            assert reads[0] < reads[1] if g["outcome"] == "applied" else reads[0] == reads[1], (
+                layout, rank, i + 1, reads)
             if g["outcome"] == "applied":  # Megatron's tuple, its norm the guard's
                 assert g["success"] is True and g["grad_norm"] == pytest.approx(
                     g["report_norm"], rel=1e-6), (layout, rank, i + 1)

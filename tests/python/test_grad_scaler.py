@@ -95,38 +95,39 @@ def test_the_guard_sees_every_step_the_scaler_would_leave_out_and_steps_as_the_t
     assert "found_inf" not in vars(guard) and "grad_scale" not in vars(guard)
 
 
-def test_a_step_reads_the_host_once_from_python_as_the_unguarded_scaler_step_does():
-    """The scaler's own step reads its found-inf flag; the guarded one reads the scale instead
-    (the report's loss_scale) and skips on the device verdict: one read each from Python, plus
-    the guard's one read of its step buffer in C++, and one collective (none on one rank)."""
+def test_a_guarded_step_reads_nothing_from_python_where_the_scaler_step_reads_once():
+    """The scaler's own step reads its found-inf flag; the guarded one reads neither it nor the
+    scale from Python (no get_scale(), no item() or float() of a tensor): the scale rides in the
+    step buffer and arrives with the guard's one read of it in C++, and the guard skips on the
+    agreed verdict."""
     def count(stepper, guarded, model, scaler):
         loss = loss_of(model, 0)
         scaler.scale(loss).backward()
-        calls = [0]
-        real = torch.Tensor.item
-
-        def item(self):
-            calls[0] += 1
-            return real(self)
-        torch.Tensor.item = item
+        calls = []
+        real = {name: getattr(torch.Tensor, name) for name in ("item", "__float__")}
+        get_scale = torch.amp.GradScaler.get_scale
+        for name, f in real.items():
+            setattr(torch.Tensor, name, lambda self, _f=f, _n=name: calls.append(_n) or _f(self))
+        torch.amp.GradScaler.get_scale = lambda self: calls.append("get_scale") or get_scale(self)
         try:
-            if guarded:
-                scaler.step(stepper, loss.detach())
-            else:
-                scaler.step(stepper)
+            report = scaler.step(stepper, loss.detach()) if guarded else scaler.step(stepper)
         finally:
-            torch.Tensor.item = real
+            for name, f in real.items():
+                setattr(torch.Tensor, name, f)
+            torch.amp.GradScaler.get_scale = get_scale
         scaler.update()
-        return calls[0]
+        return calls, report
 
     # SGD: AdamW on CPU reads its step counters to the host, as much guarded as not.
     twin = make_model(3)
-    plain = count(torch.optim.SGD(twin.parameters(), lr=1e-2), False, twin, _scaler())
+    plain, _ = count(torch.optim.SGD(twin.parameters(), lr=1e-2), False, twin, _scaler())
     model = make_model(3)
     scaler = _scaler()
     guard = stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2),
                                        model.named_parameters(), grad_scaler=scaler)
-    assert count(guard, True, model, scaler) == plain == 1
+    guarded, report = count(guard, True, model, scaler)
+    assert plain == ["item"] and guarded == [], (plain, guarded)
+    assert report.applied and report.loss_scale == 2.0 ** 12  # the scale, agreed
 
 
 def test_a_guard_stepped_by_a_scaler_it_was_not_given_refuses_the_step_and_changes_nothing():

@@ -49,11 +49,13 @@ class ScalerPort(TorchOptimPort):
             self.held_scale = self.scaler._get_scale_async().clone()
 
     def framework_loss_scale(self):
+        """The scale as the scaler's own device tensor: it rides in the step buffer and reaches
+        the host with the step's one read (``get_scale()`` would be a read of its own)."""
         held, self.held_scale = self.held_scale, None
         if self.scaler is None or not self.scaler.is_enabled():
             return None
-        scale = held if held is not None else self.scaler.get_scale()
-        return float(scale), GRAD_SCALER_FLOOR, False
+        scale = held if held is not None else self.scaler._get_scale_async()
+        return scale, GRAD_SCALER_FLOOR, False
 
 
 def _state(scaler, optimizer):

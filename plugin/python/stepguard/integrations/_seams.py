@@ -230,7 +230,8 @@ SEAMS: Dict[str, List[Seam]] = {
              "every rank's update() backs off", (_G + "GradScaler.step", _G + "GradScaler.update"),
              restored=False),
         Seam(_G + "GradScaler._get_scale_async", "calls",
-             "the scale as a device tensor, to unscale a scaled loss without a host read",
+             "the scale as a device tensor, to unscale a scaled loss and to carry the step's "
+             "scale in the step buffer without a host read",
              (_G + "GradScaler._get_scale_async",), restored=False),
     ],
     "transformers": [

@@ -11,19 +11,19 @@ Wrap what ``get_megatron_optimizer`` returns; Megatron's training loop is unchan
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     optimizer.drop_batches(data_iterator, num_microbatches)  # a rollback's dropped batches
 
-``step()`` runs Megatron's own stages with the guard's two phases between them:
-``prepare_grads()`` (model gradients into the fp32 main gradients; each rank's shard under the
-distributed optimizer), the guard's ``verdict()`` on those main gradients (its one collective,
-over every rank of the job), then on an applied step Megatron's clip given the agreed norm
-(``clip_grad_by_total_norm_fp32(total_norm=...)``: the norm is computed once per step, and not
-at all beyond the guard's when ``clip_grad == 0``; ``framework_norm=True``: Megatron's own
-norm for its clip, one more norm and all-reduce per step, and a clean step bitwise Megatron's
-own), Megatron's zero count and ``step_with_ready_grads()``, and the guard's ``settle()``. It returns Megatron's
-``(update_successful, grad_norm, num_zeros_in_grad)`` with the agreed norm on an applied step,
-``(False, None, None)`` on a step the guard did not apply (the training loop then counts a skipped
-iteration and does not step its LR scheduler). A rollback restores the fp32 main parameters and
-the optimizer state (each rank its shard under the distributed optimizer) and copies them into the
-model's parameters, as Megatron's step does.
+``step()`` runs Megatron's own stages with the guard's two phases between them: ``prepare_grads()``
+(model gradients into the fp32 main gradients; each rank's shard under the distributed optimizer),
+the guard's ``verdict()`` on those main gradients (its one collective, over every rank of the job),
+then on an applied step Megatron's clip given the agreed norm
+(``clip_grad_by_total_norm_fp32(total_norm=...)``: the norm is computed once per step, and not at
+all beyond the guard's when ``clip_grad == 0``; ``framework_norm=True``: Megatron's own norm for
+its clip, one more norm and all-reduce per step, and a clean step bitwise Megatron's own),
+Megatron's zero count and ``step_with_ready_grads()``, and the guard's ``settle()``. It returns
+Megatron's ``(update_successful, grad_norm, num_zeros_in_grad)`` with the agreed norm on an applied
+step, ``(False, None, None)`` on a step the guard did not apply (the training loop then counts a
+skipped iteration and does not step its LR scheduler). A rollback restores the fp32 main parameters
+and the optimizer state (each rank its shard under the distributed optimizer) and copies them into
+the model's parameters, as Megatron's step does.
 
 The parallel layout comes from Megatron's own marks: a parameter with ``tensor_model_parallel``
 is a shard over the tensor-parallel group, any other is a copy on every tensor-parallel rank
@@ -35,28 +35,26 @@ stage inspects its own parameters.
 
 Checkpoints: ``state_dict()``/``load_state_dict()`` (the per-rank ``torch.save`` format) and
 ``sharded_state_dict()`` (``dist_checkpointing``, Megatron-LM's default) carry the guard's state
-under the key ``"stepguard"`` beside Megatron's; a checkpoint without it loads with a warning
-that the guard starts fresh. ``grad_scale_func`` records each micro-batch's loss (see
-``scale_loss``; under pipeline parallelism the last stage's). Tested with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12 and later;
-``TESTED_VERSIONS``): an older release is refused at attach, a newer one warned about. fp32
-(``FP32Optimizer``), bf16 and fp16 (``Float16OptimizerWithFloat16Params``) and the distributed
-optimizer, one optimizer (a ``ChainedOptimizer`` of one; the interleaved schedule's model chunks
-share one: their parameters are named ``model0.``, ``model1.``, ... in reports), and mixture of
-experts: a ``ChainedOptimizer`` of the dense and the expert parameters' optimizers is guarded as
-one step with one norm, as Megatron steps it (an expert's parameters, ``allreduce`` False, are
-held by their expert-parallel rank and replicated over the expert data-parallel ranks; the
-names in reports are each rank's local expert names). fp16: Megatron's
+under the key ``"stepguard"`` beside Megatron's; a checkpoint without it loads with a warning that
+the guard starts fresh. ``grad_scale_func`` records each micro-batch's loss (see ``scale_loss``;
+under pipeline parallelism the last stage's). Tested with megatron-core 0.16.1 (Python 3.11) and
+0.19.2 (Python 3.12 and later; ``TESTED_VERSIONS``): an older release is refused at attach, a newer
+one warned about. fp32 (``FP32Optimizer``), bf16 and fp16 (``Float16OptimizerWithFloat16Params``)
+and the distributed optimizer, one optimizer (a ``ChainedOptimizer`` of one; the interleaved
+schedule's model chunks share one: their parameters are named ``model0.``, ``model1.``, ... in
+reports), and mixture of experts: a ``ChainedOptimizer`` of the dense and the expert parameters'
+optimizers is guarded as one step with one norm, as Megatron steps it (an expert's parameters,
+``allreduce`` False, are held by their expert-parallel rank and replicated over the expert
+data-parallel ranks; the names in reports are each rank's local expert names). fp16: Megatron's
 grad scaler owns the loss scale. ``prepare_grads()`` unscales the main gradients and updates the
 scaler (backoff with its hysteresis, growth) as without the guard; the guard judges them with the
 scale of the step's backward (the report's ``loss_scale``), an overflow is skipped as Megatron
 skips it, and what the scale cannot fix (a NaN loss, the scale at ``min_loss_scale``) goes by the
-policy. Refused with a message:
-multi-token-prediction models (not run with the guard), parameters in one of Megatron 0.19's
-separate grad-norm groups, Megatron-FSDP, and fp16 with a chain of several optimizers (each has
-its own grad scaler). What the guarded step relies on beyond Megatron's public stages is
-declared in ``_seams_megatron.py`` and fingerprinted: a release whose code there changed is
-refused, naming it (``allow_untested_framework=True``: a warning).
-"""
+policy. Refused with a message: multi-token-prediction models (not run with the guard), parameters
+in one of Megatron 0.19's separate grad-norm groups, Megatron-FSDP, and fp16 with a chain of
+several optimizers (each has its own grad scaler). What the guarded step relies on beyond
+Megatron's public stages is declared in ``_seams_megatron.py`` and fingerprinted: a release whose
+code there changed is refused, naming it (``allow_untested_framework=True``: a warning). """
 
 import math
 
@@ -297,9 +295,10 @@ def _scale_of(grad_scaler):
     floor is its scale). Megatron's prepare_grads() unscales the main gradients."""
     if grad_scaler is None:
         return None
-    scale = float(grad_scaler.scale)
+    # Megatron's device tensors, read with the step's one read (the step buffer carries them).
+    scale = grad_scaler.scale
     floor = getattr(grad_scaler, "min_scale", None)
-    return scale, scale if floor is None else float(floor), False
+    return scale, scale if floor is None else floor, False
 
 
 def _inner_optimizers(megatron_optimizer):

@@ -263,3 +263,37 @@ def test_the_readme_lists_the_seams_table():
         listed = set(re.findall(r"^- `([^`]+)` \((\w+)\)", section, flags=re.M))
         table = {(seam.where, seam.kind) for seam in _seams.SEAMS[framework]}
         assert listed == table, (framework, listed ^ table)
+
+
+# The README's table of each framework's modules (lines), declared seams and private names.
+_MODULES = [("every framework", None, ["_core.py", "_clip.py", "_seams.py"]),
+            ("torch's GradScaler", "torch", ["stepguard/_amp.py"]),
+            ("HF Transformers", "transformers", ["transformers.py"]),
+            ("Lightning", "lightning", ["lightning.py"]),
+            ("DeepSpeed", "deepspeed", ["deepspeed.py", "_deepspeed_layouts.py",
+                                        "_seams_deepspeed.py"]),
+            ("Megatron-core", "megatron", ["megatron.py", "_chain.py", "_seams_megatron.py"]),
+            ("torchtitan", "torchtitan", ["torchtitan.py", "_seams_torchtitan.py"])]
+
+
+def test_the_readme_lists_each_frameworks_modules_seams_and_private_names():
+    import os
+    import stepguard
+    package = os.path.dirname(stepguard.__file__)
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    listed = text.split("<!-- integration-modules -->", 1)[1].split("<!-- /integration-", 1)[0]
+    rows = ["| framework | modules (lines) | seams | private names |", "|---|---|---|---|"]
+    for name, key, files in _MODULES:
+        cells = []
+        for file in files:
+            path = os.path.join(os.path.dirname(package) if "/" in file else
+                                os.path.join(package, "integrations"), file)
+            with open(path, encoding="utf-8") as f:
+                cells.append("`%s` (%d)" % (file, len(f.read().splitlines())))
+        seams = _seams.SEAMS.get(key, [])
+        private = {s.where for s in seams if any(p.startswith("_") for p in s.where.split("."))}
+        counts = ("%d | %d" % (len(seams), len(private))) if key else "|"
+        rows.append("| %s | %s | %s |" % (name, ", ".join(cells), counts))
+    assert listed.strip().splitlines() == rows, "\n".join(rows)

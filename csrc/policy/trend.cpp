@@ -30,6 +30,14 @@ std::vector<TrendSettings> default_trend_settings() {
   return out;
 }
 
+bool trends_read_lr(const std::vector<TrendSettings>& settings) {
+  const auto& kinds = trend_kinds();
+  for (std::size_t i = 0; i < settings.size() && i < kinds.size(); ++i) {
+    if (settings[i].enabled && kinds[i].reads_lr) return true;
+  }
+  return false;
+}
+
 namespace trend_detail {
 
 std::int64_t count_of(double word, const char* what) {

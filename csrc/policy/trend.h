@@ -67,6 +67,9 @@ struct TrendKind {
   /// `policy explain`'s sentence for the detector with these field values.
   std::string (*explain)(const std::vector<double>& values);
   std::unique_ptr<TrendDetector> (*make)(const std::vector<double>& values);
+  /// The detector reads the optimizer's largest learning rate (GlobalStats::largest_lr): the
+  /// engine asks the port for it only while such a detector is on.
+  bool reads_lr = false;
 };
 
 /// Every trend detector, in a fixed order (the state's and the settings' order).
@@ -81,6 +84,8 @@ struct TrendSettings {
 };
 /// One entry per kind, off, with the fields' defaults.
 std::vector<TrendSettings> default_trend_settings();
+/// Whether a detector that is on in `settings` (one entry per kind) reads the learning rate.
+bool trends_read_lr(const std::vector<TrendSettings>& settings);
 
 // The kinds, each defined in its own file.
 TrendKind loss_trend_kind();       // trend_loss.cpp

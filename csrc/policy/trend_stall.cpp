@@ -105,7 +105,8 @@ TrendKind stall_kind() {
            "check that the loss depends on the parameters the optimizer holds (no detach(), "
            "requires_grad on, the model's parameters the ones given to the optimizer)"},
           explain,
-          trend_detail::make<Stall>};
+          trend_detail::make<Stall>,
+          /*reads_lr=*/true};
 }
 
 }  // namespace policy

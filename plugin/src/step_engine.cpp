@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <limits>
 
 #include "csrc/consensus/process_group_consensus.h"
 #include "csrc/policy/policy_file.h"
@@ -150,7 +151,10 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   t = Clock::now();
   GlobalStats& g = p.agreed.global;
   g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
-  g.largest_lr = port_.largest_lr();  // the stall detector's
+  // The stall detector's: read only while a detector that uses it is on.
+  g.largest_lr = policy::trends_read_lr(controller_.config().detectors.trends)
+                     ? port_.largest_lr()
+                     : std::numeric_limits<double>::quiet_NaN();
   if (framework_scale_) agree_framework_scale(&g);
   p.decided = decide(step, g);
   stage_seconds_.decide = seconds_since(t);
@@ -183,8 +187,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
 
 void StepEngine::clip_gradients(const Verdict& v) {
   if (!v.applies() || v.clip_norm <= 0.0 || !(v.grad_norm > v.clip_norm)) return;
-  // ZClip-style: one factor for every gradient, so the global norm becomes the target; one
-  // foreach multiply by a host scalar (no tensor made, nothing copied to the device).
+  // One factor for all (ZClip-style), one foreach multiply by a host scalar: no tensor made.
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (auto& g : port_.gradients()) {

@@ -172,3 +172,32 @@ def test_one_rank_with_shuffled_labels_is_a_rank_loss_shift_skipped_and_named(ma
                 evidence
         else:
             assert "rank 1" in evidence, evidence
+
+
+def test_the_learning_rate_is_read_only_while_a_detector_uses_it():
+    """The stall detector reads the optimizer's largest LR through the port each step; a policy
+    without it makes no such call (for a Python port, a call into Python per step)."""
+    import stepguard
+    from stepguard._port import TorchOptimPort
+    from conftest import loss_of, make_model
+
+    class Counting(TorchOptimPort):
+        calls = 0
+
+        def largest_lr(self):
+            Counting.calls += 1
+            return super().largest_lr()
+
+    for policy, expected in (("default", 3), ("version: 1\n", 0)):
+        model = make_model(2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        Counting.calls = 0
+        kwargs = {"policy": policy} if policy == "default" else {"policy_yaml": policy}
+        guard = stepguard.GuardedOptimizer(
+            optimizer, port=Counting(optimizer, model.named_parameters()), **kwargs)
+        for step in range(3):
+            guard.zero_grad()
+            loss = loss_of(model, step)
+            loss.backward()
+            guard.step(loss)
+        assert Counting.calls == expected, (policy, Counting.calls)

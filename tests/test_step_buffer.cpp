@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -180,18 +181,26 @@ TEST(StepBuffer, ASpikeNamesTheRanksWhoseLossRose) {
 
 // A rank still writing its disk checkpoint in the background keeps the count below the world
 // size: nobody commits that checkpoint yet.
-TEST(StepBuffer, RanksStillWritingACheckpointAreCounted) {
+// Every rank of `world` packs the evidence `of(rank)` gives (loss 1, digest 1); the buffers are
+// summed as the collective sums them and unpacked for `step`.
+GlobalStats agreed_over(int world, std::int64_t step, const std::function<LocalEvidence(int)>& of) {
   at::Tensor sum;
-  for (int r = 0; r < 3; ++r) {
-    StepBuffer b(r, 3, at::kCPU);
-    LocalEvidence evidence;
-    evidence.checkpoint_written = r != 1;
-    b.pack(at::tensor(1.0), 1, evidence);
+  for (int r = 0; r < world; ++r) {
+    StepBuffer b(r, world, at::kCPU);
+    b.pack(at::tensor(1.0), 1, of(r));
     sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
   }
-  StepBuffer agreed(0, 3, at::kCPU);
+  StepBuffer agreed(0, world, at::kCPU);
   agreed.tensor().copy_(sum);
-  const GlobalStats g = agreed.unpack(4);
+  return agreed.unpack(step);
+}
+
+TEST(StepBuffer, RanksStillWritingACheckpointAreCounted) {
+  const GlobalStats g = agreed_over(3, 4, [](int r) {
+    LocalEvidence evidence;
+    evidence.checkpoint_written = r != 1;
+    return evidence;
+  });
   EXPECT_EQ(g.checkpoint_written_ranks, 2);
   EXPECT_FALSE(needs_rank_detail(g));  // no incident: no second collective
 }
@@ -199,18 +208,12 @@ TEST(StepBuffer, RanksStillWritingACheckpointAreCounted) {
 // A framework scaler's scale and floor, device tensors of any dtype, arrive with the sums (their
 // mean over the ranks); none given reads as 0.
 TEST(StepBuffer, TheFrameworkScaleRidesInTheBuffer) {
-  at::Tensor sum;
-  for (int r = 0; r < 2; ++r) {
-    StepBuffer b(r, 2, at::kCPU);
+  const GlobalStats g = agreed_over(2, 3, [](int) {
     LocalEvidence evidence;
     evidence.framework_scale = at::full({1}, 65536.0f);  // GradScaler's: float32, one element
     evidence.framework_floor = at::tensor(1.0f);
-    b.pack(at::tensor(1.0), 1, evidence);
-    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
-  }
-  StepBuffer agreed(0, 2, at::kCPU);
-  agreed.tensor().copy_(sum);
-  const GlobalStats g = agreed.unpack(3);
+    return evidence;
+  });
   EXPECT_EQ(g.framework_loss_scale, 65536.0);
   EXPECT_EQ(g.framework_min_scale, 1.0);
   StepBuffer none(0, 1, at::kCPU);

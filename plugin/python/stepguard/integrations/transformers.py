@@ -78,7 +78,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from .. import _files
 from .._port import is_dtensor
 from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options, is_off,
-                    load_guard_state, policy_clip_after, refuse_bypass, unscale_once,
+                    load_guard_state, policy_clip_after, refuse_bypass, state_key, unscale_once,
                     with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import check_config, guard_trainer_engine
@@ -130,7 +130,7 @@ class _TrainerGuard(SeamGuard):
 def _state_file(checkpoint, rank):
     """The guard's state in a Trainer checkpoint folder: one file per rank, beside the
     Trainer's own per-rank ``rng_state_<r>.pth``."""
-    return os.path.join(checkpoint, "stepguard_rank%d.pt" % rank)
+    return os.path.join(checkpoint, state_key(rank) + ".pt")
 
 
 class StepguardCallback(transformers.TrainerCallback):

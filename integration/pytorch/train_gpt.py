@@ -370,10 +370,12 @@ class _null:
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
-    except stepguard.ConsensusError:
-        # The ranks can no longer agree (a peer is gone): say why and leave at once. Tearing
-        # down a process group whose peers are gone can wait for their deadline, or abort in
-        # its threads' destructors ("terminate called without an active exception").
+    except (stepguard.ConsensusError, RuntimeError):
+        # The ranks can no longer agree (a peer is gone: the guard's ConsensusError, or DDP's
+        # own gradient all-reduce failing first, a RuntimeError from Gloo): say why and leave
+        # at once. Tearing down a process group whose peers are gone can wait for their
+        # deadline, or abort in its threads' destructors ("terminate called without an active
+        # exception"), and the job's exit code would then be a signal's.
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()

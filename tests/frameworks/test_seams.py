@@ -252,10 +252,10 @@ def test_lightning_a_changed_framework_function_is_refused_at_fit_naming_it(tmp_
     assert callback.guards[0].stats().totals.applied == STEPS
 
 
-def test_the_readme_lists_the_seams_table():
+def test_the_docs_list_the_seams_table():
     import os
     import re
-    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "frameworks.md")
     with open(readme, encoding="utf-8") as f:
         text = f.read()
     for framework in ("torch", "transformers", "lightning", "deepspeed", "megatron", "torchtitan"):
@@ -265,7 +265,7 @@ def test_the_readme_lists_the_seams_table():
         assert listed == table, (framework, listed ^ table)
 
 
-# The README's table of each framework's modules (lines), declared seams and private names.
+# docs/frameworks.md's table of each framework's modules (lines), declared seams and private names.
 _MODULES = [("every framework", None, ["_core.py", "_clip.py", "_seams.py"]),
             ("torch's GradScaler", "torch", ["stepguard/_amp.py"]),
             ("HF Transformers", "transformers", ["transformers.py"]),
@@ -276,11 +276,11 @@ _MODULES = [("every framework", None, ["_core.py", "_clip.py", "_seams.py"]),
             ("torchtitan", "torchtitan", ["torchtitan.py", "_seams_torchtitan.py"])]
 
 
-def test_the_readme_lists_each_frameworks_modules_seams_and_private_names():
+def test_the_docs_list_each_frameworks_modules_seams_and_private_names():
     import os
     import stepguard
     package = os.path.dirname(stepguard.__file__)
-    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "frameworks.md")
     with open(readme, encoding="utf-8") as f:
         text = f.read()
     listed = text.split("<!-- integration-modules -->", 1)[1].split("<!-- /integration-", 1)[0]

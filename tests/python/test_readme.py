@@ -1,7 +1,9 @@
 """The README is tested (as mktestdocs and doctest keep docs true): its first example runs as
-written, around a tiny model and loader, and every command, flag, guard attribute, stats field
-and GuardOptions setter that README.md and configs/policies/README.md name exists."""
+written, around a tiny model and loader; every command, flag, guard attribute, stats field and
+GuardOptions setter that README.md, configs/policies/README.md and the docs/ pages name exists;
+every Python block compiles and its stepguard imports import; every link between them resolves."""
 
+import glob
 import os
 import re
 import shlex
@@ -16,7 +18,8 @@ import stepguard
 from conftest import make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "configs", "policies", "README.md")]
+DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "configs", "policies", "README.md")] + \
+    sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 BUILD = os.path.dirname(os.path.dirname(os.path.abspath(stepguard.__file__)))  # build/python
 CLI = os.path.join(os.path.dirname(BUILD), "bin", "stepguard")
 FILE_ENDINGS = {"h", "cpp", "py", "json", "md", "yaml", "jsonl", "png", "pt"}  # report.h: a file
@@ -187,3 +190,56 @@ def test_policy_list_gives_each_presets_first_sentence_whole():
                    if line.startswith("#")]
         assert text.endswith(".") and " ".join(" ".join(comment).split()).startswith(text), \
             (name, text)
+
+
+def _anchor(heading):
+    """The anchor a Markdown renderer (GitHub's) gives a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_link_between_the_docs_resolves_to_a_file_and_heading():
+    bad = []
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", "", _text(doc), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^(https?|mailto):", target):
+                continue
+            path, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+            if not os.path.exists(path):
+                bad.append("%s: %s (no such file)" % (os.path.relpath(doc, ROOT), target))
+            elif anchor and path.endswith(".md"):
+                body = re.sub(r"^```.*?^```", "", _text(path), flags=re.S | re.M)
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.*)$", body, flags=re.M)}
+                if anchor not in headings:
+                    bad.append("%s: %s (no such heading)" % (os.path.relpath(doc, ROOT), target))
+    assert not bad, bad
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    """A README a newcomer reads in ten minutes: under 300 lines, install (pip first) before the
+    quick start, and every docs/ page linked from it."""
+    text = _text(DOCS[0])
+    assert len(text.splitlines()) < 300
+    assert text.index("pip install") < text.index("make test") < text.index("## Quick start")
+    for page in glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        assert "](docs/%s)" % os.path.basename(page) in text, page
+
+
+def test_every_python_block_compiles_and_its_stepguard_imports_import():
+    """Every Python block of the README and the docs pages is valid Python, and each snippet's
+    imports of stepguard (an integration's module and names included) import, in one fresh
+    interpreter with the frameworks this environment pins."""
+    imports = set()
+    for doc in DOCS:
+        for i, (_, body) in enumerate(_blocks(_text(doc), ("python",))):
+            compile(body, "%s python block %d" % (os.path.relpath(doc, ROOT), i + 1), "exec")
+            for line in body.splitlines():
+                if re.match(r"^(from stepguard[\w.]* import |import stepguard)", line):
+                    imports.add(line.strip())
+    assert any("integrations.torchtitan" in line for line in imports), imports
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([BUILD, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", "\n".join(sorted(imports)) + "\nprint('ok')"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -7,8 +7,8 @@ what it is for, and the framework function whose behaviour it relies on, with th
 attach: a seam whose function is missing or whose source changed is refused with the list of
 changed seams and what each is for (``allow_untested_framework=True`` runs anyway, with a loud
 warning). ``Patches`` writes attributes on framework objects and restores every one at
-``detach()``. The README's lists of what each integration touches are tested against the table
-(tests/frameworks/test_seams.py).
+``detach()``. The lists in docs/frameworks.md of what each integration touches are tested against
+the table (tests/frameworks/test_seams.py).
 """
 
 import hashlib

@@ -57,7 +57,7 @@ reads the host copies the optimizer steps (each rank's fp32 partition and its av
 in the host buffer beside it) and restores them. Refused, with a message: fp16 without ZeRO,
 offload to NVMe, parameter offload, partial optimizer offload, and pipeline engines (``check_config``
 tells what a config alone shows, before the engine exists). What the integration replaces,
-writes or calls privately is declared (``_seams_deepspeed.py``, README "Declared seams") and the
+writes or calls privately is declared (``_seams_deepspeed.py``, docs/frameworks.md) and the
 DeepSpeed functions it relies on are fingerprinted: a release whose functions changed is
 refused at ``guard_engine`` naming them (``allow_untested_framework=True``: a warning).
 ``EngineGuard.detach()`` gives the engine back its own methods; the HF Trainer's and Lightning's

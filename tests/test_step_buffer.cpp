@@ -109,6 +109,38 @@ TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   EXPECT_TRUE(std::isnan(g.rank_losses[2]));
 }
 
+// The ranks a fault came from, packed by 3 ranks: `losses`, and each rank's gradient watch
+// (`watched`: its gradients' sum before the framework's reduction, NaN when one held a NaN).
+std::vector<int> origin_of(const std::vector<double>& losses, const std::vector<double>& watched) {
+  at::Tensor sum;
+  std::vector<double> rows;
+  for (int r = 0; r < 3; ++r) {
+    StepBuffer b(r, 3, at::kCPU);
+    LocalEvidence evidence;
+    evidence.watched_grad_sum =
+        at::scalar_tensor(watched[static_cast<std::size_t>(r)], at::kDouble);
+    b.pack(at::tensor(losses[static_cast<std::size_t>(r)], at::kDouble), 1, evidence);
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    for (int i = 0; i < row_slot::kSize; ++i) rows.push_back(b.rank_row()[i].item<double>());
+  }
+  StepBuffer agreed(0, 3, at::kCPU);
+  agreed.tensor().copy_(sum);
+  GlobalStats g = agreed.unpack(1);
+  EXPECT_TRUE(needs_rank_detail(g));
+  fill_rank_detail(rows, 3, &g);
+  return g.origin_ranks;
+}
+
+// The gradient watch names the rank whose backward made a NaN when every loss is finite; a rank's
+// own NaN loss comes first (under model parallelism the backward's collectives carry its NaN
+// into its peers' gradients before their watch sees them).
+TEST(StepBuffer, TheGradientWatchNamesTheOriginWhenNoLossDoes) {
+  const double nan = std::nan("");
+  EXPECT_EQ(origin_of({2.0, 2.0, 2.0}, {1.0, nan, 1.0}), std::vector<int>({1}));
+  EXPECT_EQ(origin_of({2.0, nan, 2.0}, {nan, nan, 1.0}), std::vector<int>({1}));
+  EXPECT_EQ(origin_of({2.0, 2.0, 2.0}, {nan, nan, nan}), std::vector<int>({0, 1, 2}));
+}
+
 // Sums the buffers and rows of ranks with `losses` by hand; the agreed statistics, rows named.
 GlobalStats agreed_losses(const std::vector<double>& losses) {
   at::Tensor sum;

@@ -218,16 +218,21 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   g->faulty_ranks.clear();
   g->origin_ranks.clear();
   g->rank_losses.clear();
+  std::vector<int> probed;  // a probe's or the gradient watch's ranks
   for (int r = 0; r < world; ++r) {
     g->rank_losses.push_back(at(r, row_slot::kLoss));
     if (at(r, row_slot::kGradFault) > 0 || at(r, row_slot::kLossBad) > 0) {
       g->faulty_ranks.push_back(r);
     }
-    if (at(r, row_slot::kLossBad) > 0 || at(r, row_slot::kInputsBad) > 0 ||
-        at(r, row_slot::kProbeBad) > 0) {
+    if (at(r, row_slot::kLossBad) > 0 || at(r, row_slot::kInputsBad) > 0) {
       g->origin_ranks.push_back(r);
     }
+    if (at(r, row_slot::kProbeBad) > 0) probed.push_back(r);
   }
+  // A rank's own loss and inputs first: a NaN made on one tensor-, pipeline- or expert-parallel
+  // rank reaches its peers' activations and gradients through the model's collectives before
+  // any probe or gradient hook there sees it, never their losses.
+  if (g->origin_ranks.empty()) g->origin_ranks = probed;
   if (g->origin_ranks.empty()) g->origin_ranks = g->faulty_ranks;
   g->desynced_ranks =
       g->state_differs ? outliers(rows, world, row_slot::kDigest) : std::vector<int>();

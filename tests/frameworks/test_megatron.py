@@ -81,10 +81,14 @@ def _run(rank, world, precision, distributed_optimizer):
     from stepguard.integrations.megatron import GuardedMegatronOptimizer
 
     model, config, megatron_optimizer = _build(precision, distributed_optimizer)
+    # The NaN gradient is made in the last rank's backward (a hook on the parameter, before
+    # Megatron's DDP reduces it), where a fault of the backward itself would appear.
+    target = dict(model.module.named_parameters())[TARGET]
+    poison = [False]
+    target.register_hook(lambda grad: grad * float("nan") if poison[0] else grad)
     optimizer = GuardedMegatronOptimizer(megatron_optimizer, model, policy=POLICY,
                                          collective_timeout=60)
     config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's training.py does
-    target = dict(model.module.named_parameters())[TARGET]
     inner = optimizer._inner
     main_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
     steps, after, mains = [], {}, {}
@@ -102,9 +106,7 @@ def _run(rank, world, precision, distributed_optimizer):
             factor = 300.0
         forward_step = _forward_step(factor)
 
-        hook = None
-        if step == NAN_GRAD and rank == world - 1:
-            hook = target.register_hook(lambda grad: grad * float("nan"))
+        poison[0] = step == NAN_GRAD and rank == world - 1
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = get_forward_backward_func()(forward_step_func=forward_step,
@@ -112,8 +114,7 @@ def _run(rank, world, precision, distributed_optimizer):
                                              model=[model], num_microbatches=MICRO,
                                              seq_length=8, micro_batch_size=2,
                                              forward_only=False)
-        if hook is not None:
-            hook.remove()
+        poison[0] = False
         success, grad_norm, zeros = optimizer.step()
         report = optimizer.last_report
         flat = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
@@ -247,6 +248,9 @@ def _check(ranks, key, world):
         assert steps[NAN_LOSS]["outcome"] == "skipped", (key, rank, run["steps"])
         assert steps[NAN_GRAD]["unchanged"] and steps[NAN_LOSS]["unchanged"], (key, rank)
         assert steps[NAN_LOSS]["incident"]["ranks"] == [world - 1], (key, steps[NAN_LOSS])
+        # The NaN gradient made on the last rank is traced to it, not to every rank the
+        # all-reduce reached (DDP) or to the rank whose shard holds it (distributed optimizer).
+        assert steps[NAN_GRAD]["incident"]["ranks"] == [world - 1], (key, steps[NAN_GRAD])
         assert steps[SPIKE]["outcome"] == "rolled_back", (key, rank, run["steps"])
         # Main (fp32) and model parameters are both the snapshot's again.
         assert steps[SPIKE]["restored_snapshot"], (key, rank, steps[SPIKE])

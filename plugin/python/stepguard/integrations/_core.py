@@ -160,17 +160,26 @@ def finish_step(guard, verdict, max_norm=None, update=None, clip=True):
     return guard.settle(verdict, applied)
 
 
-def watch_gradients(guard, parameters):
-    """A hook on each trainable parameter's gradient as backward makes it, before the framework
-    reduces it across ranks: a NaN/Inf there names this rank as the origin of the step's fault,
-    where the guard alone would name the rank whose partition holds the reduced gradient. One
-    fp64 sum per gradient per backward on the device, no read. Returns the handles."""
-    engine = guard._guard
+class GradientWatch:
+    """Hooks naming a fault's origin rank: each trainable gradient as backward makes it, before
+    the framework reduces it (DDP, ZeRO, Megatron), so a NaN/Inf there names this rank, not every
+    rank the reduction reached. One fp64 sum per gradient per backward, no read; for an enabled
+    guard over several ranks. FSDP2's DTensors (set after their reduce-scatter) get none."""
 
-    def hook(grad):
-        engine.watch_gradient(grad)
+    def __init__(self):
+        self._handles = []
 
-    return [p.register_hook(hook) for p in parameters if p.requires_grad]
+    def install(self, guard, parameters):  # (earlier hooks of this watch removed)
+        self.remove()
+        if guard.enabled and _world()[1] > 1:  # (the engine's method: it returns None)
+            self._handles = [p.register_hook(guard._guard.watch_gradient) for p in parameters
+                             if p.requires_grad and not is_dtensor(p)]
+        return self
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def load_guard_state(guard, record, where):

@@ -70,8 +70,8 @@ import torch
 
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
-from ._core import (LOOP, OUT_OF_REACH, STATE_KEY, FrameworkGuard, check_version, finish_step,
-                    guard_options, is_off, load_guard_state, watch_gradients)
+from ._core import (LOOP, OUT_OF_REACH, STATE_KEY, FrameworkGuard, GradientWatch, check_version,
+                    finish_step, guard_options, is_off, load_guard_state)
 from ._deepspeed_layouts import (_Bf16Layout, _FusedLayout, _PlainLayout, _UnfusedLayout,
                                  _Zero3Layout, _ZeroLayout)
 from ._seams import Patches, check_seams
@@ -139,7 +139,7 @@ class EngineGuard:
         # nothing else of DeepSpeed changes. backward() and scale() (DeepSpeed's manual path,
         # engine.scale(loss).backward()) hand the guard the loss. detach() takes them out.
         self._patches = Patches()
-        self._watch = []  # the gradient hooks that name the origin rank (several ranks)
+        self._watch = GradientWatch()  # the hooks that name the origin rank (several ranks)
         self.attach()
 
     def attach(self):
@@ -149,9 +149,7 @@ class EngineGuard:
             self._patches.set(self.engine, "scale", self._scale)
             self._patches.set(self.engine.optimizer, "step", self._step)
             self._layout.install(self._patches)
-            if (self.guard.enabled and torch.distributed.is_initialized()
-                    and torch.distributed.get_world_size() > 1):  # (off: no work per gradient)
-                self._watch = watch_gradients(self.guard, self.engine.module.parameters())
+            self._watch.install(self.guard, self.engine.module.parameters())
         return self
 
     def detach(self):
@@ -161,9 +159,7 @@ class EngineGuard:
         ``attach()`` puts it back."""
         self._layout.applied()  # the overflow flag the layout set back to what attach wrote
         self._patches.restore()
-        for handle in self._watch:
-            handle.remove()
-        self._watch = []
+        self._watch.remove()
         self.core.loss.clear()
         self._expected = None
 

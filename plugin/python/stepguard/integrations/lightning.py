@@ -41,7 +41,7 @@ except ImportError:  # the standalone package of older installs
                           "(or pytorch_lightning)") from e
 
 from .._guard import GuardedOptimizer
-from ._core import (OUTCOME_CODES, RUN_NOT_STEPPED, Figures, SeamGuard,
+from ._core import (OUTCOME_CODES, RUN_NOT_STEPPED, Figures, GradientWatch, SeamGuard,
                     TrainerPort, check_version,
                     guard_options, is_off, load_guard_state, policy_clip_after,
                     refuse_bypass, scaled_loss_unscaled, scaler_unscaled, with_sharding)
@@ -157,6 +157,7 @@ class StepguardCallback(pl.Callback):
         self._records: Optional[List[Dict[str, Any]]] = None  # from a checkpoint, for on_fit_start
         self._patches = Patches()  # every attribute written on Lightning's objects, undone
         self._watches: List[Any] = []  # hooks refusing a step of an optimizer behind the guard
+        self._origins: List[GradientWatch] = []  # hooks naming a fault's origin rank (DDP)
         self.last_report: Any = None  # the newest step's report (any optimizer's)
         self._engine: Any = None  # DeepSpeedStrategy: the guard in its engine
         self._engine_seen: Any = None  # the engine guard's report handled last
@@ -198,6 +199,9 @@ class StepguardCallback(pl.Callback):
                 self._watches.append(refuse_bypass(optimizer, "Lightning"))
                 optimizer.track_buffers(pl_module.named_buffers())
             guards.append(optimizer)
+        self._origins = [GradientWatch().install(guard, [p for group in guard.param_groups
+                                                         for p in group["params"]])
+                         for guard in guards]
         # Lightning wraps each in a fresh LightningOptimizer (the property's setter).
         self._patches.set_property(trainer.strategy, "optimizers", guards)
         self.guards = guards
@@ -422,9 +426,9 @@ class StepguardCallback(pl.Callback):
         optimizer_step and of the module's lr_scheduler_step are gone, the hooks on the wrapped
         optimizers removed. ``guards`` keep their state: the next fit with this callback goes
         on with them. Returns the callback."""
-        for handle in self._watches:
+        for handle in self._watches + self._origins:
             handle.remove()
-        self._watches = []
+        self._watches, self._origins = [], []
         if self._engine is not None:
             self._engine.detach()
         self._patches.restore()

@@ -63,8 +63,8 @@ import torch
 from .. import _C
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort, check_name
-from ._core import (LOOP, STATE_KEY, TESTED, FrameworkGuard, check_version, finish_step,
-                    guard_options, is_off, load_guard_state)
+from ._core import (LOOP, STATE_KEY, TESTED, FrameworkGuard, GradientWatch, check_version,
+                    finish_step, guard_options, is_off, load_guard_state)
 from ._chain import ChainedTorchOptimizer
 from ._seams import check_seams
 
@@ -136,6 +136,9 @@ class GuardedMegatronOptimizer:
         self.guard = GuardedOptimizer(self._port.optimizer, port=self._port, policy=policy,
                                       policy_yaml=policy_yaml, process_group=process_group,
                                       **options)
+        # A NaN/Inf made in one rank's backward names it, not every rank the reduction reached.
+        self._watch = GradientWatch().install(self.guard,
+                                              [p for c in chunks for p in c.parameters()])
         # The step's loss (each micro-batch's divided by their count: their sum), the newest
         # report, the batches a rollback drops (the loop's data iterator: drop_batches).
         self.core = FrameworkGuard("Megatron", "sum", LOOP)

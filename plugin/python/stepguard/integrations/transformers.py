@@ -77,9 +77,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .. import _files
 from .._port import is_dtensor
-from ._core import (Figures, SeamGuard, TrainerPort, check_version, guard_options, is_off,
-                    load_guard_state, policy_clip_after, refuse_bypass, state_key, unscale_once,
-                    with_sharding)
+from ._core import (Figures, GradientWatch, SeamGuard, TrainerPort, check_version, guard_options,
+                    is_off, load_guard_state, policy_clip_after, refuse_bypass, state_key,
+                    unscale_once, with_sharding)
 from ._seams import Patches, check_seams
 from .deepspeed import check_config, guard_trainer_engine
 
@@ -168,6 +168,7 @@ class StepguardCallback(transformers.TrainerCallback):
         self._patches = Patches()  # every attribute written on the Trainer's objects
         self._callbacks_before = None  # the Trainer's callback list before attach()
         self._watch = None        # the hook refusing a step that passes the guard by
+        self._origin = GradientWatch()  # the hooks naming a fault's origin rank (DDP)
         self._overflow_before = None  # the AcceleratedOptimizer's _is_overflow before the guard
         self._seams_checked = False
         self._incidents = []     # since the last log
@@ -277,6 +278,7 @@ class StepguardCallback(transformers.TrainerCallback):
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        self._origin.remove()
         if self._optimizer is not None and self._overflow_before is not None:
             self._optimizer._is_overflow = self._overflow_before
         if self._engine_guard is not None:
@@ -343,6 +345,7 @@ class StepguardCallback(transformers.TrainerCallback):
         if self._watch is not None:
             self._watch.remove()
         self._watch = refuse_bypass(self.guard, "the HF Trainer")
+        self._origin.install(self.guard, model.parameters())
         self._patches.set(optimizer, "optimizer", self.guard)
         if scaler is not None:
             # fp16: the AcceleratedOptimizer steps through scaler.step() the step method it took

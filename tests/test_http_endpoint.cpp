@@ -213,6 +213,25 @@ TEST(HttpEndpoint, AnswersMetricsAndRejectsEverythingElse) {
   EXPECT_EQ(status_of(scrape(port)), 200);
 }
 
+// Several pages, each with its own type (the guard's /metrics and /policy); an unknown path names
+// them all.
+TEST(HttpEndpoint, ServesEachPageWithItsType) {
+  HttpEndpoint server(
+      "127.0.0.1", 0,
+      {{"/metrics",
+        {"text/plain; version=0.0.4; charset=utf-8", [] { return std::string(kBody); }}},
+       {"/policy", {"text/plain; charset=utf-8", [] { return std::string("skip NaN\n"); }}}});
+  std::string r = scrape(server.port(), "GET", "/policy");
+  EXPECT_EQ(status_of(r), 200) << r;
+  EXPECT_EQ(body_of(r), "skip NaN\n");
+  EXPECT_EQ(header_of(r, "Content-Type"), "text/plain; charset=utf-8");
+  r = scrape(server.port());
+  EXPECT_EQ(body_of(r), kBody);
+  r = scrape(server.port(), "GET", "/other");
+  EXPECT_EQ(status_of(r), 404) << r;
+  EXPECT_EQ(body_of(r), "not found; try /metrics or /policy\n");
+}
+
 TEST(HttpEndpoint, ARenderThatThrowsIsA500) {
   HttpEndpoint server("127.0.0.1", 0, []() -> std::string { throw std::runtime_error("boom"); });
   const std::string r = scrape(server.port());

@@ -88,7 +88,7 @@ std::string lowered(std::string s) {
 }
 
 // The whole answer to one complete request head (which ends with its blank line).
-std::string answer(const std::string& head, const std::function<std::string()>& render) {
+std::string answer(const std::string& head, const HttpPages& pages) {
   std::vector<std::string> lines;
   for (std::size_t pos = 0; pos < head.size();) {
     const std::size_t eol = head.find('\n', pos);
@@ -134,25 +134,27 @@ std::string answer(const std::string& head, const std::function<std::string()>& 
       return error(413, "Payload Too Large", "request bodies are not accepted", !head_only);
     }
   }
-  if (target.substr(0, target.find('?')) != "/metrics") {
-    return error(404, "Not Found", "not found; try /metrics", !head_only);
+  const auto page = pages.find(target.substr(0, target.find('?')));
+  if (page == pages.end()) {
+    std::string paths;
+    for (const auto& [path, _] : pages) paths += (paths.empty() ? "" : " or ") + path;
+    return error(404, "Not Found", "not found; try " + paths, !head_only);
   }
   std::string body;
   try {
-    body = render();
+    body = page->second.render();
   } catch (const std::exception& e) {
     return error(500, "Internal Server Error", std::string("cannot render: ") + e.what(),
                  !head_only);
   } catch (...) {
     return error(500, "Internal Server Error", "cannot render", !head_only);
   }
-  return response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", body, !head_only);
+  return response(200, "OK", page->second.content_type.c_str(), body, !head_only);
 }
 
 // Moves one connection on as far as its socket allows without blocking; closes it when it is
 // done or broken. Every loop here is bounded: by the head cap, the socket buffer, or a count.
-void advance(Connection& c, const HttpEndpointLimits& limits,
-             const std::function<std::string()>& render) {
+void advance(Connection& c, const HttpEndpointLimits& limits, const HttpPages& pages) {
   char buf[4096];
   while (c.phase == Connection::Phase::kReading) {
     const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
@@ -163,7 +165,7 @@ void advance(Connection& c, const HttpEndpointLimits& limits,
     c.in.append(buf, static_cast<std::size_t>(n));
     const std::size_t end = head_end(c.in, searched);
     if (end != kNone && end <= limits.max_head_bytes) {
-      c.out = answer(c.in.substr(0, end), render);
+      c.out = answer(c.in.substr(0, end), pages);
     } else if (end != kNone || c.in.size() >= limits.max_head_bytes) {
       c.out = error(431, "Request Header Fields Too Large", "request head too large");
     } else {
@@ -202,7 +204,13 @@ void advance(Connection& c, const HttpEndpointLimits& limits,
 
 HttpEndpoint::HttpEndpoint(const std::string& address, int port,
                            std::function<std::string()> render, HttpEndpointLimits limits)
-    : render_(std::move(render)), limits_(limits) {
+    : HttpEndpoint(address, port,
+                   {{"/metrics", {"text/plain; version=0.0.4; charset=utf-8", std::move(render)}}},
+                   limits) {}
+
+HttpEndpoint::HttpEndpoint(const std::string& address, int port, HttpPages pages,
+                           HttpEndpointLimits limits)
+    : pages_(std::move(pages)), limits_(limits) {
   limits_.max_connections = std::max<std::size_t>(limits_.max_connections, 1);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -279,7 +287,7 @@ void HttpEndpoint::serve() {
     const Clock::time_point polled = Clock::now();
     for (std::size_t i = 0; i < connections.size(); ++i) {
       Connection& c = connections[i];
-      if (fds[2 + i].revents != 0) advance(c, limits_, render_);
+      if (fds[2 + i].revents != 0) advance(c, limits_, pages_);
       if (c.fd >= 0 && polled >= c.deadline) close_connection(c);
     }
     connections.erase(std::remove_if(connections.begin(), connections.end(),

@@ -1,8 +1,8 @@
 /*
- * The HTTP endpoint that serves /metrics: GET or HEAD /metrics answers the text a callback
- * renders; anything else gets a short error. One thread runs one poll() loop over the listening
- * socket, every client socket (non-blocking) and a wake-up eventfd, so no client can hold up
- * another or the loop:
+ * The HTTP endpoint that serves /metrics (and the guard's /policy): GET or HEAD of a page's path
+ * answers the text its callback renders; anything else gets a short error. One thread runs one
+ * poll() loop over the listening socket, every client socket (non-blocking) and a wake-up eventfd,
+ * so no client can hold up another or the loop:
  *  - each connection has a deadline counted from accept (5 s by default) to send its request head
  *    and take the answer; past it, it is closed. At most 64 connections are open; a new one
  *    closes the oldest, so idle or slow clients can never lock out a scrape;
@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -42,10 +43,21 @@ struct HttpEndpointLimits {
   std::size_t max_head_bytes = 8192;
 };
 
+/// One page: its Content-Type and the callback that renders its body.
+struct HttpPage {
+  std::string content_type;
+  std::function<std::string()> render;
+};
+/// Pages by path ("/metrics").
+using HttpPages = std::map<std::string, HttpPage>;
+
 class HttpEndpoint {
  public:
-  /// Listens on `address` (IPv4 text) and `port` (0 picks a free one) and starts serving. Throws
+  /// Listens on `address` (IPv4 text) and `port` (0 picks a free one) and serves `pages`. Throws
   /// std::runtime_error with the reason (an errno text, or "'X' is not an IPv4 address").
+  HttpEndpoint(const std::string& address, int port, HttpPages pages,
+               HttpEndpointLimits limits = {});
+  /// Serves /metrics alone, in Prometheus' text format, as `render` writes it.
   HttpEndpoint(const std::string& address, int port, std::function<std::string()> render,
                HttpEndpointLimits limits = {});
   /// Stops at once: open connections are closed unanswered.
@@ -59,7 +71,7 @@ class HttpEndpoint {
  private:
   void serve();
 
-  std::function<std::string()> render_;
+  HttpPages pages_;
   HttpEndpointLimits limits_;
   int listen_fd_ = -1;
   int wake_fd_ = -1;

@@ -62,14 +62,15 @@ class FamilyBuilder {
                 .Register(registry_)
                 .Add({}, buckets);
   }
-  // stepguard_build_info: always 1, the facts in its labels.
-  void build_info(const std::map<std::string, std::string>& build_labels) {
+  // An info metric (stepguard_build_info, stepguard_policy_info): always 1, the facts in its
+  // labels.
+  void info(const char* name, const char* help, const std::map<std::string, std::string>& facts) {
     prometheus::BuildGauge()
-        .Name("stepguard_build_info")
-        .Help("Build facts of the running stepguard; always 1.")
+        .Name(name)
+        .Help(help)
         .Labels(labels_)
         .Register(registry_)
-        .Add(build_labels)
+        .Add(facts)
         .Set(1);
   }
 
@@ -218,7 +219,12 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
   s.add_cause_family(&families);
   s.add_recovery_families(&families, config.checkpoint_every);
   s.add_duration_histograms(&families);
-  families.build_info(config.build_labels);
+  families.info("stepguard_build_info", "Build facts of the running stepguard; always 1.",
+                config.build_labels);
+  families.info("stepguard_policy_info",
+                "The guard's active policy (its source and the digest of its ladder, as "
+                "/policy gives it in words); always 1.",
+                config.policy_labels);
   s.lr_factor->Set(1.0);
   s.loss_scale->Set(1.0);
   s.loss_scale_min->Set(config.loss_scale_min);
@@ -229,8 +235,10 @@ Metrics::Metrics(const MetricsConfig& config) : state_(std::make_unique<State>()
 void Metrics::serve(const MetricsConfig& config) {
   State& s = *state_;
   try {
-    s.server = std::make_unique<HttpEndpoint>(config.bind_address, config.port,
-                                              [this] { return serialize(); });
+    HttpPages pages = {
+        {"/metrics", {"text/plain; version=0.0.4; charset=utf-8", [this] { return serialize(); }}},
+        {"/policy", {"text/plain; charset=utf-8", [text = config.policy_text] { return text; }}}};
+    s.server = std::make_unique<HttpEndpoint>(config.bind_address, config.port, std::move(pages));
   } catch (const std::exception& e) {
     throw std::runtime_error("stepguard: cannot serve metrics on " + config.bind_address + ":" +
                              std::to_string(config.port) + ": " + e.what());

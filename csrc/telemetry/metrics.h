@@ -1,7 +1,8 @@
 /*
  * Prometheus metrics of one guard: a prometheus-cpp registry with every family created once at
  * start-up and every label set pre-created at zero (so rate() and absent() behave from the first
- * scrape), served over HTTP at /metrics on 127.0.0.1 unless told otherwise. Names follow Prometheus
+ * scrape), served over HTTP at /metrics on 127.0.0.1 unless told otherwise, beside /policy (the
+ * guard's active policy in plain words). Names follow Prometheus
  * conventions: the stepguard_ prefix, _total counters, base units (seconds), no step or batch
  * labels; constant labels `run` and `rank` tell jobs and ranks apart.
  *
@@ -35,6 +36,10 @@ struct MetricsConfig {
   double loss_scale_min = 0.0;
   /// Labels of stepguard_build_info.
   std::map<std::string, std::string> build_labels;
+  /// Labels of stepguard_policy_info (the policy's source and digest).
+  std::map<std::string, std::string> policy_labels;
+  /// The active policy in plain words, served at /policy.
+  std::string policy_text;
 };
 
 /// Thread-safety: record_* are called by the one training thread; scrapes run on the endpoint's

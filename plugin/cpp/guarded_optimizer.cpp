@@ -61,6 +61,7 @@ void GuardedOptimizer::record_loss(const torch::Tensor& loss) {
 }
 GuardStats GuardedOptimizer::stats() const { return impl_->engine.stats(); }
 std::string GuardedOptimizer::metrics_text() const { return impl_->engine.metrics_text(); }
+std::string GuardedOptimizer::explain_policy() const { return impl_->engine.explain_policy(); }
 torch::Tensor GuardedOptimizer::scale_loss(const torch::Tensor& loss) const {
   return impl_->engine.scale_loss(loss);
 }

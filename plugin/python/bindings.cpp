@@ -438,7 +438,8 @@ void bind_guard(py::module_& m) {
       .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
       .def(
           "stats", [](PyGuard& g) { return g.engine->stats(); }, Release())
-      .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); });
+      .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); })
+      .def("explain_policy", [](const PyGuard& g) { return g.engine->explain_policy(); });
 }
 
 }  // namespace
@@ -446,8 +447,7 @@ void bind_guard(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "stepguard's step engine (use the stepguard package)";
-  // c10::Error carries a C++ backtrace in what(); Python sees the message (policy errors keep
-  // their FILE:LINE:COL: lines).
+  // c10::Error carries a C++ backtrace; Python sees the message (with its FILE:LINE:COL: lines).
   static py::exception<c10::Error> error(m, "StepguardError", PyExc_RuntimeError);
   // The ranks can no longer agree (a collective failed or missed its deadline): a StepguardError
   // that also carries the step and the ranks found missing.

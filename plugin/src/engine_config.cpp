@@ -10,6 +10,7 @@
 #include "csrc/inspect/cuda/inspect_cuda.h"
 #include "csrc/policy/policy_file.h"
 #include "csrc/policy/presets.h"
+#include "plugin/src/layout.h"
 #include "stepguard/version.h"
 
 namespace stepguard {
@@ -115,12 +116,14 @@ EngineConfig resolve_config(const GuardOptions& o, bool framework_scale) {
 
 std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank,
                                                  double loss_scale_floor,
-                                                 std::int64_t checkpoint_every) {
+                                                 std::int64_t checkpoint_every,
+                                                 const std::string& policy_text) {
   if (o.metrics_port() < 0) return nullptr;
 #if !defined(STEPGUARD_WITH_METRICS)
   (void)rank;
   (void)loss_scale_floor;
   (void)checkpoint_every;
+  (void)policy_text;
   TORCH_CHECK(false,
               "stepguard: metrics_port is set but this build has no metrics "
               "(configured with STEPGUARD_WITH_METRICS=OFF)");
@@ -137,6 +140,14 @@ std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& o, int rank
                      {"libtorch", TORCH_VERSION},
                      {"cuda", cuda::compiled_with_cuda() ? "yes" : "no"},
                      {"nccl", nccl ? std::to_string(nccl) : "none"}};
+  char digest[17];
+  std::snprintf(digest, sizeof digest, "%016llx",
+                static_cast<unsigned long long>(text_digest(policy_text)));
+  mc.policy_labels = {{"policy", !o.policy().empty()        ? o.policy()
+                                 : !o.policy_yaml().empty() ? "policy_yaml"
+                                                            : "options"},
+                      {"digest", digest}};
+  mc.policy_text = policy_text;
   std::unique_ptr<telemetry::Metrics> metrics;
   try {
     metrics = std::make_unique<telemetry::Metrics>(mc);

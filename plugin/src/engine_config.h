@@ -31,11 +31,13 @@ struct EngineConfig {
 /// the loss scale (OptimizerPort::owns_loss_scale), so the guard's own scaling is refused.
 EngineConfig resolve_config(const GuardOptions& options, bool framework_scale = false);
 
-/// The Prometheus endpoint the options ask for (labelled with `rank`), or null. Throws c10::Error
-/// naming the address when it cannot be served.
+/// The Prometheus endpoint the options ask for (labelled with `rank`), or null; it serves
+/// `policy_text` (the active policy in words) at /policy and names its source and digest in
+/// stepguard_policy_info. Throws c10::Error naming the address when it cannot be served.
 std::unique_ptr<telemetry::Metrics> open_metrics(const GuardOptions& options, int rank,
                                                  double loss_scale_floor,
-                                                 std::int64_t checkpoint_every);
+                                                 std::int64_t checkpoint_every,
+                                                 const std::string& policy_text);
 
 /// The JSONL trace the options ask for, or null. Throws c10::Error naming trace_path.
 std::unique_ptr<telemetry::EventLog> open_trace(const GuardOptions& options);

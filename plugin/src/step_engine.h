@@ -126,6 +126,9 @@ class StepEngine {
   /// What the guard knows now (after the snapshot in flight has landed or failed).
   GuardStats stats();
   std::string metrics_text() const { return metrics_ ? metrics_->serialize() : std::string(); }
+  /// The active policy's ladder in plain words (`stepguard policy explain`'s text; options that
+  /// make a policy, such as max_consecutive_bad_steps, included), as /policy serves it.
+  std::string explain_policy() const;
   OptimizerPort& port() noexcept { return port_; }
 
  private:

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "csrc/common/bits.h"
+#include "csrc/policy/policy_file.h"
 #include "csrc/scaling/loss_scaler.h"
 #include "plugin/src/step_engine.h"
 
@@ -164,6 +165,10 @@ void StepEngine::parameters_changed() {
   known_parameters_.clear();
   for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
   refresh_layout();
+}
+
+std::string StepEngine::explain_policy() const {
+  return policy::explain_policy(controller_.config());
 }
 
 GuardStats StepEngine::stats() {

@@ -1,9 +1,14 @@
 """The typed surface: stepguard/_C.pyi describes stepguard._C exactly (every class, method,
-property and function in one is in the other), and the public Python API carries type hints."""
+property and function in one is in the other), and the public Python API carries type hints.
+A live guard tells its active policy (explain_policy(), /policy, stepguard_policy_info)."""
 
 import ast
 import inspect
 import os
+import re
+import urllib.request
+
+import torch
 
 import stepguard
 from stepguard import _C
@@ -93,11 +98,42 @@ def _cpp_public_methods():
 
 def test_the_cpp_guard_is_as_narrow_as_torchs_optimizer_and_python_matches_it_name_for_name():
     cpp = _cpp_public_methods()
-    # torch's optimizer surface, the guard's own tools, and the step's two phases (verdict,
-    # settle, clip_gradients) for frameworks that run their own update.
-    assert 12 <= len(cpp) <= 19, sorted(cpp)
+    # torch's optimizer surface, the guard's own tools (the active policy in words among them),
+    # and the step's two phases (verdict, settle, clip_gradients) for frameworks that run their
+    # own update.
+    assert 12 <= len(cpp) <= 20, sorted(cpp)
     # What the class itself defines, less torch.optim's pass-throughs; the wrapped optimizer is an
     # attribute.
     python = {n for n in vars(stepguard.GuardedOptimizer) if not n.startswith("_")}
     python = (python - _TORCH_OPTIM - _PYTHON_ONLY) | {"optimizer"}
     assert python == {_CPP_TO_PYTHON.get(n, n) for n in cpp}
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.headers.get("Content-Type"), r.read().decode()
+
+
+def test_a_live_guard_tells_its_active_policy_in_words_and_on_its_endpoint():
+    """On-call asks a running job which policy it runs: the guard's explain_policy() is the
+    `policy explain` text of that policy, /policy on its metrics endpoint serves it, and
+    stepguard_policy_info names its source and digest (the same digest for the same words)."""
+    from conftest import make_model
+    model = make_model(0)
+    guards = [stepguard.GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         model.named_parameters(), metrics_port=0, **kw)
+              for kw in ({"policy": "default"}, {"max_consecutive_bad_steps": 3})]
+    words = [g.explain_policy() for g in guards]
+    preset = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "configs", "policies", "default.yaml")
+    assert words[0] == stepguard.explain_policy_file(preset)
+    assert words[1] != words[0] and "3" in words[1]
+    digests = []
+    for guard, text, source in zip(guards, words, ("default", "options")):
+        url = guard.stats().metrics_endpoint
+        kind, body = _get(url.replace("/metrics", "/policy"))
+        assert body == text and kind == "text/plain; charset=utf-8", (kind, body)
+        info = re.search(r'^stepguard_policy_info\{([^}]*)\} 1$', _get(url)[1], re.M)
+        assert info and 'policy="%s"' % source in info.group(1), info
+        digests.append(re.search(r'digest="([0-9a-f]{16})"', info.group(1)).group(1))
+    assert digests[0] != digests[1]

@@ -85,6 +85,9 @@ class GuardedOptimizer {
   GuardStats stats() const;
   /// The exposition text a Prometheus scrape would see now; empty when metrics are off.
   std::string metrics_text() const;
+  /// The policy this guard runs, in plain words (`stepguard policy explain`'s text; an
+  /// options-made ladder included), as /policy on the metrics endpoint serves it.
+  std::string explain_policy() const;
 
   /// With loss scaling on: `loss` times the current loss scale, to call backward() on (as
   /// GradScaler's scale()); step() then unscales the gradients in its inspection pass. Without

@@ -186,8 +186,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.optimizer.consolidate_state_dict(to=to)
 
     def __reduce__(self):
-        # The guard holds a live engine (threads, a process group, open files): it is saved as its
-        # state dict, never pickled whole (that would "succeed" and fail on load).
+        # A live engine (threads, a process group, files) is saved as its state dict, not pickled.
         raise TypeError("stepguard: a GuardedOptimizer cannot be pickled or torch.save()d whole; "
                         "save guard.state_dict() and load it with load_state_dict()")
 
@@ -466,6 +465,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def metrics_text(self) -> str:
         return self._guard.metrics_text()
+
+    def explain_policy(self) -> str:
+        """The active policy in words (``stepguard policy explain``'s), as ``/policy`` serves."""
+        return self._guard.explain_policy()
 
 
 def _with_module_probes(fn, model, guard):

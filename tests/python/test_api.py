@@ -127,7 +127,8 @@ def test_a_live_guard_tells_its_active_policy_in_words_and_on_its_endpoint():
     preset = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))), "configs", "policies", "default.yaml")
     assert words[0] == stepguard.explain_policy_file(preset)
-    assert words[1] != words[0] and "3" in words[1]
+    # The options' ladder: max_consecutive_bad_steps=3 is its one limit.
+    assert "Limits:\n  - 3 bad steps in a row: abort training." in words[1], words[1]
     digests = []
     for guard, text, source in zip(guards, words, ("default", "options")):
         url = guard.stats().metrics_endpoint

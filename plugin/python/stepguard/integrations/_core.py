@@ -163,7 +163,7 @@ def finish_step(guard, verdict, max_norm=None, update=None, clip=True):
 class GradientWatch:
     """Hooks naming a fault's origin rank: each trainable gradient as backward makes it, before
     the framework reduces it (DDP, ZeRO, Megatron), so a NaN/Inf there names this rank, not every
-    rank the reduction reached. One fp64 sum per gradient per backward, no read; for an enabled
+    rank the reduction reached. One sum (fp32) per gradient per backward, no read; for an enabled
     guard over several ranks. FSDP2's DTensors (set after their reduce-scatter) get none."""
 
     def __init__(self):

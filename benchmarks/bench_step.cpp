@@ -10,8 +10,10 @@
 // windows of the demo's corpus, as the demo reads them. With --device cuda the model, its
 // gradients and the batches live on the GPU and every timed span ends with a device synchronize
 // (benchmarks/gpu_check.sh runs it so on a GPU machine).
-// Policies: configs/policies/default.yaml (RAM snapshots every 50 steps, 2 kept) and the same
-// detectors and rules without snapshots (rollbacks become skips).
+// Policies: configs/policies/default.yaml (RAM snapshots every 50 steps, 2 kept; the optimizer
+// state checked every step), the same with the state check never due (detectors.optimizer_state
+// every 10^9 steps: the check's cost is the difference in inspect_ms and step_overhead, in one
+// run), and the spike detectors and rules without snapshots (rollbacks become skips).
 //
 // One model and one AdamW over its parameters: "plain" calls adamw.step(), "guarded" calls
 // guard.step(loss) on a GuardedOptimizer around that same AdamW; both then adamw.zero_grad(). So
@@ -102,6 +104,7 @@ struct Case {
   std::int64_t batch;
   bool snapshots;  // default.yaml, else kNoSnapshotsPolicy
   int block;
+  bool state_check = true;  // default.yaml's optimizer_state check every step, else never due
 };
 
 struct Batch {
@@ -319,8 +322,14 @@ void run_case(const Case& c, const Corpus& corpus, const Args& args) {
   const auto adamw_options = torch::optim::AdamWOptions(3e-4).betas({0.9, 0.99}).weight_decay(0.01);
   torch::optim::AdamW adamw(params, adamw_options);
   stepguard::GuardOptions options;
-  if (c.snapshots) {
+  if (c.snapshots && c.state_check) {
     options.policy("default");  // the shipped preset, built in
+  } else if (c.snapshots) {
+    std::string yaml = stepguard::policy_preset_text("default");
+    const std::string every = "optimizer_state: {every: 1}";
+    const std::size_t at = yaml.find(every);
+    TORCH_CHECK(at != std::string::npos, "bench_step: the default preset has no '", every, "'");
+    options.policy_yaml(yaml.replace(at, every.size(), "optimizer_state: {every: 1000000000}"));
   } else {
     options.policy_yaml(kNoSnapshotsPolicy);
   }
@@ -421,8 +430,10 @@ int run_cases(const Args& args) {
   large.context = 128;
   const Case cases[] = {
       {"demo/default_policy", demo, 32, true, args.block},
+      {"demo/no_state_check", demo, 32, true, args.block, false},
       {"demo/no_snapshots", demo, 32, false, args.block},
       {"57M/default_policy", large, args.large_batch, true, args.large_block},
+      {"57M/no_state_check", large, args.large_batch, true, args.large_block, false},
       {"57M/no_snapshots", large, args.large_batch, false, args.large_block},
   };
   try {

@@ -216,6 +216,45 @@ TEST(Inspect, SixteenBitUnscaleRoundsLikeATen) {
   }
 }
 
+// The optimizer state check's second moments: a finite element below zero counts as NaN in a
+// flagged tensor only; -0.0 is not below zero; NaN/Inf keep their own counts, once.
+TEST(Inspect, ANegativeElementOfANonnegativeTensorCountsAsNaN) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  InspectOptions flagged;
+  flagged.nonnegative = {0, 1, 1, 1, 1};
+  // fp16 -1.0 = 0xbc00, -0.0 = 0x8000, -NaN = 0xfe00; bf16 -2.0 = 0xc000, -Inf = 0xff80.
+  const std::vector<at::Tensor> state = {
+      f32({-1.0f, 2.0f}),                    // not flagged: -1 is fine
+      f32({0.5f, -0.0f, -3.0f, nan, -nan}),  // one negative, two NaN
+      bits16({0x3c00, static_cast<std::int16_t>(0xbc00), static_cast<std::int16_t>(0x8000),
+              static_cast<std::int16_t>(0xfe00)},
+             at::kHalf),  // one negative, one NaN
+      bits16({0x4000, static_cast<std::int16_t>(0xc000), static_cast<std::int16_t>(0xff80)},
+             at::kBFloat16),                                                // one negative, one Inf
+      at::tensor(std::vector<double>{1e-300, -1e-300, 0.0}, at::kDouble)};  // one negative
+  const LocalStats s = inspect_gradients(state, flagged);
+  EXPECT_EQ(s.nan_count, 2 + 1 + 1 + 1 + 1 + 1);  // NaNs (3) and negatives (4)
+  EXPECT_EQ(s.inf_count, 1);
+  EXPECT_EQ(s.nonfinite_tensors, (std::vector<std::int64_t>{1, 2, 3, 4}));
+  // Unflagged, the same tensors hold only their NaN/Inf.
+  const LocalStats plain = inspect_gradients(state);
+  EXPECT_EQ(plain.nan_count, 3);
+  EXPECT_EQ(plain.inf_count, 1);
+  EXPECT_EQ(plain.nonfinite_tensors, (std::vector<std::int64_t>{1, 2, 3}));
+  // The sums of squares do not change with the flag.
+  EXPECT_EQ(s.tensor_sum_squares, plain.tensor_sum_squares);
+  // Across chunks: one negative in the last element of a tensor of three chunks.
+  at::Tensor big = at::ones({3 * kChunkElements + 5}, at::kFloat);
+  big[-1] = -1e-30f;
+  InspectOptions one;
+  one.nonnegative = {1};
+  EXPECT_EQ(inspect_gradients({big}, one).nan_count, 1);
+  EXPECT_EQ(inspect_gradients({big}).nan_count, 0);
+  // A flag per tensor, or none.
+  one.nonnegative = {1, 1};
+  EXPECT_THROW(inspect_gradients({big}, one), c10::Error);
+}
+
 TEST(Inspect, RejectsUnsupportedDtypeNamingTheTensor) {
   auto good = f32({1.0f});
   auto bad = at::ones({3}, at::kInt);

@@ -255,7 +255,7 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
                 {"p.yaml:3:9: unknown signal 'nonfinte' (did you mean 'nonfinite'?); one of "
                  "nonfinite, nonfinite_grad, nonfinite_loss, loss_spike, grad_norm_spike, "
                  "loss_ratio, replica_divergence, overflow, loss_not_recovered, loss_trend, stall, "
-                 "rank_loss_shift, spike"}));
+                 "rank_loss_shift, optimizer_state, spike"}));
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - on: nonfinite\n    action: skip\n"),
             std::vector<std::string>({"p.yaml:4:13: unknown action 'skip' (did you mean "
                                       "'skip_batch'?); one of skip_batch, drop_loss_scale, "

@@ -14,7 +14,9 @@ namespace consensus {
 namespace {
 
 TEST(StepBuffer, TheSameFixedSizeAtEveryWorldSize) {
-  EXPECT_EQ(step_slot::kSize, inspect_slot::kCount + 12 + 4 * step_slot::kChunks + 1);
+  // The gradients' block, 12 counts and figures, digest and fingerprint chunks, the fingerprint
+  // count, the optimizer state check's block.
+  EXPECT_EQ(step_slot::kSize, 2 * inspect_slot::kCount + 12 + 4 * step_slot::kChunks + 1);
   EXPECT_LE(StepBuffer::bytes(), 1024);
   for (int world : {1, 2, 4, 16, 16384}) {
     StepBuffer b(0, world, at::kCPU);

@@ -118,7 +118,7 @@ TEST(LossTrend, ItsStateTravelsInTheEngineStateAndARollbackRewindsIt) {
   EXPECT_EQ(e.state().trends, saved.trends);
   // A state of an earlier release (no trend words) restores with the detectors fresh.
   std::vector<std::int64_t> older = words;
-  older.resize(older.size() - 1 - 1 - saved.trends[0].size() - 2);
+  older.resize(older.size() - 1 - 1 - saved.trends[0].size() - (saved.trends.size() - 1));
   const policy::EngineState old =
       policy::EngineState::decode(older, saved.rules.size(), saved.rules_digest);
   EXPECT_TRUE(old.trends.empty());
@@ -231,7 +231,8 @@ TEST(RankLossShift, OneRankApartForSeveralStepsIsRaisedAndOneBadBatchIsNot) {
 TEST(TrendPolicy, RulesTurnThemOnAndTheReaderNamesBadSettings) {
   const policy::PolicyConfig c = parse(
       "version: 1\nrules:\n  - {on: stall, action: alert}\n  - {on: [loss_trend, "
-      "rank_loss_shift], action: lower_lr, factor: 0.5}\n");
+      "rank_loss_shift], action: lower_lr, factor: 0.5}\n  - {on: optimizer_state, action: "
+      "alert}\n");
   for (const policy::TrendSettings& t : c.detectors.trends) EXPECT_TRUE(t.enabled);
   EXPECT_EQ(c.rules[0].on, policy::bit(Signal::kStall));
   const std::string explained = policy::explain_policy(c);

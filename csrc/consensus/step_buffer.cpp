@@ -66,6 +66,10 @@ at::Tensor StepBuffer::inspection_block() const {
   return buffer_.narrow(0, step_slot::kInspection, inspect_slot::kCount);
 }
 
+at::Tensor StepBuffer::state_block() const {
+  return buffer_.narrow(0, step_slot::kState, inspect_slot::kCount);
+}
+
 void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
                       const std::optional<at::Tensor>& fingerprint) {
   // No loss (step() from the gradients alone): it counts as finite and adds nothing.
@@ -119,6 +123,9 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
   row_.select(0, row_slot::kProbeBad).copy_(buffer_.select(0, step_slot::kProbeRanks));
   row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
+  row_.select(0, row_slot::kStateBad)
+      .copy_(buffer_.select(0, step_slot::kState + inspect_slot::kNanCount) +
+             buffer_.select(0, step_slot::kState + inspect_slot::kInfCount));
   if (loss.defined()) {
     row_.select(0, row_slot::kLoss).copy_(l);
   } else {
@@ -181,6 +188,8 @@ GlobalStats StepBuffer::unpack(std::int64_t step) const {
   g.framework_loss_scale = s[step_slot::kFrameworkScale] / world;  // every rank's scaler's mean
   g.framework_min_scale = s[step_slot::kFrameworkFloor] / world;
   g.state_differs = chunks_differ(s, step_slot::kDigest, world);
+  g.state_bad_count = whole_count(s[step_slot::kState + inspect_slot::kNanCount]) +
+                      whole_count(s[step_slot::kState + inspect_slot::kInfCount]);
   const double checked = s[step_slot::kFingerprintChecked];
   g.replica_checked = checked == world;
   g.replica_differs =
@@ -190,7 +199,7 @@ GlobalStats StepBuffer::unpack(std::int64_t step) const {
 
 bool needs_rank_detail(const GlobalStats& g) noexcept {
   return g.faulty_rank_count > 0 || g.loss_nonfinite_ranks > 0 || g.input_bad_ranks > 0 ||
-         g.probe_bad_ranks > 0 || g.state_differs || g.replica_differs;
+         g.probe_bad_ranks > 0 || g.state_differs || g.replica_differs || g.state_bad_count > 0;
 }
 
 std::vector<double> gather_rank_rows(Consensus& consensus, const at::Tensor& row,
@@ -218,6 +227,7 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   g->faulty_ranks.clear();
   g->origin_ranks.clear();
   g->rank_losses.clear();
+  g->state_bad_ranks.clear();
   std::vector<int> probed;  // a probe's or the gradient watch's ranks
   for (int r = 0; r < world; ++r) {
     g->rank_losses.push_back(at(r, row_slot::kLoss));
@@ -228,6 +238,7 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
       g->origin_ranks.push_back(r);
     }
     if (at(r, row_slot::kProbeBad) > 0) probed.push_back(r);
+    if (at(r, row_slot::kStateBad) > 0) g->state_bad_ranks.push_back(r);
   }
   // A rank's own loss and inputs first: a NaN made on one tensor-, pipeline- or expert-parallel
   // rank reaches its peers' activations and gradients through the model's collectives before
@@ -238,8 +249,10 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
       g->state_differs ? outliers(rows, world, row_slot::kDigest) : std::vector<int>();
   g->diverged_replicas =
       g->replica_differs ? outliers(rows, world, row_slot::kFingerprint) : std::vector<int>();
-  // A finite step where one replica drifted: the fault is that replica's.
+  // A finite step where one replica drifted: the fault is that replica's; one whose optimizer
+  // state went bad, that state's.
   if (g->origin_ranks.empty()) g->origin_ranks = g->diverged_replicas;
+  if (g->origin_ranks.empty()) g->origin_ranks = g->state_bad_ranks;
 }
 
 void name_spike_ranks(double level, GlobalStats* g) {

@@ -8,7 +8,8 @@
  *   the loss sum and the sum of its squares (the spread: an upper bound of the largest rank
  *   loss), the counts of ranks with a non-finite loss, with an Inf loss, reporting, with non-finite
  *   gradients, with bad inputs (check_inputs) and with a non-finite probe,
- *   the count of ranks whose background checkpoint write has finished,
+ *   the count of ranks whose background checkpoint write has finished, the optimizer state
+ *   check's block (NaN, Inf and negative second-moment elements of the state),
  *   the guard-state digest and the parameter fingerprint, each split into four 16-bit chunks
  *   carried as a sum and a sum of squares: the ranks agree exactly when
  *   world * sum(c^2) == sum(c)^2 for every chunk (exact: every term is an integer below 2^53).
@@ -55,7 +56,10 @@ constexpr int kLossInf = kLossSquares + 1;            ///< ranks whose loss is +
 /// (GradScaler, Megatron's): summed, the mean arrives with the one read (0: none given).
 constexpr int kFrameworkScale = kLossInf + 1;
 constexpr int kFrameworkFloor = kFrameworkScale + 1;
-constexpr int kSize = kFrameworkFloor + 1;  ///< slots, at any world size
+/// The optimizer state check's inspection block (inspect_slot order; a negative second moment
+/// counts with the NaNs): zero on the steps it does not run.
+constexpr int kState = kFrameworkFloor + 1;
+constexpr int kSize = kState + inspect_slot::kCount;  ///< slots, at any world size
 /// Digests are masked to the integers fp64 holds exactly in a rank row.
 constexpr std::uint64_t kDigestMask = (std::uint64_t{1} << 52) - 1;
 }  // namespace step_slot
@@ -69,7 +73,8 @@ constexpr int kProbeBad = 3;     ///< a probe, or the gradient watch, on this ra
 constexpr int kDigest = 4;       ///< guard-state digest, masked to 52 bits
 constexpr int kFingerprint = 5;  ///< parameter fingerprint, masked to 52 bits (0 = not taken)
 constexpr int kLoss = 6;         ///< this rank's loss as it is (NaN when step() had none)
-constexpr int kSize = 7;
+constexpr int kStateBad = 7;     ///< this rank's optimizer state held bad elements
+constexpr int kSize = 8;
 }  // namespace row_slot
 
 /// What this rank knows on the host before the collective: rank-local evidence that exists
@@ -99,6 +104,8 @@ class StepBuffer {
 
   /// The block inspection writes (inspect_slot order), a view into the buffer.
   at::Tensor inspection_block() const;
+  /// The block the optimizer state check writes (inspect_slot order), a view into the buffer.
+  at::Tensor state_block() const;
   /// Adds this rank's loss, fault flag, evidence, state digest and (on a replica-check step) the
   /// parameter fingerprint (an int64 scalar on the device, parameter_fingerprint()). Device ops
   /// only: nothing is read back before the collective. Call after inspection wrote its block.

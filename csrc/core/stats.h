@@ -87,6 +87,13 @@ struct GlobalStats {
   /// Set by the engine: the largest learning rate of the wrapped optimizer's groups before the
   /// guard's LR factor (NaN when the port cannot tell). The stall detector reads it.
   double largest_lr = std::numeric_limits<double>::quiet_NaN();
+  /// The optimizer state check (detectors.optimizer_state): set on the steps it ran, before the
+  /// update. Bad elements are NaN/Inf in any state tensor, or a finite value below zero in a
+  /// second moment (whose square root the update takes): the update would write them into the
+  /// weights. Summed over the ranks; the ranks are named from the per-rank rows.
+  bool state_checked = false;
+  std::int64_t state_bad_count = 0;
+  std::vector<int> state_bad_ranks;
 
   std::int64_t nonfinite_count() const noexcept { return nan_count + inf_count; }
   /// "This step is non-finite": a NaN/Inf gradient element or loss on some rank. The one

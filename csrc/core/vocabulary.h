@@ -67,6 +67,9 @@ enum class Signal : std::uint8_t {
   /// One rank's loss stood out from the others' for several steps in a row
   /// (detectors.rank_loss_shift): that rank's data or its shard of the model.
   kRankLossShift,
+  /// The optimizer state holds NaN/Inf, or a negative second moment, before the update that
+  /// would write it into the weights (detectors.optimizer_state).
+  kOptimizerState,
 };
 
 /// The root causes forensics assigns to an incident, in the order they are checked.
@@ -77,6 +80,7 @@ enum class Cause : std::uint8_t {
   kPrecisionOverflow,  ///< fp16/bf16 range: the same batch is finite in fp32
   kDivergence,         ///< finite but exploding: loss or grad norm ran away (LR, data)
   kHardwareSuspect,    ///< the same batch from the same state replays finite
+  kOptimizerState,     ///< the optimizer state itself was bad before the update (the state check)
   kUnknown,
 };
 
@@ -118,7 +122,8 @@ inline constexpr Entry<Signal> kSignals[] = {{Signal::kNonfiniteGrad, "nonfinite
                                              {Signal::kLossNotRecovered, "loss_not_recovered"},
                                              {Signal::kLossTrend, "loss_trend"},
                                              {Signal::kStall, "stall"},
-                                             {Signal::kRankLossShift, "rank_loss_shift"}};
+                                             {Signal::kRankLossShift, "rank_loss_shift"},
+                                             {Signal::kOptimizerState, "optimizer_state"}};
 inline constexpr Entry<ReplayMode> kReplayModes[] = {
     {ReplayMode::kAsIs, "as_is"}, {ReplayMode::kFp32, "fp32"}, {ReplayMode::kAnomaly, "anomaly"}};
 inline constexpr Entry<Cause> kCauses[] = {{Cause::kData, "data"},
@@ -127,6 +132,7 @@ inline constexpr Entry<Cause> kCauses[] = {{Cause::kData, "data"},
                                            {Cause::kPrecisionOverflow, "precision_overflow"},
                                            {Cause::kDivergence, "divergence"},
                                            {Cause::kHardwareSuspect, "hardware_suspect"},
+                                           {Cause::kOptimizerState, "optimizer_state"},
                                            {Cause::kUnknown, "unknown"}};
 
 template <typename E, std::size_t N>
@@ -157,10 +163,10 @@ inline constexpr Signal kAllSignals[] = {
     Signal::kLossRatio,        Signal::kSkipBudget,        Signal::kRollbackBudget,
     Signal::kLossScaleFloor,   Signal::kReplicaDivergence, Signal::kOverflow,
     Signal::kLossNotRecovered, Signal::kLossTrend,         Signal::kStall,
-    Signal::kRankLossShift};
+    Signal::kRankLossShift,    Signal::kOptimizerState};
 inline constexpr Cause kAllCauses[] = {
-    Cause::kData,       Cause::kForward,         Cause::kBackward, Cause::kPrecisionOverflow,
-    Cause::kDivergence, Cause::kHardwareSuspect, Cause::kUnknown};
+    Cause::kData,       Cause::kForward,         Cause::kBackward,       Cause::kPrecisionOverflow,
+    Cause::kDivergence, Cause::kHardwareSuspect, Cause::kOptimizerState, Cause::kUnknown};
 
 /// Stable, lowercase names used in traces, JSON and metric labels.
 constexpr const char* to_string(Outcome o) noexcept {

@@ -177,6 +177,13 @@ Found trend(const Evidence& e) {
   return diagnosis(e.trend_cause, e.trend_findings, e.trend_fixes);
 }
 
+// 0. The optimizer state check: the state itself held NaN/Inf or a negative second moment before
+// the update (no replay or weight check explains that better: the state was looked at).
+Found optimizer_state(const Evidence& e) {
+  if (!e.state_bad) return std::nullopt;
+  return diagnosis(Cause::kOptimizerState, e.state_findings, e.state_fixes);
+}
+
 // 6. Learning rate: values blowing up over the last steps.
 Found divergence(const Evidence& e) {
   const double typical_norm = median(e.recent_grad_norms);
@@ -294,8 +301,9 @@ Found backward_pass(const Evidence& e) {
 Diagnosis classify(const Evidence& e) {
   // The standard debugging order: the first check that explains the evidence names the cause.
   constexpr Found (*kDebuggingOrder[])(const Evidence&) = {
-      not_reproduced,     bad_data, one_rank_spike, broken_weights, diverged_replica,
-      precision_overflow, trend,    divergence,     forward_pass,   backward_pass};
+      optimizer_state, not_reproduced,   bad_data,           one_rank_spike,
+      broken_weights,  diverged_replica, precision_overflow, trend,
+      divergence,      forward_pass,     backward_pass};
   for (auto check : kDebuggingOrder) {
     if (Found d = check(e)) return *d;
   }

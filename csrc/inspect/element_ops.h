@@ -173,5 +173,15 @@ SG_HOST_DEVICE bool is_nonfinite(typename Element<DT>::Bits b) {
   return (b & Element<DT>::kMagnitudeMask) >= Element<DT>::kInfBits;
 }
 
+/// 1 when the element is finite and below zero (-0.0 is not): in a tensor that must hold no
+/// negative value (an optimizer's second moment, whose square root the update takes), such an
+/// element counts with the NaNs (InspectOptions::nonnegative).
+template <GradDtype DT>
+SG_HOST_DEVICE int negative_finite(typename Element<DT>::Bits b) {
+  using E = Element<DT>;
+  const typename E::Bits m = b & E::kMagnitudeMask;
+  return (b != m && m != 0 && m < E::kInfBits) ? 1 : 0;
+}
+
 }  // namespace inspect
 }  // namespace stepguard

@@ -24,6 +24,13 @@ struct InspectOptions {
   double inv_scale = 1.0;
   /// Also write g *= inv_scale back into the gradients (finite elements only).
   bool unscale_in_place = false;
+  /// One flag per tensor (empty: none set): a finite element below zero in a flagged tensor
+  /// counts as NaN (an optimizer's second moment, which the update takes the square root of).
+  std::vector<std::uint8_t> nonnegative;
+  /// Which of a thread's cached CUDA chunk tables this list keeps between calls (a list that
+  /// alternates with another on the same stream, the gradients and the optimizer state, keeps
+  /// its own: no rebuild per call, capturable in a CUDA graph). Any small integer.
+  int table = 0;
 };
 
 /// Per-tensor results that stayed on the gradients' device (CUDA path): read, in one small

@@ -49,6 +49,7 @@ std::string signal_words(SignalSet on) {
       {Signal::kLossTrend, "a loss rising smoothly (loss_trend)"},
       {Signal::kStall, "training that stopped moving (stall)"},
       {Signal::kRankLossShift, "one rank's loss standing apart for several steps"},
+      {Signal::kOptimizerState, "an optimizer state holding NaN/Inf or a negative second moment"},
   };
   for (const auto& [signal, word] : words) {
     if (on & bit(signal)) parts.push_back(word);

@@ -9,7 +9,7 @@ namespace policy {
 
 const std::vector<TrendKind>& trend_kinds() {
   static const std::vector<TrendKind> kinds = {loss_trend_kind(), stall_kind(),
-                                               rank_loss_shift_kind()};
+                                               rank_loss_shift_kind(), optimizer_state_kind()};
   return kinds;
 }
 
@@ -36,6 +36,16 @@ bool trends_read_lr(const std::vector<TrendSettings>& settings) {
     if (settings[i].enabled && kinds[i].reads_lr) return true;
   }
   return false;
+}
+
+std::int64_t state_check_every(const std::vector<TrendSettings>& settings) {
+  const auto& kinds = trend_kinds();
+  for (std::size_t i = 0; i < settings.size() && i < kinds.size(); ++i) {
+    if (settings[i].enabled && kinds[i].reads_state && !settings[i].values.empty()) {
+      return static_cast<std::int64_t>(settings[i].values[0]);
+    }
+  }
+  return 0;
 }
 
 namespace trend_detail {

@@ -70,6 +70,9 @@ struct TrendKind {
   /// The detector reads the optimizer's largest learning rate (GlobalStats::largest_lr): the
   /// engine asks the port for it only while such a detector is on.
   bool reads_lr = false;
+  /// The detector reads the optimizer state check (GlobalStats::state_bad_count): the engine
+  /// inspects the state, every `fields[0]` steps, only while such a detector is on.
+  bool reads_state = false;
 };
 
 /// Every trend detector, in a fixed order (the state's and the settings' order).
@@ -86,11 +89,15 @@ struct TrendSettings {
 std::vector<TrendSettings> default_trend_settings();
 /// Whether a detector that is on in `settings` (one entry per kind) reads the learning rate.
 bool trends_read_lr(const std::vector<TrendSettings>& settings);
+/// Every how many steps the engine checks the optimizer state (0: never), from the detector
+/// that reads it (detectors.optimizer_state's `every`).
+std::int64_t state_check_every(const std::vector<TrendSettings>& settings);
 
 // The kinds, each defined in its own file.
 TrendKind loss_trend_kind();       // trend_loss.cpp
 TrendKind stall_kind();            // trend_stall.cpp
 TrendKind rank_loss_shift_kind();  // trend_rank_shift.cpp
+TrendKind optimizer_state_kind();  // trend_state.cpp
 
 namespace trend_detail {
 /// A kind's factory: the detector of class T for the policy's field values.

@@ -132,6 +132,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
     line["loss_given_ranks"] = stats.loss_given_ranks;
   }
   if (std::isfinite(stats.largest_lr)) line["largest_lr"] = stats.largest_lr;
+  if (stats.state_checked) line["state_bad"] = stats.state_bad_count;  // the state check ran
   if (stats.framework_loss_scale > 0) {
     line["framework_loss_scale"] = stats.framework_loss_scale;
     line["framework_min_scale"] = stats.framework_min_scale;

@@ -81,6 +81,8 @@ GlobalStats stats_of_line(const nlohmann::json& j, const std::string& file, std:
   g.loss_given_ranks = count_field(j, "loss_given_ranks", g.world_size, file, line);
   g.largest_lr =
       number_field(j, "largest_lr", std::numeric_limits<double>::quiet_NaN(), file, line);
+  g.state_checked = j.contains("state_bad");
+  g.state_bad_count = count_field(j, "state_bad", 0, file, line);
   g.framework_loss_scale = number_field(j, "framework_loss_scale", 0.0, file, line);
   g.framework_min_scale = number_field(j, "framework_min_scale", 0.0, file, line);
   g.sum_squares_overflow = !std::isfinite(g.grad_norm) && g.nonfinite_count() == 0;

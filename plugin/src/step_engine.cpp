@@ -84,18 +84,6 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
                       params.empty() ? at::Device(at::kCPU) : params.front().device());
 }
 
-void StepEngine::refresh_layout() {
-  const bool was = layout_.all_replicas;
-  layout_ = resolve_layout(port_.layout(), port_.parameters(), port_.parameter_names(),
-                           options_.sharded_gradients(), consensus_->world_size());
-  // What the ranks agreed at construction holds for the guard's life (fingerprints, blame).
-  TORCH_CHECK(step_ == 0 || layout_.all_replicas == was,
-              "stepguard: the port's layout changed from ",
-              was ? "replicas only" : "a parallel one", " to ",
-              layout_.all_replicas ? "replicas only" : "a parallel one",
-              " after the guard was built; build a new guard for a new layout");
-}
-
 StepEngine::~StepEngine() { wait_for_background_work(); }
 
 StepReport StepEngine::step(const at::Tensor& loss) {
@@ -312,6 +300,8 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     // Validation inside inspection throws before anything changes.
     inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
                                   buffer.inspection_block(), &a.local, &a.blame);
+    state_check_.run_if_due(step, policy::state_check_every(controller_.config().detectors.trends),
+                            port_, buffer.state_block());
   }
   a.inspect_seconds = seconds_since(t_inspect);
   consensus::LocalEvidence local_evidence;
@@ -336,6 +326,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     RECORD_USER_SCOPE("stepguard::agree");
     consensus_->all_reduce_sum(buffer.tensor(), step);
     a.global = buffer.unpack(step);
+    a.global.state_checked = state_check_.ran();
     a.rank_row = buffer.rank_row();
     // The rare step where a count says a rank saw something or differs: one more collective
     // names the ranks (the steady-state buffer is the same size at any world size).

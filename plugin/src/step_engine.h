@@ -48,6 +48,7 @@
 #include "plugin/src/layout.h"
 #include "plugin/src/optimizer_port.h"
 #include "plugin/src/recovery.h"
+#include "plugin/src/state_check.h"
 #include "plugin/src/step_controller.h"
 #include "stepguard/guard_stats.h"
 #include "stepguard/input_verdict.h"
@@ -174,6 +175,8 @@ class StepEngine {
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
+  void state_evidence(const Signals& signals, Findings* f);
+  void point_to_origin(const GlobalStats& g, Findings* f);
   /// On a loss-spike step under data parallelism: one more collective gives every rank every
   /// rank's loss, and the ranks whose loss rose become the origin ranks.
   void name_spike_ranks(Agreed* agreed, const StepDecision& decided);
@@ -261,6 +264,7 @@ class StepEngine {
   /// This step's check_inputs(), if it was called (its inputs are saved with a report).
   std::shared_ptr<const forensics::InputCheck> input_check_;
   forensics::Probes probes_;
+  StateCheck state_check_;  ///< detectors.optimizer_state
   /// 0-d fp64 on the gradients' device: the sum of this step's watched gradients, NaN/Inf when
   /// one of them held NaN/Inf (undefined until watch_gradient() is first called).
   at::Tensor watched_grad_sum_;

@@ -1,10 +1,13 @@
 // StepEngine's exchanges on an incident step: what the ranks tell each other beyond the step's
 // one collective (each rank's blamed tensors, the replicas' tensor fingerprints, the ranks'
-// losses on a spike) and the cause the job agrees on from the origin ranks' findings.
+// losses on a spike) and the cause the job agrees on from the origin ranks' findings; and the
+// layout the ranks agreed at construction, kept as it was.
 #include <algorithm>
 #include <iterator>
 #include <string>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 #include "plugin/src/step_engine.h"
 
@@ -100,8 +103,13 @@ namespace {
 // The debugging order in which causes are checked: the job's cause is the first any origin rank
 // found (a rank that reproduced bad data outranks another's clean replay).
 int debugging_rank(Cause c) {
-  constexpr Cause kOrder[] = {Cause::kData,       Cause::kForward,  Cause::kPrecisionOverflow,
-                              Cause::kDivergence, Cause::kBackward, Cause::kHardwareSuspect,
+  constexpr Cause kOrder[] = {Cause::kData,
+                              Cause::kOptimizerState,
+                              Cause::kForward,
+                              Cause::kPrecisionOverflow,
+                              Cause::kDivergence,
+                              Cause::kBackward,
+                              Cause::kHardwareSuspect,
                               Cause::kUnknown};
   for (int i = 0; i < static_cast<int>(std::size(kOrder)); ++i) {
     if (kOrder[i] == c) return i;
@@ -173,7 +181,11 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
                   [&](const RankCause& c) { return c.rank == consensus_->rank(); });
   f->origin = counted;
   if (counted || world == 1) return;
-  // This rank was not where the fault came from: its report says where it did.
+  point_to_origin(g, f);
+}
+
+// This rank was not where the fault came from: its report says where it did.
+void StepEngine::point_to_origin(const GlobalStats& g, Findings* f) {
   forensics::Diagnosis& d = f->diagnosis;
   d.cause = f->agreed_cause;
   // What this rank looked at, and only that: its inputs only when check_inputs() ran.
@@ -191,6 +203,10 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
           " clean" + grads,
       "agreed cause: " + std::string(to_string(f->agreed_cause)) +
           " (the first in the debugging order among the origin ranks' causes)"};
+  if (f->evidence.state_bad) {  // what the state check found there (agreed, tensors exchanged)
+    d.evidence.insert(d.evidence.begin() + 1, f->evidence.state_findings.begin(),
+                      f->evidence.state_findings.end());
+  }
   const std::string origin =
       f->origin_ranks.empty() ? std::string("?") : std::to_string(f->origin_ranks[0]);
   d.fixes = {options_.incident_dir().empty()
@@ -198,6 +214,18 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
                        "'s incident first (its log line and its report's "
                        "incident; set incident_dir to have it written to a file)"
                  : "read the incident report of rank " + origin + " first"};
+}
+
+void StepEngine::refresh_layout() {
+  const bool was = layout_.all_replicas;
+  layout_ = resolve_layout(port_.layout(), port_.parameters(), port_.parameter_names(),
+                           options_.sharded_gradients(), consensus_->world_size());
+  // What the ranks agreed at construction holds for the guard's life (fingerprints, blame).
+  TORCH_CHECK(step_ == 0 || layout_.all_replicas == was,
+              "stepguard: the port's layout changed from ",
+              was ? "replicas only" : "a parallel one", " to ",
+              layout_.all_replicas ? "replicas only" : "a parallel one",
+              " after the guard was built; build a new guard for a new layout");
 }
 
 }  // namespace stepguard

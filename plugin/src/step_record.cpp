@@ -94,6 +94,26 @@ void trend_evidence(const GlobalStats& g, const Signals& s, forensics::Evidence*
 
 }  // namespace
 
+// The optimizer state check's finding: what it saw, the state tensors that hold it (each rank
+// names its own; one exchange, the signal being agreed, gives every rank all of them) and the
+// kind's fixes.
+void StepEngine::state_evidence(const Signals& signals, Findings* f) {
+  forensics::Evidence& ev = f->evidence;
+  const policy::TrendKind* kind = policy::trend_kind(Signal::kOptimizerState);
+  for (const TrendNote& note : signals.trends) {
+    if (note.signal == Signal::kOptimizerState) ev.state_findings.push_back(note.what);
+  }
+  const auto max = static_cast<std::size_t>(options_.max_blamed_tensors());
+  std::vector<std::string> mine = state_check_.bad_tensors(max, port_.parameter_names());
+  if (consensus_->world_size() > 1) mine = blame_across_ranks(mine, step_);
+  std::string held;
+  for (const std::string& name : mine) held += (held.empty() ? "" : ", ") + name;
+  if (!held.empty()) ev.state_findings.push_back("the state tensors that hold them: " + held);
+  ev.state_bad = true;
+  ev.state_fixes = kind != nullptr ? kind->fixes : std::vector<std::string>();
+  if (f->blamed.empty()) f->blamed = std::move(mine);
+}
+
 StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDecision& decided) {
   RECORD_USER_SCOPE("stepguard::forensics");
   Findings f;
@@ -112,10 +132,9 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
     if (static_cast<std::int64_t>(f.blamed.size()) >= options_.max_blamed_tensors()) break;
     f.blamed.push_back(names[static_cast<std::size_t>(*it)]);
   }
-  // Under sharding, tensor or pipeline parallelism a rank sees only its own gradients, and
-  // under data parallelism a fault made after the average stays on its rank: every rank learns
-  // what the others blame, so that every rank's incident and log line name the same tensors (the
-  // condition is the same on every rank: the layout and the faulty ranks are agreed).
+  // Under sharding, tensor or pipeline parallelism a rank sees only its own gradients, and under
+  // data parallelism a fault made after the average stays on its rank: every rank learns what the
+  // others blame, so every rank's incident names the same tensors (the condition is agreed).
   const int world = consensus_->world_size();
   if (world > 1 && g.nonfinite_count() > 0 &&
       (!job_replicated_ || static_cast<int>(faulty.size()) < world)) {
@@ -146,6 +165,7 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
     ev.diverged_tensors = diverged_tensor_names(g);
     if (f.blamed.empty()) f.blamed = ev.diverged_tensors;
   }
+  if (decided.signals.has(Signal::kOptimizerState)) state_evidence(decided.signals, &f);
   ev.blamed_grads = f.blamed;
   ev.loss_scale = step_loss_scale_;
   ev.grad_norm = g.grad_norm;

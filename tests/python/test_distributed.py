@@ -81,7 +81,7 @@ def test_every_rank_skips_a_fault_of_one_rank_and_replicas_stay_equal():
         # One at construction (the ranks' layouts), one per step; the incident step adds the
         # per-rank rows, the cause agreement and (the NaN stayed on rank 1) the blamed names.
         assert r["collectives"] == 1 + 6 + 2 + 2
-        assert r["step_buffer_bytes"] == 264
+        assert r["step_buffer_bytes"] == 296
     # The one line a torchrun job prints (rank 0's WARNING) carries the tensor and the origin,
     # and rank 0's evidence says what it saw: its own gradients were finite.
     warnings = [text for level, text in results[0]["lines"] if level == logging.WARNING]

@@ -11,6 +11,11 @@ test_fault_matrix.py under DDP on 2 Gloo ranks (real processes over loopback):
 - 3% of rank 1's labels shuffled for 20 steps (its loss 2-8x rank 0's, no spike):
   `rank_loss_shift` from the third step of each run of shifted steps, each skipped, naming rank 1
   with cause data. Before, nothing fired (the mean loss stayed inside its scatter).
+- one element of AdamW's exp_avg_sq on rank 1 set to NaN, or to -1 (a bit flip, a corrupted
+  resume): `optimizer_state` at the very next step, before its update, naming rank 1, the state
+  tensor and cause optimizer_state; the default policy rolls back to the last snapshot and no
+  weight is ever NaN. Before, the update wrote NaN into the weights, the next step read "cause
+  forward" and the replica check rolled back one step later still.
 """
 
 import json
@@ -95,12 +100,32 @@ def scenario_shuffled_labels():
     return train(guard, model, 160, labels=labels)
 
 
+def scenario_corrupt_state(value):
+    model = ddp(15)
+    opt, guard = guard_for(model, 3e-3)
+    head = model.module.head
+    rank = dist.get_rank()
+    finite = []
+
+    def corrupt(step):
+        finite.append(all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+        if step == 70 and rank == 1:
+            with torch.no_grad():
+                opt.state[head.weight]["exp_avg_sq"].view(-1)[5] = value
+    rows = train(guard, model, 90, after_step=corrupt)
+    for row, ok in zip(rows, finite):
+        row["weights_finite"] = ok
+    return rows
+
+
 def rank_main(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world)
     out = {"divergence": scenario_smooth_divergence(), "lr_zero": scenario_lr_zero(),
-           "cut_off": scenario_cut_off(), "shuffled": scenario_shuffled_labels()}
+           "cut_off": scenario_cut_off(), "shuffled": scenario_shuffled_labels(),
+           "state_nan": scenario_corrupt_state(float("nan")),
+           "state_negative": scenario_corrupt_state(-1.0)}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -201,3 +226,25 @@ def test_the_learning_rate_is_read_only_while_a_detector_uses_it():
             loss.backward()
             guard.step(loss)
         assert Counting.calls == expected, (policy, Counting.calls)
+
+
+@pytest.mark.parametrize("case", ["state_nan", "state_negative"])
+def test_a_corrupted_optimizer_state_is_caught_before_its_update_and_rolled_back(matrix, case):
+    for rank, out in enumerate(matrix):
+        rows = out[case]
+        assert all(r["weights_finite"] for r in rows), "a weight went NaN"
+        hits = [r for r in rows if r["incident"]]
+        # The step after the corruption, and nothing else: the rollback restored a good state.
+        assert [r["step"] for r in hits] == [71], [(r["step"], r["incident"]) for r in hits]
+        row = hits[0]
+        assert row["outcome"] == "rolled_back", row
+        incident = row["incident"]
+        assert incident["signal"] == "optimizer_state", incident
+        assert incident["cause"] == "optimizer_state" and incident["ranks"] == [1], incident
+        evidence = " ".join(incident["evidence"])
+        assert "the optimizer state holds 1 NaN/Inf or negative second-moment element on rank 1" \
+            in evidence, evidence
+        # Each rank's incident names the state tensor, though only rank 1's held it.
+        assert "exp_avg_sq of head.weight" in evidence, evidence
+        assert "rolled back to step 50" in incident["reason"], incident
+

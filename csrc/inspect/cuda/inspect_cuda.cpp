@@ -148,7 +148,8 @@ struct PinnedStaging {
 bool same_set(const std::vector<DeviceGradient>& a, const std::vector<DeviceGradient>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i].data != b[i].data || a[i].numel != b[i].numel || a[i].dtype != b[i].dtype) {
+    if (a[i].data != b[i].data || a[i].numel != b[i].numel || a[i].dtype != b[i].dtype ||
+        a[i].nonnegative != b[i].nonnegative) {
       return false;
     }
   }
@@ -220,8 +221,13 @@ void FusedInspector::State::rebuild(const std::vector<DeviceGradient>& grads, cu
     for (std::size_t t = 0; t < grads.size(); ++t) {
       for (std::int64_t b = 0; b < grads[t].numel; b += inspect::kChunkElements) {
         const std::int64_t count = std::min(inspect::kChunkElements, grads[t].numel - b);
-        host[c++] = {reinterpret_cast<std::uint64_t>(grads[t].data), b, count,
-                     static_cast<std::int32_t>(t), static_cast<std::int32_t>(grads[t].dtype)};
+        host[c++] = {reinterpret_cast<std::uint64_t>(grads[t].data),
+                     b,
+                     count,
+                     static_cast<std::int32_t>(t),
+                     static_cast<std::int32_t>(grads[t].dtype),
+                     grads[t].nonnegative ? 1 : 0,
+                     0};
       }
     }
     SG_CUDA_CHECK(cudaMemcpyAsync(base, host, table_bytes, cudaMemcpyHostToDevice, on));

@@ -47,6 +47,8 @@ struct DeviceGradient {
   void* data = nullptr;
   std::int64_t numel = 0;
   inspect::GradDtype dtype = inspect::GradDtype::kFloat32;
+  /// A finite element below zero counts as NaN (inspect::InspectOptions::nonnegative).
+  bool nonnegative = false;
 };
 
 /// Where the kernel writes its results (device pointers; any may be null except `global`).
@@ -122,11 +124,13 @@ HostInspection inspect_host_on_device(const std::vector<std::vector<std::uint8_t
 
 // Defined in the .cu file.
 struct ChunkDesc {
-  std::uint64_t data;   ///< device address of the tensor's first element
-  std::int64_t begin;   ///< first element of the chunk
-  std::int64_t count;   ///< elements in the chunk
-  std::int32_t tensor;  ///< index into the gradient list
-  std::int32_t dtype;   ///< inspect::GradDtype
+  std::uint64_t data;        ///< device address of the tensor's first element
+  std::int64_t begin;        ///< first element of the chunk
+  std::int64_t count;        ///< elements in the chunk
+  std::int32_t tensor;       ///< index into the gradient list
+  std::int32_t dtype;        ///< inspect::GradDtype
+  std::int32_t nonnegative;  ///< 1: a finite element below zero counts as NaN
+  std::int32_t unused;
 };
 /// Blocks of the fused kernel that fit on one SM of the current device at once (at least 1), from
 /// cudaOccupancyMaxActiveBlocksPerMultiprocessor on the kernel itself. Throws on a CUDA error.

@@ -87,7 +87,8 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
   double acc[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) acc[s] = 0.0;
-  unsigned long long nonfinite = 0, nan = 0;
+  unsigned long long nonfinite = 0, nan = 0, negative = 0;
+  const bool nonnegative = chunk.nonnegative != 0;
   std::int64_t first = static_cast<std::int64_t>(threadIdx.x) * kSlots;
   // Whole groups of kRowsInFlight aligned, complete packets: all loads first, then the rows in
   // order. Each slot accumulator sees the same values in the same order as the one-row loop
@@ -116,6 +117,10 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
           acc[s] += c.square;
           nonfinite += c.nonfinite;
           nan += c.nan;
+        }
+        if (nonnegative) {
+#pragma unroll
+          for (int s = 0; s < kSlots; ++s) negative += inspect::negative_finite<DT>(e[s]);
         }
         if (unscale) {
 #pragma unroll
@@ -149,6 +154,7 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
         acc[s] += c.square;
         nonfinite += c.nonfinite;
         nan += c.nan;
+        if (nonnegative) negative += inspect::negative_finite<DT>(e[s]);
       }
     }
     if (unscale) {
@@ -170,6 +176,9 @@ __device__ ChunkStats inspect_chunk_block(const cuda::ChunkDesc& chunk, double i
       }
     }
   }
+  // A negative element of a nonnegative tensor counts as NaN, as on the CPU.
+  nonfinite += negative;
+  nan += negative;
   shared_sums[threadIdx.x] = inspect::combine_slots(acc, kSlots);
   if (threadIdx.x == 0) shared_counts[0] = shared_counts[1] = 0;
   __syncthreads();

@@ -1,0 +1,97 @@
+#include "plugin/src/state_check.h"
+
+#include <utility>
+
+namespace stepguard {
+namespace {
+
+// "3.exp_avg_sq" -> "exp_avg_sq of blocks.0.attn.weight" (as it is when it is not that form).
+std::string readable(const std::string& name, const std::vector<std::string>& parameter_names) {
+  const std::size_t dot = name.find('.');
+  if (dot == std::string::npos || dot == 0) return name;
+  std::size_t index = 0;
+  for (std::size_t i = 0; i < dot; ++i) {
+    if (name[i] < '0' || name[i] > '9' || index > parameter_names.size()) return name;
+    index = index * 10 + static_cast<std::size_t>(name[i] - '0');
+  }
+  if (index >= parameter_names.size()) return name;
+  return name.substr(dot + 1) + " of " + parameter_names[index];
+}
+
+}  // namespace
+
+bool StateCheck::second_moment(const std::string& name) {
+  // The field after the last '.' ("3.exp_avg_sq"): the state keys of torch.optim and
+  // torch::optim whose values the update takes the square root of (or divides by).
+  static const char* const kKeys[] = {
+      "exp_avg_sq", "max_exp_avg_sq", "square_avg", "square_average", "sum",
+      "exp_inf",    "acc_delta",      "row_var",    "col_var",        "variance"};
+  const std::size_t dot = name.rfind('.');
+  const std::string key = dot == std::string::npos ? name : name.substr(dot + 1);
+  for (const char* k : kKeys) {
+    if (key == k) return true;
+  }
+  return false;
+}
+
+bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const OptimizerPort& port,
+                            const at::Tensor& block) {
+  groups_.clear();
+  ran_ = every > 0 && step % every == 0;
+  if (!ran_) return false;
+  groups_.emplace_back();
+  for (auto& [name, tensor] : port.state_tensors()) {
+    if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.numel() == 0) continue;
+    const auto type = tensor.scalar_type();
+    if (type != at::kFloat && type != at::kHalf && type != at::kBFloat16 && type != at::kDouble) {
+      continue;  // counters and quantized states: not values the check can judge
+    }
+    if (!tensor.device().is_cpu() && !tensor.device().is_cuda()) continue;
+    Group* group = nullptr;
+    for (Group& g : groups_) {
+      if (g.tensors.empty() ? &g == &groups_.front() && tensor.device() == block.device()
+                            : g.tensors.front().device() == tensor.device()) {
+        group = &g;
+        break;
+      }
+    }
+    if (group == nullptr) group = &groups_.emplace_back();
+    group->nonnegative.push_back(second_moment(name) ? 1 : 0);
+    group->names.push_back(std::move(name));
+    group->tensors.push_back(std::move(tensor));
+  }
+  for (std::size_t i = 0; i < groups_.size(); ++i) {
+    Group& g = groups_[i];
+    inspect::InspectOptions options;
+    options.nonnegative = g.nonnegative;
+    options.table = 1 + static_cast<int>(i);  // the gradients keep table 0
+    if (i == 0) {
+      inspect::inspect_into(g.tensors, options, block, &g.local, &g.blame);
+      continue;
+    }
+    // Another device (a state kept on the host beside CUDA gradients): its own pass there.
+    const at::Tensor head =
+        at::zeros({inspect_slot::kCount}, block.options().device(g.tensors.front().device()));
+    inspect::inspect_into(g.tensors, options, head, &g.local, &g.blame);
+    block.add_(head.to(block.device()));
+  }
+  return true;
+}
+
+std::vector<std::string> StateCheck::bad_tensors(std::size_t max,
+                                                 const std::vector<std::string>& parameter_names) {
+  std::vector<std::string> out;
+  for (Group& g : groups_) {
+    if (g.blame.pending()) {
+      g.blame.fetch(&g.local);
+      g.blame = inspect::DeferredBlame();
+    }
+    for (std::int64_t i : g.local.nonfinite_tensors) {
+      if (out.size() >= max) return out;
+      out.push_back(readable(g.names[static_cast<std::size_t>(i)], parameter_names));
+    }
+  }
+  return out;
+}
+
+}  // namespace stepguard

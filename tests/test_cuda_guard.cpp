@@ -99,6 +99,30 @@ TEST(CudaGuard, CudaGradientsTakeTheFusedPathAndMatchTheCpuPassBitwise) {
   EXPECT_EQ(a.nonfinite_tensors, b.nonfinite_tensors);
 }
 
+// The optimizer state check's flag on the GPU: a negative element of a nonnegative tensor counts
+// as NaN, per tensor and in total, as on the CPU.
+TEST(CudaGuard, ANegativeSecondMomentCountsAsNaNAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "this LibTorch was built without CUDA";
+  at::manual_seed(6);
+  std::vector<at::Tensor> cpu = {at::rand({300001}), at::randn({77}).to(at::kHalf),
+                                 at::rand({5000}).to(at::kBFloat16), at::rand({9})};
+  cpu[0][299999] = -1e-20f;
+  cpu[3][2] = std::nanf("");
+  inspect::InspectOptions options;
+  options.nonnegative = {1, 1, 1, 0};
+  options.table = 1;
+  std::vector<at::Tensor> gpu;
+  for (const auto& t : cpu) gpu.push_back(t.cuda());
+  const LocalStats a = inspect::inspect_gradients(cpu, options);
+  const LocalStats b = inspect::inspect_gradients(gpu, options);
+  EXPECT_EQ(a.nan_count, b.nan_count);
+  EXPECT_EQ(a.inf_count, b.inf_count);
+  EXPECT_EQ(a.tensor_sum_squares, b.tensor_sum_squares);
+  EXPECT_EQ(a.nonfinite_tensors, b.nonfinite_tensors);
+  EXPECT_EQ(b.nonfinite_tensors, (std::vector<std::int64_t>{0, 1, 3}));  // randn fp16: negatives
+}
+
 TEST(CudaGuard, ASkippedCudaStepLeavesParametersUnchanged) {
   SKIP_WITHOUT_GPU();
   if (!torch::cuda::is_available()) GTEST_SKIP() << "this LibTorch was built without CUDA";

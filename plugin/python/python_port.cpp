@@ -65,6 +65,7 @@ PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   has_layout_ = py::hasattr(port_, "layout");
   has_framework_scale_ = py::hasattr(port_, "framework_loss_scale");
   has_largest_lr_ = py::hasattr(port_, "largest_lr");
+  has_state_owner_ = py::hasattr(port_, "state_owner");
   refresh();
 }
 
@@ -209,6 +210,14 @@ double PythonPort::largest_lr() const {
   return with_gil("largest_lr", [&] {
     const py::object got = port_.attr("largest_lr")();
     return got.is_none() ? std::numeric_limits<double>::quiet_NaN() : got.cast<double>();
+  });
+}
+
+std::string PythonPort::state_owner(std::size_t index) const {
+  if (!has_state_owner_) return OptimizerPort::state_owner(index);
+  return with_gil("state_owner", [&] {
+    const py::object got = port_.attr("state_owner")(index);
+    return got.is_none() ? std::string() : got.cast<std::string>();
   });
 }
 

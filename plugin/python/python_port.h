@@ -47,6 +47,7 @@ class PythonPort final : public OptimizerPort {
   bool sharded_state() const override;
   std::optional<FrameworkLossScale> framework_loss_scale() const override;
   double largest_lr() const override;
+  std::string state_owner(std::size_t index) const override;
   /// A port with framework_loss_scale() is a framework's: it decides the loss scale.
   bool owns_loss_scale() const override { return has_framework_scale_; }
   std::vector<Placement> layout() const override { return layout_; }
@@ -60,6 +61,7 @@ class PythonPort final : public OptimizerPort {
   bool has_layout_ = false;
   bool has_framework_scale_ = false;
   bool has_largest_lr_ = false;
+  bool has_state_owner_ = false;
   bool layout_read_ = false;
   std::vector<Placement> layout_;  ///< the port's layout() when the parameter list last changed
   std::vector<at::Tensor> params_;

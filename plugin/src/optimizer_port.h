@@ -54,6 +54,13 @@ class OptimizerPort {
   /// The optimizer's state tensors under stable names, in a fixed order: snapshots and
   /// checkpoints copy them; a restore writes back into them in place.
   virtual std::vector<NamedTensor> state_tensors() const = 0;
+  /// What the state tensors named "<index>.<key>" belong to, for a report ("exp_avg_sq of
+  /// <this>"): by default the parameter of that index; a port whose state is keyed by other
+  /// tensors (DeepSpeed's flat partitions) names those. Empty when unknown. Incident steps only.
+  virtual std::string state_owner(std::size_t index) const {
+    const auto& names = parameter_names();
+    return index < names.size() ? names[index] : std::string();
+  }
   /// What the state holds beyond those tensors (step counters, structure, or a whole archive for
   /// an optimizer without named tensors); empty when nothing.
   virtual std::string state_bytes() const { return {}; }

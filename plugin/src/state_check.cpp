@@ -6,16 +6,16 @@ namespace stepguard {
 namespace {
 
 // "3.exp_avg_sq" -> "exp_avg_sq of blocks.0.attn.weight" (as it is when it is not that form).
-std::string readable(const std::string& name, const std::vector<std::string>& parameter_names) {
+std::string readable(const std::string& name, const OptimizerPort& port) {
   const std::size_t dot = name.find('.');
-  if (dot == std::string::npos || dot == 0) return name;
+  if (dot == std::string::npos || dot == 0 || dot > 9) return name;
   std::size_t index = 0;
   for (std::size_t i = 0; i < dot; ++i) {
-    if (name[i] < '0' || name[i] > '9' || index > parameter_names.size()) return name;
+    if (name[i] < '0' || name[i] > '9') return name;
     index = index * 10 + static_cast<std::size_t>(name[i] - '0');
   }
-  if (index >= parameter_names.size()) return name;
-  return name.substr(dot + 1) + " of " + parameter_names[index];
+  const std::string owner = port.state_owner(index);
+  return owner.empty() ? name : name.substr(dot + 1) + " of " + owner;
 }
 
 }  // namespace
@@ -78,8 +78,7 @@ bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const Optimiz
   return true;
 }
 
-std::vector<std::string> StateCheck::bad_tensors(std::size_t max,
-                                                 const std::vector<std::string>& parameter_names) {
+std::vector<std::string> StateCheck::bad_tensors(std::size_t max, const OptimizerPort& port) {
   std::vector<std::string> out;
   for (Group& g : groups_) {
     if (g.blame.pending()) {
@@ -88,7 +87,7 @@ std::vector<std::string> StateCheck::bad_tensors(std::size_t max,
     }
     for (std::int64_t i : g.local.nonfinite_tensors) {
       if (out.size() >= max) return out;
-      out.push_back(readable(g.names[static_cast<std::size_t>(i)], parameter_names));
+      out.push_back(readable(g.names[static_cast<std::size_t>(i)], port));
     }
   }
   return out;

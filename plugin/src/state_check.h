@@ -31,11 +31,10 @@ class StateCheck {
                   const at::Tensor& block);
   bool ran() const noexcept { return ran_; }
   /// This rank's state tensors that held bad elements at the last run, at most `max`, each as
-  /// "exp_avg_sq of <parameter name>" (the port names a state tensor "<parameter index>.<key>";
-  /// `parameter_names` are the port's). Reads the per-tensor results left on a device: call on
-  /// incident steps only.
-  std::vector<std::string> bad_tensors(std::size_t max,
-                                       const std::vector<std::string>& parameter_names);
+  /// "exp_avg_sq of <what it belongs to>" (the port names a state tensor "<index>.<key>" and
+  /// tells what the index is: OptimizerPort::state_owner()). Reads the per-tensor results left
+  /// on a device: call on incident steps only.
+  std::vector<std::string> bad_tensors(std::size_t max, const OptimizerPort& port);
   /// Whether a state tensor of this name must hold no negative value (a second moment).
   static bool second_moment(const std::string& name);
 

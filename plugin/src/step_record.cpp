@@ -104,7 +104,7 @@ void StepEngine::state_evidence(const Signals& signals, Findings* f) {
     if (note.signal == Signal::kOptimizerState) ev.state_findings.push_back(note.what);
   }
   const auto max = static_cast<std::size_t>(options_.max_blamed_tensors());
-  std::vector<std::string> mine = state_check_.bad_tensors(max, port_.parameter_names());
+  std::vector<std::string> mine = state_check_.bad_tensors(max, port_);
   if (consensus_->world_size() > 1) mine = blame_across_ranks(mine, step_);
   std::string held;
   for (const std::string& name : mine) held += (held.empty() ? "" : ", ") + name;

@@ -6,7 +6,8 @@ beside an unguarded twin. Each configuration trains a small model for 12 steps o
 micro-batches with three faults: a NaN gradient of one parameter on the last rank (step 3), a NaN
 in its batch (step 5) and a loss spike on every rank (step 8); DeepSpeed's Muon in the same
 layouts; ZeRO 1 fp32, ZeRO 2 bf16 and ZeRO 3 bf16 with the optimizer offloaded to the CPU
-(ZeRO-Offload).
+(ZeRO-Offload). A NaN in rank 1's shard of AdamW's exp_avg_sq under ZeRO 2 is caught before its
+update, named on rank 1 and rolled back (the default policy's optimizer state check).
 fp16: test_deepspeed_fp16.py; MoE: test_deepspeed_refusals.py; seams:
 test_deepspeed_seams.py."""
 
@@ -400,3 +401,58 @@ def test_zero_three_on_two_ranks():
     ranks = _launch(2, ZERO3)
     for stage, precision in ZERO3:
         _check(ranks, "%d-%s" % (stage, precision), 2)
+
+
+def _corrupt_state_main(rank, world, port, out_dir):
+    """ZeRO 2 fp32 under the default policy (snapshots every 5 steps): after step 7, one element
+    of rank 1's shard of AdamW's exp_avg_sq is set to NaN (each rank holds and checks its own
+    shard of the state)."""
+    import stepguard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": MICRO,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6}
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           model_parameters=model.parameters())
+    policy = stepguard.policy_presets()["default"].replace("snapshot_every: 50",
+                                                           "snapshot_every: 5")
+    guarded = sg_deepspeed.guard_engine(engine, policy_yaml=policy, collective_timeout=60)
+    rows = []
+    for step in range(1, 13):
+        for micro in range(MICRO):
+            x, y = _batch(step * MICRO + micro, rank, torch.float32)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        report = guarded.last_report
+        flat = _flat_params(engine.module)
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(gathered, flat)
+        rows.append({"step": report.step, "outcome": report.outcome, "incident": report.incident,
+                     "finite": bool(torch.isfinite(flat).all()),
+                     "equal": all(torch.equal(flat, t) for t in gathered)})
+        if step == 7 and rank == 1:
+            state = next(iter(engine.basic_optimizer.state.values()))
+            with torch.no_grad():
+                state["exp_avg_sq"].view(-1)[3] = float("nan")
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(rows, f, default=str)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_corrupted_state_shard_under_zero_two_is_named_on_its_rank_and_rolled_back():
+    for rank, rows in enumerate(spawn_ranks(_corrupt_state_main, 2)):
+        assert all(r["finite"] and r["equal"] for r in rows), rows
+        hits = [r for r in rows if r["incident"]]
+        assert [r["step"] for r in hits] == [8], [(r["step"], r["incident"]) for r in hits]
+        incident = hits[0]["incident"]
+        assert hits[0]["outcome"] == "rolled_back" and "(rolled back to step 5)" in \
+            incident["reason"], incident
+        assert incident["signal"] == "optimizer_state", incident
+        assert incident["cause"] == "optimizer_state" and incident["ranks"] == [1], incident
+        assert "on rank 1" in " ".join(incident["evidence"]), incident
+        # The state DeepSpeed keeps per param group: its flat fp32 partition on this rank.
+        assert incident["tensors"] == ["exp_avg_sq of group0.tensor0"], incident

@@ -255,6 +255,12 @@ class TorchOptimPort:
                     out.append(("%d.%s" % (i, key), local_tensor(st[key])))
         return out
 
+    def state_owner(self, index):
+        """What the state tensors "<index>.<key>" belong to (for a report): the optimizer's own
+        parameter of that index (a framework's flat partition where the state is keyed so)."""
+        self.parameters()
+        return self._names[index] if 0 <= index < len(self._names) else None
+
     def state_bytes(self):
         structure = []
         for i, p, st in self._states():

@@ -47,6 +47,9 @@ bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const Optimiz
       continue;  // counters and quantized states: not values the check can judge
     }
     if (!tensor.device().is_cpu() && !tensor.device().is_cuda()) continue;
+    // torch.optim keeps each parameter's step counter as a host scalar beside a CUDA state:
+    // checking it would cost a host-to-device copy per step for a value no update squares.
+    if (tensor.numel() == 1 && tensor.device().is_cpu() && block.device().is_cuda()) continue;
     Group* group = nullptr;
     for (Group& g : groups_) {
       if (g.tensors.empty() ? &g == &groups_.front() && tensor.device() == block.device()
@@ -69,11 +72,14 @@ bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const Optimiz
       inspect::inspect_into(g.tensors, options, block, &g.local, &g.blame);
       continue;
     }
-    // Another device (a state kept on the host beside CUDA gradients): its own pass there.
+    // Another device (a state offloaded to the host beside CUDA gradients): its own pass
+    // there, its four figures added in with a copy that does not wait (pinned host memory).
+    const at::Device there = g.tensors.front().device();
+    const bool pinned = there.is_cpu() && block.device().is_cuda();
     const at::Tensor head =
-        at::zeros({inspect_slot::kCount}, block.options().device(g.tensors.front().device()));
+        at::zeros({inspect_slot::kCount}, block.options().device(there).pinned_memory(pinned));
     inspect::inspect_into(g.tensors, options, head, &g.local, &g.blame);
-    block.add_(head.to(block.device()));
+    block.add_(head.to(block.device(), /*non_blocking=*/pinned));
   }
   return true;
 }

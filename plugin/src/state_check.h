@@ -26,7 +26,8 @@ class StateCheck {
   /// On a step the check is due (`every`: policy::state_check_every(), 0 never), inspects
   /// `port`'s floating-point state tensors into `block` (the step buffer's state block, on its
   /// device): no host read on the block's device; tensors on another device (a state offloaded
-  /// to the host) are inspected there and added in. Returns whether it ran (also ran()).
+  /// to the host) are inspected there and added in without a wait; host scalars beside a CUDA
+  /// block (torch.optim's step counters) are left out. Returns whether it ran (also ran()).
   bool run_if_due(std::int64_t step, std::int64_t every, const OptimizerPort& port,
                   const at::Tensor& block);
   bool ran() const noexcept { return ran_; }

@@ -228,6 +228,28 @@ TEST(RankLossShift, OneRankApartForSeveralStepsIsRaisedAndOneBadBatchIsNot) {
   EXPECT_FALSE(one.evaluate(input(1, step_stats(9.0))).signals.has(Signal::kRankLossShift));
 }
 
+// detectors.optimizer_state: the engine's cadence from `every` (0 when off), and the signal on a
+// checked step with bad state elements only, naming the ranks the rows named.
+TEST(OptimizerStateCheck, RaisedOnACheckedStepWithBadElementsAtItsCadence) {
+  EXPECT_EQ(policy::state_check_every(parse("version: 1\n").detectors.trends), 0);
+  PolicyEngine e(parse("version: 1\ndetectors: {optimizer_state: {every: 10}}\n"));
+  EXPECT_EQ(policy::state_check_every(e.config().detectors.trends), 10);
+  EXPECT_NE(policy::explain_policy(e.config()).find("before the update every 10 steps"),
+            std::string::npos);
+  GlobalStats g = step_stats(2.0);
+  g.state_bad_count = 3;  // not checked on this step: nothing
+  EXPECT_FALSE(e.evaluate(input(1, g)).signals.has(Signal::kOptimizerState));
+  g.state_checked = true;
+  g.state_bad_ranks = {1, 3};
+  const auto v = e.evaluate(input(2, g));
+  ASSERT_TRUE(v.signals.has(Signal::kOptimizerState));
+  EXPECT_EQ(v.signals.trends[0].what,
+            "the optimizer state holds 3 NaN/Inf or negative second-moment elements on rank 1, 3, "
+            "found before the update, which would have written them into the weights");
+  g.state_bad_count = 0;  // checked and clean
+  EXPECT_FALSE(e.evaluate(input(3, g)).signals.has(Signal::kOptimizerState));
+}
+
 TEST(TrendPolicy, RulesTurnThemOnAndTheReaderNamesBadSettings) {
   const policy::PolicyConfig c = parse(
       "version: 1\nrules:\n  - {on: stall, action: alert}\n  - {on: [loss_trend, "

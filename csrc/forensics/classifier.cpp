@@ -180,7 +180,7 @@ Found trend(const Evidence& e) {
 // 0. The optimizer state check: the state itself held NaN/Inf or a negative second moment before
 // the update (no replay or weight check explains that better: the state was looked at).
 Found optimizer_state(const Evidence& e) {
-  if (!e.state_bad) return std::nullopt;
+  if (e.state_findings.empty()) return std::nullopt;
   return diagnosis(Cause::kOptimizerState, e.state_findings, e.state_fixes);
 }
 

@@ -52,10 +52,10 @@ struct Evidence {
   std::vector<std::string> trend_findings;
   Cause trend_cause = Cause::kUnknown;
   std::vector<std::string> trend_fixes;
-  /// The optimizer state check found bad elements before the update (detectors.optimizer_state):
-  /// the finding first, then this rank's state tensors that hold them. Checked before anything
-  /// else: the state was looked at, and the update would have written it into the weights.
-  bool state_bad = false;
+  /// The optimizer state check found bad elements before the update (detectors.optimizer_state;
+  /// empty when it did not): the finding first, then the state tensors that hold them. Checked
+  /// before anything else: the state was looked at, and the update would have written it into
+  /// the weights.
   std::vector<std::string> state_findings;
   std::vector<std::string> state_fixes;
   // Data (from check_inputs on this rank).

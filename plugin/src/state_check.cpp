@@ -37,9 +37,8 @@ bool StateCheck::second_moment(const std::string& name) {
 bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const OptimizerPort& port,
                             const at::Tensor& block) {
   groups_.clear();
-  ran_ = every > 0 && step % every == 0;
-  if (!ran_) return false;
-  groups_.emplace_back();
+  if (every <= 0 || step % every != 0) return false;
+  groups_.emplace_back(block.device());
   for (auto& [name, tensor] : port.state_tensors()) {
     if (!tensor.defined() || tensor.layout() != at::kStrided || tensor.numel() == 0) continue;
     const auto type = tensor.scalar_type();
@@ -50,15 +49,9 @@ bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const Optimiz
     // torch.optim keeps each parameter's step counter as a host scalar beside a CUDA state:
     // checking it would cost a host-to-device copy per step for a value no update squares.
     if (tensor.numel() == 1 && tensor.device().is_cpu() && block.device().is_cuda()) continue;
-    Group* group = nullptr;
-    for (Group& g : groups_) {
-      if (g.tensors.empty() ? &g == &groups_.front() && tensor.device() == block.device()
-                            : g.tensors.front().device() == tensor.device()) {
-        group = &g;
-        break;
-      }
-    }
-    if (group == nullptr) group = &groups_.emplace_back();
+    auto group = std::find_if(groups_.begin(), groups_.end(),
+                              [&](const Group& g) { return g.device == tensor.device(); });
+    if (group == groups_.end()) group = groups_.insert(groups_.end(), Group(tensor.device()));
     group->nonnegative.push_back(second_moment(name) ? 1 : 0);
     group->names.push_back(std::move(name));
     group->tensors.push_back(std::move(tensor));
@@ -74,10 +67,9 @@ bool StateCheck::run_if_due(std::int64_t step, std::int64_t every, const Optimiz
     }
     // Another device (a state offloaded to the host beside CUDA gradients): its own pass
     // there, its four figures added in with a copy that does not wait (pinned host memory).
-    const at::Device there = g.tensors.front().device();
-    const bool pinned = there.is_cpu() && block.device().is_cuda();
+    const bool pinned = g.device.is_cpu() && block.device().is_cuda();
     const at::Tensor head =
-        at::zeros({inspect_slot::kCount}, block.options().device(there).pinned_memory(pinned));
+        at::zeros({inspect_slot::kCount}, block.options().device(g.device).pinned_memory(pinned));
     inspect::inspect_into(g.tensors, options, head, &g.local, &g.blame);
     block.add_(head.to(block.device(), /*non_blocking=*/pinned));
   }

@@ -30,7 +30,7 @@ class StateCheck {
   /// block (torch.optim's step counters) are left out. Returns whether it ran (also ran()).
   bool run_if_due(std::int64_t step, std::int64_t every, const OptimizerPort& port,
                   const at::Tensor& block);
-  bool ran() const noexcept { return ran_; }
+  bool ran() const noexcept { return !groups_.empty(); }
   /// This rank's state tensors that held bad elements at the last run, at most `max`, each as
   /// "exp_avg_sq of <what it belongs to>" (the port names a state tensor "<index>.<key>" and
   /// tells what the index is: OptimizerPort::state_owner()). Reads the per-tensor results left
@@ -41,14 +41,15 @@ class StateCheck {
 
  private:
   struct Group {
+    explicit Group(at::Device on) : device(on) {}
+    at::Device device;
     std::vector<std::string> names;
     std::vector<at::Tensor> tensors;
     std::vector<std::uint8_t> nonnegative;
     LocalStats local;
     inspect::DeferredBlame blame;
   };
-  bool ran_ = false;
-  std::vector<Group> groups_;  ///< per device, the block's first
+  std::vector<Group> groups_;  ///< per device, the block's first; empty when the check did not run
 };
 
 }  // namespace stepguard

@@ -60,9 +60,10 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
       consensus_(make_consensus(options_)),
       controller_(make_controller(config_)),
       recovery_(*consensus_, port_, recovery_config(options_, config_)) {
+  const std::string explained = explain_policy();  // /policy's page, and the ranks' digest
   if (options_.enabled()) {  // a guard that is off serves no metrics and writes no trace
     metrics_ = open_metrics(options_, consensus_->rank(), controller_.loss_scale_floor(),
-                            config_.disk_every, explain_policy());
+                            config_.disk_every, explained);
     event_log_ = open_trace(options_);
   }
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
@@ -72,7 +73,7 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   // fit together are refused here, naming every rank's, instead of being met later as a
   // mismatched collective or two ranks deciding differently.
   RankSettings settings;
-  settings.policy_digest = text_digest(explain_policy());
+  settings.policy_digest = text_digest(explained);
   settings.checkpoint_dir = !options_.checkpoint_dir().empty();
   settings.disk_every = config_.disk_every;
   settings.loss_scaling = controller_.loss_scaling();

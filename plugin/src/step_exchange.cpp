@@ -203,7 +203,7 @@ void StepEngine::point_to_origin(const GlobalStats& g, Findings* f) {
           " clean" + grads,
       "agreed cause: " + std::string(to_string(f->agreed_cause)) +
           " (the first in the debugging order among the origin ranks' causes)"};
-  if (f->evidence.state_bad) {  // what the state check found there (agreed, tensors exchanged)
+  if (!f->evidence.state_findings.empty()) {  // what the state check found (agreed, exchanged)
     d.evidence.insert(d.evidence.begin() + 1, f->evidence.state_findings.begin(),
                       f->evidence.state_findings.end());
   }

@@ -109,7 +109,6 @@ void StepEngine::state_evidence(const Signals& signals, Findings* f) {
   std::string held;
   for (const std::string& name : mine) held += (held.empty() ? "" : ", ") + name;
   if (!held.empty()) ev.state_findings.push_back("the state tensors that hold them: " + held);
-  ev.state_bad = true;
   ev.state_fixes = kind != nullptr ? kind->fixes : std::vector<std::string>();
   if (f->blamed.empty()) f->blamed = std::move(mine);
 }

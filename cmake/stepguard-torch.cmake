@@ -1,9 +1,10 @@
 # Finds the LibTorch stepguard builds against, in one of two ways, and sets what the build reads:
-# TORCH_LIBRARIES, TORCH_INSTALL_PREFIX, Torch_DIR, Torch_VERSION, STEPGUARD_TORCH_IMPORT.
+# TORCH_LIBRARIES, TORCH_INSTALL_PREFIX, Torch_DIR, Torch_VERSION, STEPGUARD_TORCH_IMPORT, and in
+# both ways the target stepguard::torch_cpu (torch's CPU libraries: what the library links).
 #
 #   stepguard_find_torch(CUDA)  torch's own TorchConfig.cmake, as a LibTorch user calls it: for a
 #                               build with the CUDA kernel (the toolkit is there).
-#   stepguard_find_torch(CPU)   torch's CPU libraries only (libtorch, libtorch_cpu, libc10), the
+#   stepguard_find_torch(CPU)   torch's CPU libraries only (libtorch_cpu, libc10), the
 #                               way torch.utils.cpp_extension links a CPU extension.
 #
 # Why two: the registry's torch wheel is a CUDA build, and its TorchConfig.cmake (through
@@ -43,14 +44,15 @@ endfunction()
 
 # torch's CPU libraries as one imported target, stepguard::torch_cpu: what TorchConfig's torch
 # target gives a CPU consumer (headers, the distributed defines the c10d headers test, the C++
-# standard torch's headers need), without Caffe2's CUDA dependencies.
-macro(_stepguard_import_torch_cpu)
-  _stepguard_torch_config_dir(Torch_DIR)
+# standard torch's headers need), without Caffe2's CUDA dependencies. Made in both modes: the
+# stepguard library, stepguard._C and the CLI link it and nothing of torch's CUDA side, so that they
+# load beside a CPU-only torch; a CUDA build's kernel path needs no torch CUDA library (it reaches
+# the current stream through c10's virtual device guard, and NCCL is opened when present).
+# libtorch.so itself is left out: it exports nothing stepguard calls, and a CUDA wheel's copy needs
+# libtorch_cuda.so.
+macro(_stepguard_torch_cpu_target)
   get_filename_component(TORCH_INSTALL_PREFIX "${Torch_DIR}/../../.." ABSOLUTE)
-  file(STRINGS "${Torch_DIR}/TorchConfigVersion.cmake" _stepguard_torch_version_line
-       REGEX "set\\(PACKAGE_VERSION \"[0-9.]+")
-  string(REGEX MATCH "[0-9]+\\.[0-9]+\\.[0-9]+" Torch_VERSION "${_stepguard_torch_version_line}")
-  foreach(lib torch torch_cpu c10)
+  foreach(lib torch_cpu c10)
     find_library(STEPGUARD_TORCH_${lib}_LIBRARY ${lib} PATHS ${TORCH_INSTALL_PREFIX}/lib
                  NO_DEFAULT_PATH)
     if(NOT STEPGUARD_TORCH_${lib}_LIBRARY)
@@ -66,7 +68,7 @@ macro(_stepguard_import_torch_cpu)
         "${TORCH_INSTALL_PREFIX}/include;${TORCH_INSTALL_PREFIX}/include/torch/csrc/api/include"
       INTERFACE_COMPILE_DEFINITIONS "USE_DISTRIBUTED;USE_C10D_GLOO;USE_RPC;USE_TENSORPIPE"
       INTERFACE_LINK_LIBRARIES
-        "${STEPGUARD_TORCH_torch_LIBRARY};-Wl,--no-as-needed,${STEPGUARD_TORCH_torch_cpu_LIBRARY},--as-needed;${STEPGUARD_TORCH_c10_LIBRARY}")
+        "-Wl,--no-as-needed,${STEPGUARD_TORCH_torch_cpu_LIBRARY},--as-needed;${STEPGUARD_TORCH_c10_LIBRARY}")
     # The C++ standard torch's headers are written for (C++20 for current torch), read off its
     # own TorchConfig.cmake so that both imports agree.
     file(STRINGS "${Torch_DIR}/TorchConfig.cmake" _stepguard_torch_std REGEX "cxx_std_[0-9]+")
@@ -75,6 +77,14 @@ macro(_stepguard_import_torch_cpu)
                    INTERFACE_COMPILE_FEATURES cxx_std_${CMAKE_MATCH_1})
     endif()
   endif()
+endmacro()
+
+macro(_stepguard_import_torch_cpu)
+  _stepguard_torch_config_dir(Torch_DIR)
+  file(STRINGS "${Torch_DIR}/TorchConfigVersion.cmake" _stepguard_torch_version_line
+       REGEX "set\\(PACKAGE_VERSION \"[0-9.]+")
+  string(REGEX MATCH "[0-9]+\\.[0-9]+\\.[0-9]+" Torch_VERSION "${_stepguard_torch_version_line}")
+  _stepguard_torch_cpu_target()
   set(TORCH_LIBRARIES stepguard::torch_cpu)
   set(TORCH_CXX_FLAGS "")
 endmacro()
@@ -86,6 +96,7 @@ macro(stepguard_find_torch mode)
     else()
       find_package(Torch REQUIRED)
     endif()
+    _stepguard_torch_cpu_target()
   elseif("${mode}" STREQUAL "CPU")
     _stepguard_import_torch_cpu()
   else()

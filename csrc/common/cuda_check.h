@@ -1,6 +1,7 @@
 /*
- * One checking macro per API, as NCCL and apex do: every CUDA runtime and NCCL call goes through
- * SG_CUDA_CHECK / SG_NCCL_CHECK, and every kernel launch is followed by SG_CUDA_LAUNCH_CHECK.
+ * One checking macro, as NCCL and apex have theirs: every CUDA runtime call goes through
+ * SG_CUDA_CHECK, and every kernel launch is followed by SG_CUDA_LAUNCH_CHECK (NCCL, opened at run
+ * time, is checked in csrc/consensus/nccl_probe.cpp).
  * A failure throws std::runtime_error naming the call, the place and the library's error string.
  * Include only from files built with the CUDA toolkit on the include path.
  */
@@ -25,13 +26,3 @@
   } while (0)
 
 #define SG_CUDA_LAUNCH_CHECK() SG_CUDA_CHECK(cudaGetLastError())
-
-#define SG_NCCL_CHECK(expr)                                                                     \
-  do {                                                                                          \
-    const ncclResult_t sg_res_ = (expr);                                                        \
-    if (sg_res_ != ncclSuccess) {                                                               \
-      throw std::runtime_error(std::string("stepguard: NCCL call " #expr " failed at " __FILE__ \
-                                           ":" SG_STRINGIFY(__LINE__) ": ") +                   \
-                               ncclGetErrorString(sg_res_));                                    \
-    }                                                                                           \
-  } while (0)

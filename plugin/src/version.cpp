@@ -17,8 +17,9 @@ const char* build_info() noexcept {
         std::string("stepguard ") + STEPGUARD_VERSION_STRING + " libtorch " + TORCH_VERSION;
     if (cuda::compiled_with_cuda()) {
       const int v = consensus::nccl_version();
-      s += " cuda yes nccl " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) +
-           "." + std::to_string(v % 100);
+      s += v == 0 ? std::string(" cuda yes nccl none")
+                  : " cuda yes nccl " + std::to_string(v / 10000) + "." +
+                        std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
     } else {
       s += " cuda no";
     }

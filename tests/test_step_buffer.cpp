@@ -143,6 +143,44 @@ TEST(StepBuffer, TheGradientWatchNamesTheOriginWhenNoLossDoes) {
   EXPECT_EQ(origin_of({2.0, 2.0, 2.0}, {nan, nan, nan}), std::vector<int>({0, 1, 2}));
 }
 
+// 3 ranks holding gradient shards: rank `nan_shard`'s shard holds one NaN after the reduction;
+// `losses` as given; `unwatched`: no hook saw the gradients before their reduce-scatter (FSDP2).
+GlobalStats named_over_shards(const std::vector<double>& losses, int nan_shard, bool unwatched) {
+  at::Tensor sum;
+  std::vector<double> rows;
+  for (int r = 0; r < 3; ++r) {
+    StepBuffer b(r, 3, at::kCPU);
+    b.inspection_block().copy_(
+        at::tensor({r == nan_shard ? 1.0 : 0.0, 0.0, 1.0, 0.0}, at::kDouble));
+    b.pack(at::tensor(losses[static_cast<std::size_t>(r)], at::kDouble), 1, LocalEvidence{});
+    sum = r == 0 ? b.tensor().clone() : sum + b.tensor();
+    for (int i = 0; i < row_slot::kSize; ++i) rows.push_back(b.rank_row()[i].item<double>());
+  }
+  StepBuffer agreed(0, 3, at::kCPU);
+  agreed.tensor().copy_(sum);
+  GlobalStats g = agreed.unpack(1);
+  g.shards_unwatched = unwatched;
+  EXPECT_TRUE(needs_rank_detail(g));
+  fill_rank_detail(rows, 3, &g);
+  return g;
+}
+
+// Gradients reduced into shards before any hook saw them: a NaN one rank made lands in the shard
+// of the rank owning those elements, so the shard's rank is not named as the origin (before, the
+// owner was, and on-call went to a rank that did nothing). A rank's own evidence still names it.
+TEST(StepBuffer, UnwatchedShardsLeaveTheOriginUnknownUnlessARankHasEvidenceOfItsOwn) {
+  GlobalStats g = named_over_shards({2.0, 2.0, 2.0}, 0, true);
+  EXPECT_EQ(g.faulty_ranks, std::vector<int>({0}));
+  EXPECT_TRUE(g.origin_ranks.empty());
+  EXPECT_TRUE(g.origin_unknown);
+  g = named_over_shards({2.0, 2.0, std::nan("")}, 0, true);  // rank 2's own NaN loss
+  EXPECT_EQ(g.origin_ranks, std::vector<int>({2}));
+  EXPECT_FALSE(g.origin_unknown);
+  g = named_over_shards({2.0, 2.0, 2.0}, 0, false);  // watched (ZeRO, Megatron): the owner made it
+  EXPECT_EQ(g.origin_ranks, std::vector<int>({0}));
+  EXPECT_FALSE(g.origin_unknown);
+}
+
 // Sums the buffers and rows of ranks with `losses` by hand; the agreed statistics, rows named.
 GlobalStats agreed_losses(const std::vector<double>& losses) {
   at::Tensor sum;

@@ -244,7 +244,10 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   // rank reaches its peers' activations and gradients through the model's collectives before
   // any probe or gradient hook there sees it, never their losses.
   if (g->origin_ranks.empty()) g->origin_ranks = probed;
-  if (g->origin_ranks.empty()) g->origin_ranks = g->faulty_ranks;
+  // Shards reduced before any hook saw them: a faulty shard is where a NaN landed, not where it
+  // was made (a rank's state check below is its own evidence).
+  g->origin_unknown = false;
+  if (g->origin_ranks.empty() && !g->shards_unwatched) g->origin_ranks = g->faulty_ranks;
   g->desynced_ranks =
       g->state_differs ? outliers(rows, world, row_slot::kDigest) : std::vector<int>();
   g->diverged_replicas =
@@ -253,6 +256,7 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   // state went bad, that state's.
   if (g->origin_ranks.empty()) g->origin_ranks = g->diverged_replicas;
   if (g->origin_ranks.empty()) g->origin_ranks = g->state_bad_ranks;
+  g->origin_unknown = g->origin_ranks.empty() && !g->faulty_ranks.empty();
 }
 
 void name_spike_ranks(double level, GlobalStats* g) {

@@ -141,7 +141,8 @@ std::vector<double> gather_rank_rows(Consensus& consensus, const at::Tensor& row
                                      std::int64_t step);
 
 /// Names the faulty, desynced, diverged and origin ranks and reads the rank losses from the
-/// gathered rows (row_slot order). Pure; the same rows give the same lists on every rank.
+/// gathered rows (row_slot order). Pure; the same rows give the same lists on every rank. With
+/// g->shards_unwatched, faulty ranks are not taken for the origin: origin_unknown instead.
 void fill_rank_detail(const std::vector<double>& rows, int world_size, GlobalStats* g);
 
 /// On a loss-spike step, after fill_rank_detail(): the ranks whose loss rose from `level` by at

@@ -41,8 +41,13 @@ struct Incident {
   /// The ranks the fault came from: those with evidence from before the gradient average (a
   /// non-finite loss, bad inputs, a non-finite probe) when any has it, else those whose
   /// gradients were non-finite (less those whose replay came out clean while another's
-  /// reproduced). Empty when no rank saw anything of its own (a spike of the agreed loss).
+  /// reproduced). Empty when no rank saw anything of its own (a spike of the agreed loss), and
+  /// when origin_unknown.
   std::vector<int> ranks;
+  /// The gradients reached the guard already reduced into shards, with no hook before the
+  /// reduction (FSDP2), and their NaN/Inf was the only evidence: the rank that made it is not
+  /// known (a rank's shard holds what every rank sent it). The evidence names the shards' ranks.
+  bool origin_unknown = false;
   std::string reason;                 ///< the policy's: signals and the rules that fired
   std::vector<std::string> evidence;  ///< why the cause, one line each
   std::vector<std::string> fixes;     ///< what to try first

@@ -68,8 +68,18 @@ struct GlobalStats {
   std::vector<int> desynced_ranks;     ///< ranks whose state digest differs from the majority
   std::vector<int> diverged_replicas;  ///< ranks whose parameters differ from the majority
   /// Where the fault came from: the ranks with evidence from before the gradient average (a
-  /// non-finite loss, bad inputs, a non-finite probe) when any has it, else the faulty ranks.
+  /// non-finite loss, bad inputs, a non-finite probe) when any has it, else the faulty ranks
+  /// (not under shards_unwatched: then origin_unknown).
   std::vector<int> origin_ranks;
+  /// Set by the engine before the ranks are named: the gradients reach the guard reduced into
+  /// shards (the port's gradients_reduced_into_shards(): FSDP2's DTensors) and no hook saw them
+  /// before the reduction (they get no gradient watch). A NaN one rank made before the reduce-scatter lands in the shard of the rank
+  /// that owns those elements, so a rank whose shard holds it need not be where it came from.
+  bool shards_unwatched = false;
+  /// With shards_unwatched: the gradients' NaN/Inf is the only evidence (no rank's loss, inputs,
+  /// probe or state was bad), so which rank made it is not known; origin_ranks stays empty and
+  /// faulty_ranks names the shards that hold it.
+  bool origin_unknown = false;
   /// The rank losses' spread, from the sum of their squares: an upper bound of the largest finite
   /// rank loss (Samuelson: mean + sd * sqrt(n - 1)), equal to it when one rank stands out from
   /// ranks that agree. The loss detectors' recent ratio judges it, so that one rank's spike is

@@ -43,6 +43,7 @@ Json incident_json(const Incident& incident, int rank, const std::vector<Action>
             {"fixes", incident.fixes},
             {"tensors", incident.tensors},
             {"ranks", incident.ranks},
+            {"origin_unknown", incident.origin_unknown},
             {"rank", rank},
             {"reason", incident.reason}};
   Json names = Json::array();

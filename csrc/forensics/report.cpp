@@ -37,6 +37,8 @@ std::string render_markdown(const nlohmann::json& r) {
   if (r.contains("reason")) out << "- policy: " << text(r, "reason") << "\n";
   if (r.contains("ranks") && !r["ranks"].empty())
     out << "- ranks: " << dump_json(r["ranks"]) << "\n";
+  if (r.value("origin_unknown", false))
+    out << "- ranks: unknown (gradients reduced into shards before the guard saw them)\n";
   if (r.contains("tensors") && !r["tensors"].empty()) {
     out << "- first offending gradients (backward order):";
     for (const auto& t : r["tensors"]) out << " `" << t.get<std::string>() << "`";

@@ -161,6 +161,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
     const Incident& incident = *report.incident;
     line["cause"] = to_string(incident.cause);
     if (!incident.ranks.empty()) line["origin_ranks"] = incident.ranks;
+    if (incident.origin_unknown) line["origin_unknown"] = true;
     if (!incident.rank_causes.empty()) {
       nlohmann::json causes = nlohmann::json::object();
       for (const RankCause& c : incident.rank_causes) {

@@ -23,6 +23,7 @@ py::object incident_dict(const std::optional<Incident>& incident) {
   d["cause"] = to_string(incident->cause);
   d["tensors"] = incident->tensors;
   d["ranks"] = incident->ranks;
+  d["origin_unknown"] = incident->origin_unknown;
   py::dict causes;
   for (const RankCause& c : incident->rank_causes) causes[py::int_(c.rank)] = to_string(c.cause);
   d["rank_causes"] = causes;

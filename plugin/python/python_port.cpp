@@ -62,6 +62,7 @@ PythonPort::PythonPort(py::object port) : port_(std::move(port)) {
   // `gradients = None`: no call into Python per step.
   has_gradients_ = py::hasattr(port_, "gradients") && !port_.attr("gradients").is_none();
   has_sharded_state_ = py::hasattr(port_, "sharded_state");
+  has_reduced_into_shards_ = py::hasattr(port_, "gradients_reduced_into_shards");
   has_layout_ = py::hasattr(port_, "layout");
   has_framework_scale_ = py::hasattr(port_, "framework_loss_scale");
   has_largest_lr_ = py::hasattr(port_, "largest_lr");
@@ -224,6 +225,12 @@ std::string PythonPort::state_owner(std::size_t index) const {
 bool PythonPort::sharded_state() const {
   if (!has_sharded_state_) return false;
   return with_gil("sharded_state", [&] { return port_.attr("sharded_state")().cast<bool>(); });
+}
+
+bool PythonPort::gradients_reduced_into_shards() const {
+  if (!has_reduced_into_shards_) return false;
+  return with_gil("gradients_reduced_into_shards",
+                  [&] { return port_.attr("gradients_reduced_into_shards")().cast<bool>(); });
 }
 
 }  // namespace stepguard

@@ -7,11 +7,11 @@
  * state_tensors() -> list of (name, tensor); state_bytes() -> bytes;
  * check_state_bytes(bytes, saved) and load_state_bytes(bytes, saved, settings) with saved a list of
  * (name, tensor); after_restore(); and optionally gradients() -> list of tensors or None,
- * sharded_state() -> bool, layout() -> list of stepguard.Placement (one per parameter, read
- * when the parameter list is first seen and whenever its length changes) or None, and
- * framework_loss_scale() -> (scale, floor) or (scale, floor, gradients_scaled) or None (read
- * every step; gradients_scaled defaults to True; a port that has it owns the loss scale:
- * OptimizerPort::owns_loss_scale).
+ * sharded_state() -> bool, gradients_reduced_into_shards() -> bool, layout() -> list of
+ * stepguard.Placement (one per parameter, read when the parameter list is first seen and whenever
+ * its length changes) or None, and framework_loss_scale() -> (scale, floor) or (scale, floor,
+ * gradients_scaled) or None (read every step; gradients_scaled defaults to True; a port that has it
+ * owns the loss scale: OptimizerPort::owns_loss_scale).
  *
  * Internal to the Python extension. Not thread-safe: the training thread drives it.
  */
@@ -45,6 +45,7 @@ class PythonPort final : public OptimizerPort {
                         bool settings) override;
   void after_restore() override;
   bool sharded_state() const override;
+  bool gradients_reduced_into_shards() const override;
   std::optional<FrameworkLossScale> framework_loss_scale() const override;
   double largest_lr() const override;
   std::string state_owner(std::size_t index) const override;
@@ -58,6 +59,7 @@ class PythonPort final : public OptimizerPort {
   pybind11::object port_;
   bool has_gradients_ = false;
   bool has_sharded_state_ = false;
+  bool has_reduced_into_shards_ = false;
   bool has_layout_ = false;
   bool has_framework_scale_ = false;
   bool has_largest_lr_ = false;

@@ -82,6 +82,12 @@ class OptimizerPort {
   /// True when each rank holds only its own shard of the optimizer state (ZeRO), so a checkpoint
   /// cannot move to another number of ranks; used in the message that refuses it.
   virtual bool sharded_state() const { return false; }
+  /// True when the framework reduces the gradients into shards before the guard, or any hook it
+  /// can place, sees them (FSDP2's DTensor gradients, set after their reduce-scatter): a rank's
+  /// shard then holds what every rank sent it, so a NaN found there need not have been made there
+  /// (unless the gradient watch saw them before, which a framework integration installs where it
+  /// can: then the origin is named). Read once, at construction.
+  virtual bool gradients_reduced_into_shards() const { return false; }
   /// The framework's loss scale when the framework's own scaler owns it (DeepSpeed's and
   /// Megatron's fp16, torch's GradScaler under Lightning and HF): `scale` is the one this step's
   /// backward used. With `gradients_scaled` the gradients arrive multiplied by it and the guard

@@ -69,6 +69,7 @@ StepEngine::StepEngine(OptimizerPort& port, GuardOptions options)
   recovery_.on_checkpoint_event([this](const CheckpointEvent& e) { export_checkpoint_event(e); });
   for (const auto& p : port_.parameters()) known_parameters_.push_back(p.unsafeGetTensorImpl());
   refresh_layout();
+  reduced_into_shards_ = port_.gradients_reduced_into_shards();
   // One collective at construction, on every rank: settings that differ and lists that cannot
   // fit together are refused here, naming every rank's, instead of being met later as a
   // mismatched collective or two ranks deciding differently.
@@ -328,6 +329,7 @@ StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::in
     consensus_->all_reduce_sum(buffer.tensor(), step);
     a.global = buffer.unpack(step);
     a.global.state_checked = state_check_.ran();
+    a.global.shards_unwatched = reduced_into_shards_ && !watched_grad_sum_.defined();
     a.rank_row = buffer.rank_row();
     // The rare step where a count says a rank saw something or differs: one more collective
     // names the ranks (the steady-state buffer is the same size at any world size).

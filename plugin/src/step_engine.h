@@ -149,6 +149,7 @@ class StepEngine {
     forensics::Diagnosis diagnosis;  ///< this rank's own, when it is an origin rank
     bool origin = true;              ///< the fault came from this rank (or from no rank's own)
     std::vector<int> origin_ranks;
+    bool origin_unknown = false;  ///< GlobalStats::origin_unknown, and no replay named the rank
     std::vector<RankCause> rank_causes;  ///< agreed across ranks
     Cause agreed_cause = Cause::kUnknown;
   };
@@ -229,6 +230,7 @@ class StepEngine {
   /// replicas only (agreed at construction).
   ResolvedLayout layout_;
   bool job_replicated_ = true;
+  bool reduced_into_shards_ = false;  ///< the port's gradients_reduced_into_shards()
   std::optional<Pending> pending_;
 
   std::int64_t step_ = 0;

@@ -100,6 +100,20 @@ void StepEngine::name_spike_ranks(Agreed* agreed, const StepDecision& decided) {
 
 namespace {
 
+// Gradients reduced into shards before any hook: which rank made the NaN is not known, and the
+// report says so instead of naming the shards' ranks as the origin.
+void say_origin_unknown(const GlobalStats& g, forensics::Diagnosis* d) {
+  d->evidence.insert(
+      d->evidence.begin(),
+      "which rank made the NaN/Inf is not known: the gradients reached the guard already "
+      "reduce-scattered into shards, with no hook before the reduction (FSDP2), so a shard holds "
+      "what every rank sent it; the shards holding NaN/Inf are on rank" +
+          std::string(g.faulty_ranks.size() > 1 ? "s " : " ") + rank_list(g.faulty_ranks));
+  d->fixes.push_back(
+      "to have the rank named next time: a non-finite loss names it, and so do check_inputs() "
+      "and probe() on the layers before the loss (each rank's own, before the reduction)");
+}
+
 // The debugging order in which causes are checked: the job's cause is the first any origin rank
 // found (a rank that reproduced bad data outranks another's clean replay).
 int debugging_rank(Cause c) {
@@ -166,7 +180,7 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
                                              drifted.end();
                                 }),
                  causes.end());
-    if (g.ranks_named) {
+    if (g.ranks_named && !g.origin_unknown) {  // (a cause is not a rank's own evidence)
       f->origin_ranks.clear();
       for (const RankCause& c : causes) f->origin_ranks.push_back(c.rank);
     }
@@ -180,6 +194,8 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
       std::any_of(f->rank_causes.begin(), f->rank_causes.end(),
                   [&](const RankCause& c) { return c.rank == consensus_->rank(); });
   f->origin = counted;
+  f->origin_unknown = g.origin_unknown && f->origin_ranks.empty();
+  if (f->origin_unknown) say_origin_unknown(g, &f->diagnosis);
   if (counted || world == 1) return;
   point_to_origin(g, f);
 }

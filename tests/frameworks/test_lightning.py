@@ -29,7 +29,8 @@ except ImportError as e:  # a framework that is missing fails the test, never sk
 
 HERE = Path(__file__).resolve().parent
 STEPS = 12
-NAN_AT = 3      # trainer.global_step of the batch whose loss is NaN on rank 1
+NAN_AT = 3      # trainer.global_step of the batch whose gradient (DDP) or loss (FSDP2) rank 1
+                # makes NaN
 SPIKE_AT = 8    # ... of the batch whose loss is 1e4 times larger on both ranks
 HOOK_AT = 10    # ... of the batch whose gradient rank 1's LightningModule hook makes NaN
 SHARDED_STEPS = 6  # the FSDP2 run: up to the NaN step and a few after
@@ -43,6 +44,7 @@ class Net(pl.LightningModule):
     steps = STEPS    # batches in its data
     gamma = GAMMA    # its step scheduler's factor
     hook_at = HOOK_AT  # the batch whose gradient rank 1's own on_before_optimizer_step makes NaN
+    grad_fault = True  # NAN_AT's NaN made in rank 1's backward (the loss finite), else its loss
 
     def __init__(self):
         super().__init__()
@@ -50,12 +52,19 @@ class Net(pl.LightningModule):
         self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
                                         torch.nn.Linear(32, 32), torch.nn.Tanh())
         self.head = torch.nn.Linear(32, 1)
+        if self.grad_fault:  # a user's hook on the parameter: before DDP averages the gradient
+            self.head.weight.register_hook(self._nan_gradient)
+
+    def _nan_gradient(self, grad):
+        if self.global_step == NAN_AT and self.global_rank == 1:
+            return grad * float("nan")  # head.weight's gradient only, on rank 1 only
+        return grad
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.head(self.body(x)), y)
-        if self.global_step == NAN_AT and self.global_rank == 1:
-            loss = loss + float("nan") * self.head.weight.sum()  # NaN grad in head.weight only
+        if self.global_step == NAN_AT and self.global_rank == 1 and not self.grad_fault:
+            loss = loss + float("nan") * self.head.weight.sum()  # NaN loss and head.weight grad
         if self.global_step == SPIKE_AT:
             loss = loss * 1e4
         return loss
@@ -201,10 +210,13 @@ def test_lightning_ddp_gloo_two_ranks(tmp_path):
         for s in steps:
             if s["outcome"] == "applied":
                 assert s["lightning_norm"] == pytest.approx(s["grad_norm"], rel=1e-6), (r, s)
-        # The incidents: the NaN from rank 1 in head.weight, then the spike everywhere.
+        # The incidents: the NaN rank 1's backward made in head.weight (the loss finite), then
+        # the spike everywhere. DDP's average put the NaN into both ranks' gradients; the gradient
+        # watch, before the average, names rank 1 alone (without it: ranks [0, 1]).
         nan, spike, hook = got["incidents"]
-        assert nan["signal"].startswith("nonfinite") and nan["action"] == "skip_batch", nan
+        assert nan["signal"] == "nonfinite_grad" and nan["action"] == "skip_batch", nan
         assert nan["ranks"] == [1] and "head.weight" in nan["tensors"], nan
+        assert r == 1 or "the fault came from rank 1" in nan["evidence"][0], nan
         assert hook["ranks"] == [1] and hook["action"] == "skip_batch", hook
         assert r == 0 or "body.0.weight" in hook["tensors"], hook  # each rank names its own
         assert spike["signal"] == "loss_spike" and spike["action"] == "rollback", spike
@@ -267,7 +279,11 @@ def test_lightning_model_parallel_fsdp2_is_guarded_without_being_told(tmp_path):
         nan, hook = got["incidents"]
         assert nan["ranks"] == [1] and nan["action"] == "skip_batch", nan
         # The NaN the LightningModule's own hook put into rank 1's shard, judged and skipped.
-        assert hook["ranks"] == [1] and "body.0.weight" in hook["tensors"], hook
+        # ... written into rank 1's shard after the reduce-scatter: FSDP2's gradients get no hook
+        # before it, so which rank made it is not known (the evidence names the shard's rank).
+        assert hook["ranks"] == [] and hook["origin_unknown"], hook
+        assert "body.0.weight" in hook["tensors"], hook
+        assert any("not known" in e and e.endswith("on rank 1") for e in hook["evidence"]), hook
     assert [s["checksum"] for s in ranks[0]["steps"]] == [s["checksum"] for s in ranks[1]["steps"]]
     print("lightning FSDP2 run: %.1f s" % (time.monotonic() - start))
 
@@ -377,6 +393,7 @@ class ShardedNet(Net):
     """The same model under Lightning's ModelParallelStrategy: FSDP2's fully_shard on the data-
     parallel mesh, so every parameter and gradient is a DTensor holding this rank's shard."""
     hook_at = SHARDED_HOOK_AT
+    grad_fault = False  # (a hook on a parameter fully_shard replaces would never run)
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard

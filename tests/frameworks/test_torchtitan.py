@@ -145,6 +145,7 @@ def _faults(pp, folder):
         steps.append({
             "step": report.step, "outcome": report.outcome, "grad_norm": report.grad_norm,
             "loss": report.loss, "ranks": incident.get("ranks"),
+            "origin_unknown": incident.get("origin_unknown"),
             "tensors": incident.get("tensors"), "restored": restored,
             "unchanged": (torch.equal(before[0], now[0]) and torch.equal(before[1], now[1])
                           and before[2] == trainer._containers[1].schedulers[0].last_epoch),
@@ -243,7 +244,9 @@ def _check_faults(results, world):
         for step in (NAN_GRAD, NAN_LOSS):
             assert steps[step]["outcome"] == "skipped", (rank, step, steps[step])
             assert steps[step]["unchanged"], (rank, step)
-        assert steps[NAN_GRAD]["ranks"] == [1], (rank, steps[NAN_GRAD])
+        # Rank 1 wrote the NaN into its shard after FSDP's reduce-scatter; no hook sees FSDP2's
+        # gradients before it, so the origin is unknown, not rank 1 by its shard alone.
+        assert steps[NAN_GRAD]["ranks"] == [] and steps[NAN_GRAD]["origin_unknown"], steps
         assert any(VICTIM in t for t in steps[NAN_GRAD]["tensors"]), steps[NAN_GRAD]
         assert steps[NAN_LOSS]["ranks"] == [world - 1], (rank, steps[NAN_LOSS])
         spike = steps[SPIKE]

@@ -7,6 +7,7 @@ Expectations come from torch (clip_grad_norm_ on the same model, before the step
 recorded before the fact (each rank's shards after every step), and from the policy's rules."""
 
 import datetime
+import logging
 import os
 import tempfile
 
@@ -61,7 +62,12 @@ def _fsdp_rank(rank, world, init_file, out_dir):
     guard = stepguard.GuardedOptimizer(adamw, model.named_parameters(), policy_yaml=POLICY,
                                        process_group=dist.group.WORLD, sharded_gradients=True,
                                        collective_timeout=60)
-    record = {"steps": [], "after": {0: (_shards(model), _state_shards(adamw, model))}}
+    record = {"steps": [], "after": {0: (_shards(model), _state_shards(adamw, model))},
+              "log": []}
+    logged = logging.Handler(logging.DEBUG)  # the incident lines the job prints (rank 0's)
+    logged.emit = lambda r: record["log"].append(r.getMessage())
+    logging.getLogger("stepguard").addHandler(logged)
+    logging.getLogger("stepguard").setLevel(logging.DEBUG)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(1, STEPS + 1):
         guard.zero_grad()
@@ -100,13 +106,23 @@ def test_fsdp2_nan_on_one_shard_is_skipped_everywhere_and_a_rollback_restores_ev
         nan_step = steps[NAN_GRAD_STEP - 1]
         assert nan_step["unchanged"]
         assert nan_step["incident"]["tensors"] == ["2.weight"]
-        assert nan_step["incident"]["ranks"] == [world - 1]
+        # The NaN was written into the last rank's shard after the reduce-scatter, and FSDP2's
+        # gradients get no hook before it: a shard holds what every rank sent, so the origin is
+        # unknown (before: the shard's rank was named) and the evidence names the shard's rank.
+        assert nan_step["incident"]["ranks"] == [] and nan_step["incident"]["origin_unknown"], (
+            nan_step["incident"])
+        assert any(e.startswith("which rank made the NaN/Inf is not known")
+                   and e.endswith("on rank %d" % (world - 1))
+                   for e in nan_step["incident"]["evidence"]), nan_step["incident"]
+        assert ("step 3: nonfinite_grad -> skip_batch (cause backward; tensors 2.weight; ranks "
+                "unknown)") in rec["log"], rec["log"]
         for s in steps:
             if s["step"] not in (NAN_GRAD_STEP, NAN_LOSS_STEP):
                 assert s["grad_norm"] == pytest.approx(s["torch_norm"], rel=1e-6), (rank, s)
         # The rollback restores this rank's shards and optimizer state of the snapshot bitwise.
         back = steps[NAN_LOSS_STEP - 1]
         assert back["incident"]["ranks"] == [0] and back["rolled_back_to"] >= 1
+        assert not back["incident"]["origin_unknown"]  # rank 0's own NaN loss names it
         params, state = rec["after"][NAN_LOSS_STEP]
         want_params, want_state = rec["after"][back["rolled_back_to"]]
         assert all(torch.equal(a, b) for a, b in zip(params, want_params))

@@ -30,7 +30,9 @@ def after_step(report, incident, rank):
         logger.log(logging.WARNING if lead else logging.DEBUG,
                    "step %d: %s -> %s (cause %s; tensors %s; ranks %s)%s", incident["step"],
                    incident["signal"], incident["action"], incident["cause"],
-                   _names(incident["tensors"]), _names(incident["ranks"]), where)
+                   _names(incident["tensors"]),
+                   "unknown" if incident.get("origin_unknown") else _names(incident["ranks"]),
+                   where)
     if report.rolled_back:
         logger.log(logging.INFO if lead else logging.DEBUG,
                    "step %d: rolled back to step %d; the policy asks to drop the next %d batches",

@@ -170,6 +170,11 @@ class TorchOptimPort:
         """True when each rank holds only its own shard of the optimizer state (ZeRO)."""
         return self.zero
 
+    def gradients_reduced_into_shards(self):
+        """True for DTensor parameters (FSDP2): their gradients are set after the reduce-scatter,
+        so a rank's shard holds what every rank sent it."""
+        return self.dtensors
+
     def layout(self):
         """How the ranks hold each parameter's gradient (``stepguard.Placement``, one per
         parameter), or None: every one a replica (or a shard, with sharded_gradients)."""

@@ -85,7 +85,10 @@ from .deepspeed import check_config, guard_trainer_engine
 
 logger = transformers.utils.logging.get_logger(__name__)
 
-_INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "tensors", "reason")
+_INCIDENT_KEYS = ("step", "signal", "action", "cause", "ranks", "origin_unknown", "tensors",
+                  "reason")
+
+
 class _TrainerGuard(SeamGuard):
     """The guard inside the Trainer's AcceleratedOptimizer. With ``attach``, the Trainer's clip
     (``accelerator.clip_grad_norm_``) hands back a norm tensor (``deferred``) and the verdict is

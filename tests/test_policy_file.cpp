@@ -259,7 +259,7 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - on: nonfinite\n    action: skip\n"),
             std::vector<std::string>({"p.yaml:4:13: unknown action 'skip' (did you mean "
                                       "'skip_batch'?); one of skip_batch, drop_loss_scale, "
-                                      "lower_lr, clip, rollback, abort, alert"}));
+                                      "lower_lr, clip, rollback, abort, alert, reset_moments"}));
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - on: nonfinite\n    action: lower_lr\n"
                       "    factr: 0.5\n"),
             std::vector<std::string>({"p.yaml:5:5: unknown key 'factr' in rule 'rule 1' (did you "
@@ -276,7 +276,7 @@ TEST(PolicyFile, RuleErrorsNameThePositionAndTheFix) {
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - {on: nonfinite}\n  - action: abort\n"),
             std::vector<std::string>(
                 {"p.yaml:3:5: rule 'rule 1' needs 'action' (one of skip_batch, drop_loss_scale, "
-                 "lower_lr, clip, rollback, abort, alert)",
+                 "lower_lr, clip, rollback, abort, alert, reset_moments)",
                  "p.yaml:4:5: rule 'rule 2' needs 'on' (a signal such as nonfinite)"}));
   EXPECT_EQ(issues_of("version: 1\nrules:\n  - {on: rank_desync, action: abort}\n"),
             std::vector<std::string>({"p.yaml:3:10: 'rank_desync' is handled by stepguard itself "

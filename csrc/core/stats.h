@@ -73,8 +73,9 @@ struct GlobalStats {
   std::vector<int> origin_ranks;
   /// Set by the engine before the ranks are named: the gradients reach the guard reduced into
   /// shards (the port's gradients_reduced_into_shards(): FSDP2's DTensors) and no hook saw them
-  /// before the reduction (they get no gradient watch). A NaN one rank made before the reduce-scatter lands in the shard of the rank
-  /// that owns those elements, so a rank whose shard holds it need not be where it came from.
+  /// before the reduction (they get no gradient watch). A NaN one rank made before the
+  /// reduce-scatter lands in the shard of the rank that owns those elements, so a rank whose shard
+  /// holds it need not be where it came from.
   bool shards_unwatched = false;
   /// With shards_unwatched: the gradients' NaN/Inf is the only evidence (no rank's loss, inputs,
   /// probe or state was bad), so which rank made it is not known; origin_ranks stays empty and
@@ -174,11 +175,11 @@ struct Decision {
 };
 
 /// The strongest of `actions`, which names an incident: abort, rollback, lower_lr,
-/// drop_loss_scale, skip_batch, clip, alert; apply when none of them.
+/// drop_loss_scale, skip_batch, reset_moments, clip, alert; apply when none of them.
 inline Action strongest_action(const std::vector<Action>& actions) noexcept {
-  constexpr Action kByStrength[] = {Action::kAbort,         Action::kRollback,  Action::kLowerLr,
-                                    Action::kDropLossScale, Action::kSkipBatch, Action::kClip,
-                                    Action::kAlert};
+  constexpr Action kByStrength[] = {
+      Action::kAbort,     Action::kRollback,     Action::kLowerLr, Action::kDropLossScale,
+      Action::kSkipBatch, Action::kResetMoments, Action::kClip,    Action::kAlert};
   for (Action strong : kByStrength) {
     for (Action a : actions) {
       if (a == strong) return a;

@@ -37,6 +37,7 @@ enum class Action : std::uint8_t {
   kRollback,
   kAbort,
   kAlert,
+  kResetMoments,  ///< zero the optimizer's moments of the affected tensors after the step (SPAM)
 };
 
 /// A condition the detectors raised on the agreed global statistics.
@@ -102,11 +103,15 @@ inline constexpr Entry<Outcome> kOutcomes[] = {{Outcome::kApplied, "applied"},
                                                {Outcome::kSkipped, "skipped"},
                                                {Outcome::kRolledBack, "rolled_back"},
                                                {Outcome::kAborted, "aborted"}};
-inline constexpr Entry<Action> kActions[] = {
-    {Action::kApply, "apply"},      {Action::kSkipBatch, "skip_batch"},
-    {Action::kClip, "clip"},        {Action::kDropLossScale, "drop_loss_scale"},
-    {Action::kLowerLr, "lower_lr"}, {Action::kRollback, "rollback"},
-    {Action::kAbort, "abort"},      {Action::kAlert, "alert"}};
+inline constexpr Entry<Action> kActions[] = {{Action::kApply, "apply"},
+                                             {Action::kSkipBatch, "skip_batch"},
+                                             {Action::kClip, "clip"},
+                                             {Action::kDropLossScale, "drop_loss_scale"},
+                                             {Action::kLowerLr, "lower_lr"},
+                                             {Action::kRollback, "rollback"},
+                                             {Action::kAbort, "abort"},
+                                             {Action::kAlert, "alert"},
+                                             {Action::kResetMoments, "reset_moments"}};
 inline constexpr Entry<Signal> kSignals[] = {{Signal::kNonfiniteGrad, "nonfinite_grad"},
                                              {Signal::kNonfiniteLoss, "nonfinite_loss"},
                                              {Signal::kConsecutiveLimit, "consecutive_limit"},
@@ -155,8 +160,8 @@ constexpr std::optional<E> value_in(const Entry<E> (&table)[N], std::string_view
 inline constexpr Outcome kAllOutcomes[] = {Outcome::kApplied, Outcome::kSkipped,
                                            Outcome::kRolledBack, Outcome::kAborted};
 inline constexpr Action kAllActions[] = {
-    Action::kApply,   Action::kSkipBatch, Action::kClip,  Action::kDropLossScale,
-    Action::kLowerLr, Action::kRollback,  Action::kAbort, Action::kAlert};
+    Action::kApply,    Action::kSkipBatch, Action::kClip,  Action::kDropLossScale, Action::kLowerLr,
+    Action::kRollback, Action::kAbort,     Action::kAlert, Action::kResetMoments};
 inline constexpr Signal kAllSignals[] = {
     Signal::kNonfiniteGrad,    Signal::kNonfiniteLoss,     Signal::kConsecutiveLimit,
     Signal::kRankDesync,       Signal::kLossSpike,         Signal::kGradNormSpike,

@@ -86,7 +86,7 @@ class ActionSet {
   }
 
  private:
-  static constexpr int kCount = static_cast<int>(Action::kAlert) + 1;
+  static constexpr int kCount = static_cast<int>(Action::kResetMoments) + 1;
   std::array<bool, kCount> present_{};
   Decision decision_;
   bool lr_set_ = false;

@@ -94,6 +94,11 @@ std::string action_words(const ActionSpec& a, const DetectorSettings& d) {
     case Action::kAlert:
       out << "record and alert only";
       break;
+    case Action::kResetMoments:
+      out << "after the step, zero the optimizer's moments (exp_avg, exp_avg_sq, momentum_buffer, "
+             "...) of the tensors the step blames, of all when it blames none; step counters "
+             "kept (SPAM's reset: pair it with lower_lr for its warm-up)";
+      break;
     case Action::kApply:
       out << "apply the step";
       break;

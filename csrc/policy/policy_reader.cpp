@@ -47,6 +47,7 @@ const std::vector<ActionInfo> kActions = {
     {Action::kRollback, {"skip_batches"}},
     {Action::kAbort, {}},
     {Action::kAlert, {}},
+    {Action::kResetMoments, {}},
 };
 const std::vector<std::string> kAllActionParams = {"factor",       "floor", "recover_after",
                                                    "recover_over", "z",     "skip_batches"};
@@ -236,7 +237,7 @@ class Reader {
       const YAML::Mark action_mark = r["action"] ? r["action"].Mark() : r.Mark();
       if (action_of(r, "rule '" + rule.name + "'",
                     {Action::kSkipBatch, Action::kDropLossScale, Action::kLowerLr, Action::kClip,
-                     Action::kRollback, Action::kAbort, Action::kAlert},
+                     Action::kRollback, Action::kAbort, Action::kAlert, Action::kResetMoments},
                     keys, &rule.action)) {
         detail::check_clip(rule, action_mark, &check_);
       }

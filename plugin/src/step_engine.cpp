@@ -15,6 +15,7 @@
 
 #include "csrc/consensus/process_group_consensus.h"
 #include "csrc/policy/policy_file.h"
+#include "plugin/src/moment_reset.h"
 
 namespace stepguard {
 
@@ -201,7 +202,7 @@ StepReport StepEngine::settle(const Verdict& v, bool applied) {
   const double settled = stage_seconds_.snapshot;  // verdict()'s wait for the last copy
   stage_seconds_.snapshot = 0.0;
   auto t = Clock::now();
-  act(step_, p.agreed.global, p.decided);
+  act(step_, p.agreed.global, p.decided, p.findings.blamed);
   stage_seconds_.act = seconds_since(t) - stage_seconds_.snapshot;
   stage_seconds_.snapshot += settled;
   t = Clock::now();
@@ -368,7 +369,8 @@ StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
 
 // 5 act: restore or drop the step (the update itself ran between the phases), then the snapshot
 // and checkpoint cadence.
-void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided) {
+void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided,
+                     const std::vector<std::string>& blamed) {
   RECORD_USER_SCOPE("stepguard::act");
   const Decision& decision = decided.decision;
   switch (decision.outcome) {
@@ -398,6 +400,8 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
       break;
   }
   ++totals_.steps;
+  // SPAM's reset: after the update or the restore, before this step's snapshot.
+  if (decision.has(Action::kResetMoments)) reset_moments(port_, blamed);
   if (decision.batches_to_skip > 0) {
     skipped_ranges_.push_back({data_position_, decision.batches_to_skip});
     data_position_ += decision.batches_to_skip;

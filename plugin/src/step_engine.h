@@ -187,7 +187,9 @@ class StepEngine {
   std::vector<std::string> diverged_tensor_names(const GlobalStats& g);
   std::vector<std::string> blame_across_ranks(const std::vector<std::string>& mine,
                                               std::int64_t step);
-  void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided);
+  /// `blamed`: the step's offending gradients on this rank (reset_moments' affected tensors).
+  void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided,
+           const std::vector<std::string>& blamed);
   static void overrule(StepDecision* decided, bool applied, std::int64_t step);
   void checkpoint_after(std::int64_t step, const StepDecision& decided, const GlobalStats& global);
   /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)

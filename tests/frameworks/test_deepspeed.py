@@ -456,3 +456,65 @@ def test_a_corrupted_state_shard_under_zero_two_is_named_on_its_rank_and_rolled_
         assert "on rank 1" in " ".join(incident["evidence"]), incident
         # The state DeepSpeed keeps per param group: its flat fp32 partition on this rank.
         assert incident["tensors"] == ["exp_avg_sq of group0.tensor0"], incident
+
+
+RESET_POLICY = """version: 1
+rules:
+  - {on: nonfinite, action: skip_batch}
+  - {on: nonfinite, action: reset_moments}
+"""
+
+
+def _reset_moments_main(rank, world, port, out_dir):
+    """ZeRO 2 fp32 on 2 ranks, a policy that skips a non-finite step and resets the optimizer's
+    moments (SPAM): rank 1's loss is NaN in step 6's first micro-batch."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": MICRO,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6}
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           model_parameters=model.parameters())
+    guarded = sg_deepspeed.guard_engine(engine, policy_yaml=RESET_POLICY, collective_timeout=60)
+    rows = []
+    for step in range(1, 10):
+        for micro in range(MICRO):
+            x, y = _batch(step * MICRO + micro, rank, torch.float32)
+            loss = nn.functional.mse_loss(engine(x), y)
+            if step == 6 and rank == 1 and micro == 0:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+        report = guarded.last_report
+        state = next(iter(engine.basic_optimizer.state.values()))  # this rank's flat partition
+        flat = _flat_params(engine.module)
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(gathered, flat)
+        rows.append({"step": report.step, "outcome": report.outcome,
+                     "actions": [str(a).split(".")[-1].lower() for a in report.actions],
+                     "moments": [float(state[k].abs().sum()) for k in ("exp_avg", "exp_avg_sq")],
+                     "state_step": float(state["step"]),
+                     "finite": bool(torch.isfinite(flat).all()),
+                     "equal": all(torch.equal(flat, t) for t in gathered)})
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(rows, f, default=str)
+    torch.distributed.destroy_process_group()
+
+
+def test_reset_moments_under_zero_two_zeroes_every_ranks_partition_and_keeps_the_step():
+    """SPAM's reset through DeepSpeed's flat partitions: the blamed gradients are model
+    parameters, the state is kept per flat partition, so each rank's whole partition of exp_avg
+    and exp_avg_sq is zeroed after the skipped step; the step counter stays; training goes on
+    with the replicas equal."""
+    for rank, rows in enumerate(spawn_ranks(_reset_moments_main, 2)):
+        assert all(r["finite"] and r["equal"] for r in rows), (rank, rows)
+        assert [r["outcome"] for r in rows] == ["applied"] * 5 + ["skipped"] + ["applied"] * 3
+        assert rows[5]["actions"] == ["skip_batch", "reset_moments"], rows[5]
+        assert all(m > 0 for r in rows[:5] for m in r["moments"]), rows
+        assert rows[5]["moments"] == [0.0, 0.0], (rank, rows[5])
+        assert rows[4]["state_step"] == rows[5]["state_step"] == 5.0, rows
+        assert rows[6]["state_step"] == 6.0 and all(m > 0 for m in rows[6]["moments"]), rows
+

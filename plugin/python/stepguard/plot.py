@@ -27,7 +27,7 @@ _BLOCK = 1 << 20  # bytes read at a time from the end of a trace
 # (each trace line's "action").
 _ACTION_COLOR = {"abort": "black", "rollback": "tab:red", "lower_lr": "tab:blue",
                  "drop_loss_scale": "tab:purple", "skip_batch": "tab:orange", "clip": "tab:olive",
-                 "alert": "tab:gray", "apply": "tab:gray"}
+                 "reset_moments": "tab:cyan", "alert": "tab:gray", "apply": "tab:gray"}
 _SIGNAL_MARKER = {"nonfinite_grad": "v", "nonfinite_loss": "X", "loss_spike": "^",
                   "grad_norm_spike": "D", "loss_ratio": "s", "consecutive_limit": "P",
                   "skip_budget": "p", "rank_desync": "*"}

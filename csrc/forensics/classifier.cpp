@@ -87,6 +87,25 @@ Found one_rank_spike(const Evidence& e) {
                     "look for very long, repeated or mislabeled samples, or a corrupt shard"});
 }
 
+// 2c. The loss spiked again on the first step after a rollback, on the restored weights: they gave
+// the level on their own batches, so these batches moved the loss (a new shard or mixture, or a
+// corrupt stretch of data), not the weights or the LR.
+Found spike_on_restored_weights(const Evidence& e) {
+  if (!e.loss_spike || e.restored_from <= 0 || e.loss_nonfinite || e.grads_nonfinite) return {};
+  return diagnosis(
+      Cause::kData,
+      {"the loss spiked again (" + number(e.loss) + ", against " + number(e.loss_level) +
+       " before) on the first step after the rollback, on the weights restored from step " +
+       std::to_string(e.restored_from) +
+       "'s snapshot, which gave that level on their own batches: these batches moved the loss, "
+       "not the weights or the learning rate"},
+      {"look at the data from this position on: a shard or mixture boundary, or a corrupt "
+       "stretch (saved with the report when check_inputs is used)",
+       "if the new data is intended, its loss level is the new normal: each rollback here skips "
+       "batches into the same data until limits.max_rollbacks aborts; let it through (a rule "
+       "with 'consecutive' or 'after_step' on loss_spike, or alert instead of rollback)"});
+}
+
 // 3. Weights: a NaN in a parameter makes every forward pass NaN.
 Found broken_weights(const Evidence& e) {
   const bool huge = e.loss_nonfinite && !e.huge_params.empty();
@@ -300,10 +319,18 @@ Found backward_pass(const Evidence& e) {
 
 Diagnosis classify(const Evidence& e) {
   // The standard debugging order: the first check that explains the evidence names the cause.
-  constexpr Found (*kDebuggingOrder[])(const Evidence&) = {
-      optimizer_state, not_reproduced,   bad_data,           one_rank_spike,
-      broken_weights,  diverged_replica, precision_overflow, trend,
-      divergence,      forward_pass,     backward_pass};
+  constexpr Found (*kDebuggingOrder[])(const Evidence&) = {optimizer_state,
+                                                           not_reproduced,
+                                                           bad_data,
+                                                           one_rank_spike,
+                                                           spike_on_restored_weights,
+                                                           broken_weights,
+                                                           diverged_replica,
+                                                           precision_overflow,
+                                                           trend,
+                                                           divergence,
+                                                           forward_pass,
+                                                           backward_pass};
   for (auto check : kDebuggingOrder) {
     if (Found d = check(e)) return *d;
   }

@@ -41,6 +41,9 @@ struct Evidence {
   std::vector<int> spike_ranks;
   std::vector<double> rank_losses;  ///< every rank's loss, when the ranks were named
   double rank_loss = 0.0;           ///< this rank's own loss (0 when unknown)
+  /// The step before this one rolled back: the weights are those of this snapshot (its step;
+  /// 0 otherwise), restored and not yet updated.
+  std::int64_t restored_from = 0;
   // The recovery watch after a spike (detectors.loss_recovery) raised loss_not_recovered.
   bool loss_not_recovered = false;
   std::int64_t diverging_steps = 0;  ///< steps since the spike that began the watch

@@ -233,6 +233,7 @@ class StepEngine {
   ResolvedLayout layout_;
   bool job_replicated_ = true;
   bool reduced_into_shards_ = false;  ///< the port's gradients_reduced_into_shards()
+  std::int64_t restored_from_ = 0;    ///< the last step rolled back to this snapshot (0: did not)
   std::optional<Pending> pending_;
 
   std::int64_t step_ = 0;

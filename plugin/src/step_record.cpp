@@ -60,6 +60,8 @@ void weight_evidence(const std::vector<at::Tensor>& params, const std::vector<st
 // whose loss rose (when not every rank's did), the level before and the watch's figures.
 void spike_evidence(const GlobalStats& g, const Signals& s, int rank, std::int64_t step,
                     forensics::Evidence* ev) {
+  ev->loss_spike = s.has(Signal::kLossSpike) || s.has(Signal::kLossRatio);
+  ev->grad_norm_spike = s.has(Signal::kGradNormSpike);
   ev->loss_level = s.loss_level;
   ev->rank_losses = g.rank_losses;
   const auto r = static_cast<std::size_t>(rank);
@@ -144,12 +146,10 @@ StepEngine::Findings StepEngine::investigate(const Agreed& agreed, const StepDec
   ev.grads_nonfinite = g.nonfinite_count() > 0;
   ev.nan_count = g.nan_count;
   ev.inf_count = g.inf_count;
-  ev.loss_spike =
-      decided.signals.has(Signal::kLossSpike) || decided.signals.has(Signal::kLossRatio);
-  ev.grad_norm_spike = decided.signals.has(Signal::kGradNormSpike);
   spike_evidence(g, decided.signals, consensus_->rank(), step_, &ev);
   trend_evidence(g, decided.signals, &ev);
   ev.overflow_ruled_out = g.overflow_ruled_out;
+  ev.restored_from = restored_from_;
   ev.loss_scaling = controller_.loss_scaling() || framework_scale_.has_value();
   const double floor =
       framework_scale_ ? framework_scale_->min_scale : controller_.loss_scale_floor();
@@ -232,6 +232,7 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
   RECORD_USER_SCOPE("stepguard::record");
   StepReport report = make_report(step, agreed.global, decided);
   report.incident = make_incident(step, agreed, decided, findings, report);
+  restored_from_ = report.outcome == Outcome::kRolledBack ? report.rolled_back_to : 0;
   if (report.incident) {
     ++totals_.incidents;
     last_incident_step_ = step;

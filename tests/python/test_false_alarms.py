@@ -154,3 +154,32 @@ def test_a_clean_ddp_run_on_two_ranks_raises_no_incident():
         ranks = [json.load(open(os.path.join(d, "rank%d.json" % r))) for r in range(2)]
     for r in ranks:
         assert r["incidents"] == [] and r["applied"] == STEPS, r
+
+
+def test_a_data_change_late_in_a_run_is_named_data_on_the_restored_weights(monkeypatch):
+    """The shard change of the clean runs, at step 1000 instead of 300 (the loss 1.39 -> 5.16):
+    by then the loss z-score's spread is the loss's own noise (at step 300 it still carries the
+    early descent, which is why the clean run above is silent), so the default policy rolls back.
+    The spike comes back on the first step after each rollback, on the restored weights, which
+    gave the old level on their own batches: each such incident names the data, not divergence
+    and a learning rate too high (before), until the rollback budget ends the run."""
+    seen = []
+
+    class Recorded(stepguard.GuardedOptimizer):
+        def step(self, *args, **kwargs):
+            report = super().step(*args, **kwargs)
+            if report.incident is not None:
+                seen.append((report.step, report.outcome, report.incident))
+            return report
+
+    monkeypatch.setattr(stepguard, "GuardedOptimizer", Recorded)
+    monkeypatch.setitem(globals(), "STEPS", 1100)  # (the schedule's length: train() reads it)
+    with pytest.raises(stepguard.StepguardError, match="training was aborted at step 1005"):
+        train(seed=5, lr=1e-3, size=8, shard_at=1000)
+    assert [s for s, _, _ in seen] == list(range(1000, 1006)), seen
+    assert seen[0][2]["signal"] == "loss_spike" and seen[0][1] == "rolled_back", seen[0]
+    for step, outcome, incident in seen[1:]:
+        assert incident["cause"] == "data", (step, incident)
+        assert "on the first step after the rollback, on the weights restored from step 950" in \
+            incident["evidence"][0], (step, incident)
+    assert seen[-1][1] == "aborted"

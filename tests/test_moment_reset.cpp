@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "plugin/src/moment_reset.h"
@@ -31,6 +32,10 @@ TEST(MomentReset, ResettableMomentsAreTheAveragesOfPastGradientsOnly) {
   }
   for (const char* name : {"3.step", "1.prev", "1.step_size", "2.sum", "0.exp_avg_sq_row"}) {
     EXPECT_FALSE(resettable_moment(name)) << name;
+  }
+  EXPECT_EQ(state_index("12.exp_avg"), std::optional<std::size_t>(12));
+  for (const char* name : {"exp_avg", ".exp_avg", "1a.exp_avg", "group0.tensor0.exp_avg"}) {
+    EXPECT_EQ(state_index(name), std::nullopt) << name;
   }
 }
 

@@ -9,8 +9,13 @@
 namespace stepguard {
 namespace {
 
-// "3.exp_avg" -> 3 (nothing when the name is not of that form).
-std::optional<std::size_t> owner_index(const std::string& name) {
+bool named(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+}  // namespace
+
+std::optional<std::size_t> state_index(const std::string& name) {
   const std::size_t dot = name.find('.');
   if (dot == std::string::npos || dot == 0 || dot > 9) return std::nullopt;
   std::size_t index = 0;
@@ -20,12 +25,6 @@ std::optional<std::size_t> owner_index(const std::string& name) {
   }
   return index;
 }
-
-bool named(const std::vector<std::string>& names, const std::string& name) {
-  return std::find(names.begin(), names.end(), name) != names.end();
-}
-
-}  // namespace
 
 bool resettable_moment(const std::string& name) {
   static const char* const kMoments[] = {"exp_avg",         "exp_avg_sq", "max_exp_avg_sq",
@@ -45,7 +44,7 @@ std::int64_t reset_moments(OptimizerPort& port, const std::vector<std::string>& 
     if (!t.tensor.defined() || !t.tensor.is_floating_point() || !resettable_moment(t.name)) {
       continue;
     }
-    const std::optional<std::size_t> index = owner_index(t.name);
+    const std::optional<std::size_t> index = state_index(t.name);
     owners.push_back(index ? port.state_owner(*index) : std::string());
     any_owner_named = any_owner_named || named(affected, owners.back());
     moments.push_back(t.tensor);

@@ -10,13 +10,19 @@
  */
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "plugin/src/optimizer_port.h"
 
 namespace stepguard {
+
+/// The index in "<index>.<key>" (a port's state tensor name; OptimizerPort::state_owner() says
+/// what it belongs to); nothing when the name is not of that form.
+std::optional<std::size_t> state_index(const std::string& name);
 
 /// Whether a state tensor of this name ("<index>.<key>") is a moment the reset zeroes.
 bool resettable_moment(const std::string& name);

@@ -1,21 +1,19 @@
 #include "plugin/src/state_check.h"
 
+#include <optional>
 #include <utility>
+
+#include "plugin/src/moment_reset.h"
 
 namespace stepguard {
 namespace {
 
 // "3.exp_avg_sq" -> "exp_avg_sq of blocks.0.attn.weight" (as it is when it is not that form).
 std::string readable(const std::string& name, const OptimizerPort& port) {
-  const std::size_t dot = name.find('.');
-  if (dot == std::string::npos || dot == 0 || dot > 9) return name;
-  std::size_t index = 0;
-  for (std::size_t i = 0; i < dot; ++i) {
-    if (name[i] < '0' || name[i] > '9') return name;
-    index = index * 10 + static_cast<std::size_t>(name[i] - '0');
-  }
-  const std::string owner = port.state_owner(index);
-  return owner.empty() ? name : name.substr(dot + 1) + " of " + owner;
+  const std::optional<std::size_t> index = state_index(name);
+  if (!index) return name;
+  const std::string owner = port.state_owner(*index);
+  return owner.empty() ? name : name.substr(name.find('.') + 1) + " of " + owner;
 }
 
 }  // namespace

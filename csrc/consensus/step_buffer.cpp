@@ -246,7 +246,6 @@ void fill_rank_detail(const std::vector<double>& rows, int world, GlobalStats* g
   if (g->origin_ranks.empty()) g->origin_ranks = probed;
   // Shards reduced before any hook saw them: a faulty shard is where a NaN landed, not where it
   // was made (a rank's state check below is its own evidence).
-  g->origin_unknown = false;
   if (g->origin_ranks.empty() && !g->shards_unwatched) g->origin_ranks = g->faulty_ranks;
   g->desynced_ranks =
       g->state_differs ? outliers(rows, world, row_slot::kDigest) : std::vector<int>();

@@ -26,12 +26,16 @@ std::optional<std::size_t> state_index(const std::string& name) {
   return index;
 }
 
+std::string state_key(const std::string& name) {
+  const std::size_t dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
 bool resettable_moment(const std::string& name) {
   static const char* const kMoments[] = {"exp_avg",         "exp_avg_sq", "max_exp_avg_sq",
                                          "momentum_buffer", "square_avg", "grad_avg",
                                          "acc_delta",       "exp_inf"};
-  const std::size_t dot = name.rfind('.');
-  const std::string key = dot == std::string::npos ? name : name.substr(dot + 1);
+  const std::string key = state_key(name);
   return std::any_of(std::begin(kMoments), std::end(kMoments),
                      [&](const char* k) { return key == k; });
 }

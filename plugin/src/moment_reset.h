@@ -24,6 +24,9 @@ namespace stepguard {
 /// what it belongs to); nothing when the name is not of that form.
 std::optional<std::size_t> state_index(const std::string& name);
 
+/// The key in "<index>.<key>" (the field after the last '.'; the name itself without one).
+std::string state_key(const std::string& name);
+
 /// Whether a state tensor of this name ("<index>.<key>") is a moment the reset zeroes.
 bool resettable_moment(const std::string& name);
 

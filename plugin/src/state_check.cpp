@@ -19,13 +19,12 @@ std::string readable(const std::string& name, const OptimizerPort& port) {
 }  // namespace
 
 bool StateCheck::second_moment(const std::string& name) {
-  // The field after the last '.' ("3.exp_avg_sq"): the state keys of torch.optim and
-  // torch::optim whose values the update takes the square root of (or divides by).
+  // The state keys of torch.optim and torch::optim whose values the update takes the square
+  // root of (or divides by).
   static const char* const kKeys[] = {
       "exp_avg_sq", "max_exp_avg_sq", "square_avg", "square_average", "sum",
       "exp_inf",    "acc_delta",      "row_var",    "col_var",        "variance"};
-  const std::size_t dot = name.rfind('.');
-  const std::string key = dot == std::string::npos ? name : name.substr(dot + 1);
+  const std::string key = state_key(name);
   for (const char* k : kKeys) {
     if (key == k) return true;
   }

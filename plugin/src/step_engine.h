@@ -149,7 +149,6 @@ class StepEngine {
     forensics::Diagnosis diagnosis;  ///< this rank's own, when it is an origin rank
     bool origin = true;              ///< the fault came from this rank (or from no rank's own)
     std::vector<int> origin_ranks;
-    bool origin_unknown = false;  ///< GlobalStats::origin_unknown, and no replay named the rank
     std::vector<RankCause> rank_causes;  ///< agreed across ranks
     Cause agreed_cause = Cause::kUnknown;
   };

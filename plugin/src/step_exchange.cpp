@@ -194,8 +194,7 @@ void StepEngine::agree_causes(std::int64_t step, const GlobalStats& g, Findings*
       std::any_of(f->rank_causes.begin(), f->rank_causes.end(),
                   [&](const RankCause& c) { return c.rank == consensus_->rank(); });
   f->origin = counted;
-  f->origin_unknown = g.origin_unknown && f->origin_ranks.empty();
-  if (f->origin_unknown) say_origin_unknown(g, &f->diagnosis);
+  if (g.origin_unknown) say_origin_unknown(g, &f->diagnosis);
   if (counted || world == 1) return;
   point_to_origin(g, f);
 }

@@ -278,7 +278,7 @@ std::optional<Incident> StepEngine::make_incident(std::int64_t step, const Agree
   incident.action = report.action;
   incident.tensors = findings.blamed;
   incident.ranks = findings.origin_ranks;
-  incident.origin_unknown = findings.origin_unknown;
+  incident.origin_unknown = agreed.global.origin_unknown;
   incident.reason = decided.decision.reason;
   incident.cause = findings.agreed_cause;
   incident.rank_causes = findings.rank_causes;

@@ -18,6 +18,22 @@ from conftest import spawn_ranks  # noqa: E402
 from test_deepspeed import MICRO, _batch, _flat_params, _model  # noqa: E402
 
 
+def _replicas(engine, world):
+    """Whether this rank's parameters are finite, and equal on every rank (one all-gather)."""
+    flat = _flat_params(engine.module)
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat)
+    return bool(torch.isfinite(flat).all()), all(torch.equal(flat, t) for t in gathered)
+
+
+def _finish(rows, rank, out_dir):
+    """Writes this rank's rows for the test, then leaves (_leave)."""
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(rows, f, default=str)
+    torch.distributed.destroy_process_group()
+    _leave()
+
+
 def _leave():
     """Ends a rank once its results are written, without the interpreter's teardown: there the
     Gloo process group's threads sometimes abort the process ("terminate called without an
@@ -27,11 +43,8 @@ def _leave():
     os._exit(0)
 
 
-def _corrupt_state_main(rank, world, port, out_dir):
-    """ZeRO 2 fp32 under the default policy (snapshots every 5 steps): after step 7, one element
-    of rank 1's shard of AdamW's exp_avg_sq is set to NaN (each rank holds and checks its own
-    shard of the state)."""
-    import stepguard
+def _zero_two_engine(rank, world, port):
+    """This rank's DeepSpeed engine: ZeRO 2, fp32, torch's AdamW, MICRO micro-batches a step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -42,6 +55,15 @@ def _corrupt_state_main(rank, world, port, out_dir):
     model = _model()
     engine, _, _, _ = deepspeed.initialize(model=model, config=config,
                                            model_parameters=model.parameters())
+    return engine
+
+
+def _corrupt_state_main(rank, world, port, out_dir):
+    """ZeRO 2 fp32 under the default policy (snapshots every 5 steps): after step 7, one element
+    of rank 1's shard of AdamW's exp_avg_sq is set to NaN (each rank holds and checks its own
+    shard of the state)."""
+    import stepguard
+    engine = _zero_two_engine(rank, world, port)
     policy = stepguard.policy_presets()["default"].replace("snapshot_every: 50",
                                                            "snapshot_every: 5")
     guarded = sg_deepspeed.guard_engine(engine, policy_yaml=policy, collective_timeout=60)
@@ -52,20 +74,14 @@ def _corrupt_state_main(rank, world, port, out_dir):
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
         report = guarded.last_report
-        flat = _flat_params(engine.module)
-        gathered = [torch.empty_like(flat) for _ in range(world)]
-        torch.distributed.all_gather(gathered, flat)
+        finite, equal = _replicas(engine, world)
         rows.append({"step": report.step, "outcome": report.outcome, "incident": report.incident,
-                     "finite": bool(torch.isfinite(flat).all()),
-                     "equal": all(torch.equal(flat, t) for t in gathered)})
+                     "finite": finite, "equal": equal})
         if step == 7 and rank == 1:
             state = next(iter(engine.basic_optimizer.state.values()))
             with torch.no_grad():
                 state["exp_avg_sq"].view(-1)[3] = float("nan")
-    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
-        json.dump(rows, f, default=str)
-    torch.distributed.destroy_process_group()
-    _leave()
+    _finish(rows, rank, out_dir)
 
 
 def test_a_corrupted_state_shard_under_zero_two_is_named_on_its_rank_and_rolled_back():
@@ -93,16 +109,7 @@ rules:
 def _reset_moments_main(rank, world, port, out_dir):
     """ZeRO 2 fp32 on 2 ranks, a policy that skips a non-finite step and resets the optimizer's
     moments (SPAM): rank 1's loss is NaN in step 6's first micro-batch."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": MICRO,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6}
-    model = _model()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
-                                           model_parameters=model.parameters())
+    engine = _zero_two_engine(rank, world, port)
     guarded = sg_deepspeed.guard_engine(engine, policy_yaml=RESET_POLICY, collective_timeout=60)
     rows = []
     for step in range(1, 10):
@@ -115,19 +122,13 @@ def _reset_moments_main(rank, world, port, out_dir):
             engine.step()
         report = guarded.last_report
         state = next(iter(engine.basic_optimizer.state.values()))  # this rank's flat partition
-        flat = _flat_params(engine.module)
-        gathered = [torch.empty_like(flat) for _ in range(world)]
-        torch.distributed.all_gather(gathered, flat)
+        finite, equal = _replicas(engine, world)
         rows.append({"step": report.step, "outcome": report.outcome,
                      "actions": [str(a).split(".")[-1].lower() for a in report.actions],
                      "moments": [float(state[k].abs().sum()) for k in ("exp_avg", "exp_avg_sq")],
                      "state_step": float(state["step"]),
-                     "finite": bool(torch.isfinite(flat).all()),
-                     "equal": all(torch.equal(flat, t) for t in gathered)})
-    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
-        json.dump(rows, f, default=str)
-    torch.distributed.destroy_process_group()
-    _leave()
+                     "finite": finite, "equal": equal})
+    _finish(rows, rank, out_dir)
 
 
 def test_reset_moments_under_zero_two_zeroes_every_ranks_partition_and_keeps_the_step():

@@ -174,6 +174,8 @@ def test_a_data_change_late_in_a_run_is_named_data_on_the_restored_weights(monke
 
     monkeypatch.setattr(stepguard, "GuardedOptimizer", Recorded)
     monkeypatch.setitem(globals(), "STEPS", 1100)  # (the schedule's length: train() reads it)
+    # The default policy's limits.max_rollbacks (more than 5 within 1000 steps): the sixth
+    # rollback in a row, at step 1005, aborts.
     with pytest.raises(stepguard.StepguardError, match="training was aborted at step 1005"):
         train(seed=5, lr=1e-3, size=8, shard_at=1000)
     assert [s for s, _, _ in seen] == list(range(1000, 1006)), seen

@@ -294,6 +294,55 @@ TEST(ProcessGroupConsensus, TamperedGuardStateIsCaughtAtTheNextStep) {
   }
 }
 
+// A Gloo collective whose timed wait gives up just as the collective completes: the wait throws
+// "Operation timed out!" although the work is done. Seen as a failed step on one rank while the
+// other went on (the demo, one rank 1 s late to a step's exchange). The race, made certain:
+class CompletesAsItsWaitTimesOut : public c10d::Work {
+ public:
+  explicit CompletesAsItsWaitTimesOut(std::exception_ptr error = nullptr) : error_(error) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout == ::kNoTimeout) return c10d::Work::wait(timeout);
+    finish(error_);
+    TORCH_CHECK(false, "Operation timed out!");
+  }
+
+ private:
+  std::exception_ptr error_;
+};
+
+TEST(ProcessGroupConsensus, ACollectiveThatCompletesAsAWaitSliceRunsOutIsComplete) {
+  auto done = c10::make_intrusive<CompletesAsItsWaitTimesOut>();
+  EXPECT_NO_THROW(consensus::wait_for_collective(done, nullptr, std::chrono::seconds(5), 4));
+  // Completed with the backend's own error: that error, not the timed wait's.
+  auto failed = c10::make_intrusive<CompletesAsItsWaitTimesOut>(
+      std::make_exception_ptr(std::runtime_error("Connection closed by peer")));
+  try {
+    consensus::wait_for_collective(failed, nullptr, std::chrono::seconds(5), 4);
+    ADD_FAILURE() << "a failed collective passed";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Connection closed by peer"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(ProcessGroupConsensus, ARankLateByMoreThanAWaitSliceIsWaitedFor) {
+  // Rank 1 joins 1.3 s late (more than the first slice of 1 s and the next of 0.5 s): both ranks
+  // get the sum, no failure.
+  const int world = 2;
+  Group g = make_group(world, std::chrono::seconds(20));
+  std::vector<at::Tensor> results(world);
+  run_ranks(world, [&](int r) {
+    consensus::ProcessGroupConsensus c(g.ranks[r], std::chrono::seconds(20), g.store);
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+    auto buffer = at::full({3}, static_cast<double>(r + 1), at::kDouble);
+    c.all_reduce_sum(buffer, 4);
+    results[r] = buffer;
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(at::equal(results[r], at::full({3}, 3.0, at::kDouble))) << r;
+  }
+}
+
 TEST(ProcessGroupConsensus, AMissingRankFailsTheOthersWithinTheDeadline) {
   const int world = 3;
   // The group's own timeout bounds how long tearing it down waits for the absent rank.

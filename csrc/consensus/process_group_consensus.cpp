@@ -22,12 +22,10 @@ std::string check_in_key(std::int64_t step, int rank) {
 std::string failures_key(std::int64_t step) {
   return "stepguard/failed_step/" + std::to_string(step) + "/count";
 }
+}  // namespace
 
-// Waits for `work` until it completes, its deadline passes, or another rank has reported a
-// failure of `step` in the store; throws on the two latter and rethrows the work's own error.
-template <class WorkPtr>
-void wait_for(const WorkPtr& work, c10d::Store* store, std::chrono::milliseconds timeout,
-              std::int64_t step) {
+void wait_for_collective(const c10::intrusive_ptr<c10d::Work>& work, c10d::Store* store,
+                         std::chrono::milliseconds timeout, std::int64_t step) {
   const auto deadline = Clock::now() + timeout;
   auto slice = std::chrono::duration_cast<std::chrono::milliseconds>(
       std::min<Clock::duration>(kQuiet, timeout));
@@ -36,7 +34,13 @@ void wait_for(const WorkPtr& work, c10d::Store* store, std::chrono::milliseconds
       if (work->wait(slice)) return;
       throw std::runtime_error("the collective was aborted");
     } catch (const std::exception&) {
-      if (work->isCompleted()) throw;  // the backend's own failure
+      // A timed wait throws when its slice runs out, and the collective may complete between
+      // that throw and this look: then it is done, and an untimed wait returns at once (or
+      // rethrows the backend's own failure).
+      if (work->isCompleted()) {
+        if (work->wait()) return;
+        throw std::runtime_error("the collective was aborted");
+      }
     }
     // Still running: a slow step, or a peer that is gone.
     if (store != nullptr) {
@@ -59,7 +63,6 @@ void wait_for(const WorkPtr& work, c10d::Store* store, std::chrono::milliseconds
     if (slice.count() < 1) slice = std::chrono::milliseconds(1);
   }
 }
-}  // namespace
 
 ProcessGroupConsensus::ProcessGroupConsensus(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                              std::chrono::milliseconds timeout,
@@ -85,7 +88,7 @@ void ProcessGroupConsensus::all_reduce_tensors(std::vector<at::Tensor>& tensors,
   options.timeout = timeout_;
   try {
     auto work = group_->allreduce(tensors, options);
-    wait_for(work, store_.get(), timeout_, step);
+    wait_for_collective(work, store_.get(), timeout_, step);
   } catch (const std::exception& e) {
     std::string note;
     std::vector<int> missing = find_missing_ranks(step, &note);

@@ -41,6 +41,13 @@ class ConsensusError : public std::runtime_error {
   std::vector<int> missing_ranks_;
 };
 
+/// Waits for `work` until it completes, `timeout` passes, or another rank has reported a failure
+/// of `step` in `store` (may be null); throws on the two latter and rethrows the backend's own
+/// error. The wait runs in slices (the store is looked at between them); a collective that
+/// completes just as a slice runs out is complete, not failed.
+void wait_for_collective(const c10::intrusive_ptr<c10d::Work>& work, c10d::Store* store,
+                         std::chrono::milliseconds timeout, std::int64_t step);
+
 /// Sums the step buffer over a c10d ProcessGroup. Not thread-safe: one guard drives one instance;
 /// the process group may be shared with the training loop as long as collectives are issued in the
 /// same order on every rank (as c10d requires anyway).

@@ -74,6 +74,38 @@ TEST(StepBuffer, InputCountsJoinTheBufferOnTheDevice) {
 }
 
 // Three ranks' buffers and rows summed by hand, as the all-reduces would.
+TEST(StepBuffer, TheDeviceSkipFlagAndItsHostReadingAgree) {
+  // found_inf for the deferred verdict: 1.0f for a NaN/Inf gradient, a non-finite loss or a bad
+  // optimizer state, 0.0f otherwise (an input or probe alone, the digest, decide nothing here).
+  const auto flag = [](const std::function<void(StepBuffer&)>& fault) {
+    StepBuffer b(0, 1, at::kCPU);
+    fault(b);
+    LocalEvidence evidence;
+    evidence.inputs_bad = true;
+    b.pack(at::tensor(2.0), 7, evidence);
+    const at::Tensor f = b.skip_flag();
+    EXPECT_EQ(f.scalar_type(), at::kFloat);
+    EXPECT_EQ(f.dim(), 0);
+    EXPECT_EQ(f.item<float>() == 1.0f, StepBuffer::skips_on_device(b.tensor()));
+    return f.item<float>();
+  };
+  EXPECT_EQ(flag([](StepBuffer&) {}), 0.0f);
+  EXPECT_EQ(flag([](StepBuffer& b) { b.inspection_block()[inspect_slot::kNanCount].fill_(0.5); }),
+            1.0f);  // one copy of a replicated NaN
+  EXPECT_EQ(flag([](StepBuffer& b) { b.inspection_block()[inspect_slot::kInfCount].fill_(1); }),
+            1.0f);
+  EXPECT_EQ(flag([](StepBuffer& b) { b.state_block()[inspect_slot::kNanCount].fill_(1); }), 1.0f);
+  EXPECT_EQ(flag([](StepBuffer& b) { b.state_block()[inspect_slot::kInfCount].fill_(2); }), 1.0f);
+  StepBuffer nan_loss(0, 1, at::kCPU);
+  nan_loss.pack(at::tensor(std::numeric_limits<double>::quiet_NaN()), 7, LocalEvidence{});
+  EXPECT_EQ(nan_loss.skip_flag().item<float>(), 1.0f);
+  EXPECT_TRUE(StepBuffer::skips_on_device(nan_loss.tensor()));
+  // The host reading of a summed buffer unpacks as the buffer itself does.
+  EXPECT_EQ(StepBuffer::unpack_host(nan_loss.tensor(), 1, 3).loss_nonfinite_ranks,
+            nan_loss.unpack(3).loss_nonfinite_ranks);
+  EXPECT_THROW(StepBuffer::unpack_host(at::zeros({3}, at::kDouble), 1, 3), c10::Error);
+}
+
 TEST(StepBuffer, UnpacksTheCountsAndTheRowsNameTheRanks) {
   at::Tensor sum;
   std::vector<double> rows;

@@ -6,13 +6,22 @@ namespace stepguard {
 namespace consensus {
 
 void Consensus::all_reduce_sum(at::Tensor& buffer, std::int64_t step) {
+  count(buffer, step);
+  do_all_reduce_sum(buffer, step);
+}
+
+void Consensus::all_reduce_sum_on_stream(at::Tensor& buffer, std::int64_t step) {
+  count(buffer, step);
+  do_all_reduce_sum_on_stream(buffer, step);
+}
+
+void Consensus::count(const at::Tensor& buffer, std::int64_t step) {
   TORCH_CHECK(buffer.defined() && buffer.dim() == 1 && buffer.scalar_type() == at::kDouble &&
                   buffer.is_contiguous(),
               "stepguard: consensus buffer must be a contiguous 1-D float64 tensor (step ", step,
               ")");
   ++collectives_;
   bytes_ += buffer.numel() * static_cast<std::int64_t>(sizeof(double));
-  do_all_reduce_sum(buffer, step);
 }
 
 std::vector<std::int64_t> gather_values(Consensus& consensus, std::int64_t value, std::int64_t tag,

@@ -33,6 +33,11 @@ class Consensus {
   /// tensor on the gradients' device, the same length on every rank. Blocks until the sum is
   /// available to the host or throws std::runtime_error naming the step when the deadline passes.
   void all_reduce_sum(at::Tensor& buffer, std::int64_t step);
+  /// The same sum without the host's wait where the backend orders it on the device: for a
+  /// device buffer the caller's stream waits for the sum and the host goes on (the deferred
+  /// verdict); the backend's own watchdog then holds the deadline. A host buffer is summed as by
+  /// all_reduce_sum(). Counted as one collective.
+  void all_reduce_sum_on_stream(at::Tensor& buffer, std::int64_t step);
 
   /// Collectives issued so far by this instance.
   std::int64_t collectives() const noexcept { return collectives_; }
@@ -41,8 +46,12 @@ class Consensus {
 
  protected:
   virtual void do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) = 0;
+  virtual void do_all_reduce_sum_on_stream(at::Tensor& buffer, std::int64_t step) {
+    do_all_reduce_sum(buffer, step);
+  }
 
  private:
+  void count(const at::Tensor& buffer, std::int64_t step);
   std::int64_t collectives_ = 0;
   std::int64_t bytes_ = 0;
 };

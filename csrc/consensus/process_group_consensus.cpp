@@ -81,14 +81,24 @@ void ProcessGroupConsensus::do_all_reduce_sum(at::Tensor& buffer, std::int64_t s
   all_reduce_tensors(tensors, step, "all-reduce");
 }
 
+void ProcessGroupConsensus::do_all_reduce_sum_on_stream(at::Tensor& buffer, std::int64_t step) {
+  std::vector<at::Tensor> tensors{buffer};
+  all_reduce_tensors(tensors, step, "all-reduce", /*host_waits=*/false);
+}
+
 void ProcessGroupConsensus::all_reduce_tensors(std::vector<at::Tensor>& tensors, std::int64_t step,
-                                               const std::string& what) {
+                                               const std::string& what, bool host_waits) {
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.timeout = timeout_;
   try {
     auto work = group_->allreduce(tensors, options);
-    wait_for_collective(work, store_.get(), timeout_, step);
+    if (!host_waits && !tensors.empty() && !tensors.front().is_cpu()) {
+      // An untimed wait orders the caller's stream after the collective; the host goes on.
+      if (!work->wait()) throw std::runtime_error("the collective was aborted");
+    } else {
+      wait_for_collective(work, store_.get(), timeout_, step);
+    }
   } catch (const std::exception& e) {
     std::string note;
     std::vector<int> missing = find_missing_ranks(step, &note);

@@ -66,11 +66,14 @@ class ProcessGroupConsensus final : public Consensus {
   /// Sums `tensors` across the ranks (any dtype the backend takes) with the same deadline and the
   /// same naming of missing ranks on failure (ConsensusError). `what` names the collective in
   /// the message ("gradient all-reduce").
+  /// `host_waits` false: on device tensors the caller's stream waits for the sum instead of the
+  /// host (NCCL's watchdog holds the deadline then); host tensors are always waited for.
   void all_reduce_tensors(std::vector<at::Tensor>& tensors, std::int64_t step,
-                          const std::string& what);
+                          const std::string& what, bool host_waits = true);
 
  protected:
   void do_all_reduce_sum(at::Tensor& buffer, std::int64_t step) override;
+  void do_all_reduce_sum_on_stream(at::Tensor& buffer, std::int64_t step) override;
 
  private:
   // After a failed collective: ranks that did not check in through the store within a short

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <utility>
@@ -145,10 +146,40 @@ void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalE
   row_.select(0, row_slot::kFingerprint).copy_(at::clamp_min(masked, 1).to(at::kDouble));
 }
 
-GlobalStats StepBuffer::unpack(std::int64_t step) const {
-  const at::Tensor host = buffer_.to(at::kCPU);
+namespace {
+// The slots whose sum makes a step's update impossible (skip_flag()).
+constexpr int kSkipSlots[] = {
+    step_slot::kInspection + inspect_slot::kNanCount,
+    step_slot::kInspection + inspect_slot::kInfCount, step_slot::kLossNonfinite,
+    step_slot::kState + inspect_slot::kNanCount, step_slot::kState + inspect_slot::kInfCount};
+}  // namespace
+
+at::Tensor StepBuffer::skip_flag() const {
+  // Device ops on views of the buffer: no index tensor to copy over.
+  at::Tensor sum = buffer_.select(0, kSkipSlots[0]).clone();
+  for (std::size_t i = 1; i < std::size(kSkipSlots); ++i)
+    sum.add_(buffer_.select(0, kSkipSlots[i]));
+  return sum.gt(0).to(at::kFloat);
+}
+
+bool StepBuffer::skips_on_device(const at::Tensor& host) {
   const double* s = host.data_ptr<double>();
-  const int world = world_size_;
+  double sum = 0.0;
+  for (int slot : kSkipSlots) sum += s[slot];
+  return sum > 0;
+}
+
+GlobalStats StepBuffer::unpack(std::int64_t step) const {
+  return unpack_host(buffer_.to(at::kCPU), world_size_, step);
+}
+
+GlobalStats StepBuffer::unpack_host(const at::Tensor& host, int world_size, std::int64_t step) {
+  TORCH_CHECK(host.is_cpu() && host.is_contiguous() && host.scalar_type() == at::kDouble &&
+                  host.numel() == step_slot::kSize,
+              "stepguard: step ", step, ": a step buffer's host copy must be ", step_slot::kSize,
+              " contiguous fp64 values");
+  const double* s = host.data_ptr<double>();
+  const int world = world_size;
   TORCH_CHECK(static_cast<int>(s[step_slot::kRanksReporting]) == world, "stepguard: step ", step,
               ": ", s[step_slot::kRanksReporting], " of ", world,
               " ranks reported statistics; the consensus buffer is inconsistent");

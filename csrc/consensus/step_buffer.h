@@ -118,6 +118,15 @@ class StepBuffer {
   /// rank reported. The inspection block holds each rank's gradients weighted by 1 / copies
   /// (inspect_counted_once()), so its sums count every gradient element of the job once.
   GlobalStats unpack(std::int64_t step) const;
+  /// unpack() of a host copy of a summed buffer of `world_size` ranks (the deferred verdict's,
+  /// copied without a wait).
+  static GlobalStats unpack_host(const at::Tensor& host, int world_size, std::int64_t step);
+  /// After the sum, on the buffer's device without a read: 1.0f when the step's update must not
+  /// run whatever the policy says (a NaN/Inf gradient or loss on any rank, a bad optimizer
+  /// state), else 0.0f; the `found_inf` of torch's fused optimizers. skips_on_device() answers
+  /// the same from a host copy.
+  at::Tensor skip_flag() const;
+  static bool skips_on_device(const at::Tensor& host);
   /// This rank's row for gather_rank_rows() (row_slot order), on the buffer's device; valid
   /// after pack().
   const at::Tensor& rank_row() const noexcept { return row_; }

@@ -75,6 +75,9 @@ struct StepReport {
   /// current data position plus batches_to_skip (batches consumed since the snapshot are not
   /// replayed).
   std::int64_t rolled_back_to = 0;
+  /// Decided one step late (the deferred verdict): the update ran, or was skipped on the device,
+  /// before this report's decision was made.
+  bool deferred = false;
   std::optional<Incident> incident;
 
   bool applied() const noexcept { return outcome == Outcome::kApplied; }

@@ -147,6 +147,7 @@ std::string trace_line(const StepReport& report, const GlobalStats& stats, const
   line["action"] = to_string(report.action);
   line["batches_to_skip"] = report.batches_to_skip;
   if (report.rolled_back_to > 0) line["rolled_back_to"] = report.rolled_back_to;
+  if (report.deferred) line["deferred"] = true;
   if (signals.any()) {
     nlohmann::json raised = nlohmann::json::array();
     for (Signal s : signals.raised) raised.push_back(to_string(s));

@@ -92,6 +92,7 @@ void bind_report(py::module_& m) {
       .def_property_readonly("action", [](const StepReport& r) { return to_string(r.action); })
       .def_readonly("batches_to_skip", &StepReport::batches_to_skip)
       .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
+      .def_readonly("deferred", &StepReport::deferred)
       .def_readonly("loss_scale", &StepReport::loss_scale)
       .def_readonly("lr_factor", &StepReport::lr_factor)
       .def_property_readonly("incident",

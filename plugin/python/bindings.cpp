@@ -15,7 +15,7 @@
 #include "csrc/consensus/process_group_consensus.h"
 #include "plugin/python/bind_files.h"
 #include "plugin/python/bind_values.h"
-#include "plugin/python/python_port.h"
+#include "plugin/python/py_guard.h"
 #include "plugin/src/step_engine.h"
 #include "stepguard/tools.h"
 #include "stepguard/version.h"
@@ -24,24 +24,6 @@ namespace py = pybind11;
 
 namespace stepguard {
 namespace {
-
-// A guard: the Python port and the engine that drives it.
-struct PyGuard {
-  PyGuard(py::object port_object, GuardOptions options) : port(std::move(port_object)) {
-    // Construction is collective (the ranks' layouts): a collective's completion may need the
-    // GIL on another thread of the backend, so it is released meanwhile (the port takes it).
-    py::gil_scoped_release release;
-    engine = std::make_unique<StepEngine>(port, std::move(options));
-  }
-  // The engine may hold the last reference to a process group, whose destructor waits for its
-  // worker threads, which may need the GIL to free a Python tensor: release it meanwhile.
-  ~PyGuard() {
-    py::gil_scoped_release release;
-    engine.reset();
-  }
-  PythonPort port;
-  std::unique_ptr<StepEngine> engine;
-};
 
 template <typename T>
 T option_value(const std::string& what, const py::handle& value) {
@@ -362,7 +344,7 @@ void bind_stats(py::module_& m) {
   });
 }
 
-void bind_guard(py::module_& m) {
+void bind_input_verdict(py::module_& m) {
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<InputVerdict>(m, "InputVerdict",
                            "What check_inputs() found: true when the batch looks fine. Asking "
@@ -376,70 +358,80 @@ void bind_guard(py::module_& m) {
         return v.clean() ? std::string("InputVerdict(clean)")
                          : "InputVerdict(" + std::to_string(v.problems().size()) + " problems)";
       });
-  py::class_<PyGuard>(m, "Guard", "The step engine over a torch.optim port (see GuardedOptimizer).")
-      .def(py::init([](py::object port, const GuardOptions& options) {
-             return std::make_unique<PyGuard>(std::move(port), options);
-           }),
-           py::arg("port"), py::arg("options"))
-      .def(
-          "step",
-          [](PyGuard& g, const std::optional<at::Tensor>& loss) {
-            return g.engine->step(loss.value_or(at::Tensor()));
-          },
-          py::arg("loss") = py::none(), Release())
-      .def(
-          "verdict",
-          [](PyGuard& g, const std::optional<at::Tensor>& loss) {
-            return g.engine->verdict(loss.value_or(at::Tensor()));
-          },
-          py::arg("loss") = py::none(), Release())
-      .def(
-          "settle",
-          [](PyGuard& g, const Verdict& v, bool applied) { return g.engine->settle(v, applied); },
-          py::arg("verdict"), py::arg("applied"), Release())
-      .def(
-          "clip_gradients", [](PyGuard& g, const Verdict& v) { g.engine->clip_gradients(v); },
-          py::arg("verdict"), Release())
-      .def("verdict_pending", [](const PyGuard& g) { return g.engine->verdict_pending(); })
-      .def("scale_loss",
-           [](PyGuard& g, const at::Tensor& loss) { return g.engine->scale_loss(loss); })
-      .def(
-          "check_inputs",
-          [](PyGuard& g, const std::vector<at::Tensor>& inputs, std::optional<at::Tensor> mask) {
-            py::gil_scoped_release release;
-            return g.engine->check_inputs(inputs, mask.value_or(at::Tensor()));
-          },
-          py::arg("inputs"), py::arg("mask") = py::none())
-      .def("set_replay",
-           [](PyGuard& g, const py::object& fn) {
-             g.engine->set_replay(fn.is_none() ? forensics::Recompute()
-                                               : recompute_of(fn.cast<py::function>()));
-           })
-      .def("probe", [](PyGuard& g, const std::string& name,
-                       const at::Tensor& output) { return g.engine->probe(name, output); })
-      .def("watch_gradient",
-           [](PyGuard& g, const at::Tensor& grad) { g.engine->watch_gradient(grad); })
-      .def("track_buffers",
-           [](PyGuard& g, std::vector<at::Tensor> buffers) {
-             g.engine->track_buffers(std::move(buffers));
-           })
-      .def(
-          "resume", [](PyGuard& g, const std::string& dir) { return g.engine->resume(dir); },
-          Release())
-      .def(
-          "commit_pending_checkpoint", [](PyGuard& g) { g.engine->commit_pending_checkpoint(); },
-          Release())
-      .def(
-          "wait_for_background_work", [](PyGuard& g) { g.engine->wait_for_background_work(); },
-          Release())
-      .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
-      .def("load_record",
-           [](PyGuard& g, const py::object& d) { g.engine->load_record(record_of(d)); })
-      .def("set_data_position", [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
-      .def(
-          "stats", [](PyGuard& g) { return g.engine->stats(); }, Release())
-      .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); })
-      .def("explain_policy", [](const PyGuard& g) { return g.engine->explain_policy(); });
+}
+
+void bind_guard(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  bind_deferred(
+      py::class_<PyGuard>(m, "Guard",
+                          "The step engine over a torch.optim port (see GuardedOptimizer).")
+          .def(py::init([](py::object port, const GuardOptions& options) {
+                 return std::make_unique<PyGuard>(std::move(port), options);
+               }),
+               py::arg("port"), py::arg("options"))
+          .def(
+              "step",
+              [](PyGuard& g, const std::optional<at::Tensor>& loss) {
+                return g.engine->step(loss.value_or(at::Tensor()));
+              },
+              py::arg("loss") = py::none(), Release())
+          .def(
+              "verdict",
+              [](PyGuard& g, const std::optional<at::Tensor>& loss) {
+                return g.engine->verdict(loss.value_or(at::Tensor()));
+              },
+              py::arg("loss") = py::none(), Release())
+          .def(
+              "settle",
+              [](PyGuard& g, const Verdict& v, bool applied) {
+                return g.engine->settle(v, applied);
+              },
+              py::arg("verdict"), py::arg("applied"), Release())
+          .def(
+              "clip_gradients", [](PyGuard& g, const Verdict& v) { g.engine->clip_gradients(v); },
+              py::arg("verdict"), Release())
+          .def("verdict_pending", [](const PyGuard& g) { return g.engine->verdict_pending(); })
+          .def("scale_loss",
+               [](PyGuard& g, const at::Tensor& loss) { return g.engine->scale_loss(loss); })
+          .def(
+              "check_inputs",
+              [](PyGuard& g, const std::vector<at::Tensor>& inputs,
+                 std::optional<at::Tensor> mask) {
+                py::gil_scoped_release release;
+                return g.engine->check_inputs(inputs, mask.value_or(at::Tensor()));
+              },
+              py::arg("inputs"), py::arg("mask") = py::none())
+          .def("set_replay",
+               [](PyGuard& g, const py::object& fn) {
+                 g.engine->set_replay(fn.is_none() ? forensics::Recompute()
+                                                   : recompute_of(fn.cast<py::function>()));
+               })
+          .def("probe", [](PyGuard& g, const std::string& name,
+                           const at::Tensor& output) { return g.engine->probe(name, output); })
+          .def("watch_gradient",
+               [](PyGuard& g, const at::Tensor& grad) { g.engine->watch_gradient(grad); })
+          .def("track_buffers",
+               [](PyGuard& g, std::vector<at::Tensor> buffers) {
+                 g.engine->track_buffers(std::move(buffers));
+               })
+          .def(
+              "resume", [](PyGuard& g, const std::string& dir) { return g.engine->resume(dir); },
+              Release())
+          .def(
+              "commit_pending_checkpoint",
+              [](PyGuard& g) { g.engine->commit_pending_checkpoint(); }, Release())
+          .def(
+              "wait_for_background_work", [](PyGuard& g) { g.engine->wait_for_background_work(); },
+              Release())
+          .def("record", [](const PyGuard& g) { return record_dict(g.engine->record()); })
+          .def("load_record",
+               [](PyGuard& g, const py::object& d) { g.engine->load_record(record_of(d)); })
+          .def("set_data_position",
+               [](PyGuard& g, std::int64_t p) { g.engine->set_data_position(p); })
+          .def(
+              "stats", [](PyGuard& g) { return g.engine->stats(); }, Release())
+          .def("metrics_text", [](const PyGuard& g) { return g.engine->metrics_text(); })
+          .def("explain_policy", [](const PyGuard& g) { return g.engine->explain_policy(); }));
 }
 
 }  // namespace
@@ -470,6 +462,7 @@ PYBIND11_MODULE(_C, m) {
   stepguard::bind_layout(m);
   stepguard::bind_verdict(m);
   stepguard::bind_stats(m);
+  stepguard::bind_input_verdict(m);
   stepguard::bind_guard(m);
   m.def("check_policy_file", &stepguard::check_policy_file, py::arg("path"));
   // An invalid policy is the guard's error (StepguardError), as GuardedOptimizer raises it.

@@ -16,16 +16,13 @@
 #include "csrc/consensus/process_group_consensus.h"
 #include "csrc/policy/policy_file.h"
 #include "plugin/src/moment_reset.h"
+#include "plugin/src/step_internal.h"
 
 namespace stepguard {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using Clock = EngineClock;
 
 std::unique_ptr<consensus::Consensus> make_consensus(const GuardOptions& o) {
   if (!o.process_group()) return std::make_unique<consensus::LocalConsensus>();
@@ -111,13 +108,9 @@ StepReport StepEngine::step(const at::Tensor& loss) {
   return report;
 }
 
-// Each stage is a named range in torch.profiler traces (stepguard::verdict, ::inspect, ::agree,
-// ::decide, ::forensics, ::settle, ::act, ::restore, ::snapshot, ::snapshot_wait, ::record),
-// from Python, C++ and every framework integration alike; free when no profiler runs.
-Verdict StepEngine::verdict(const at::Tensor& loss) {
-  RECORD_USER_SCOPE("stepguard::verdict");
-  check_not_pending("verdict()");
-  if (!options_.enabled()) return unguarded_verdict();
+// What every step begins with: the stage clock, the last snapshot landed, the step's checks.
+// Returns when inspection's time starts.
+EngineClock::time_point StepEngine::begin_step(const at::Tensor& loss) {
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
   // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
   stage_seconds_ = StageSeconds{};
@@ -134,28 +127,23 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
               "stepguard: the framework's own loss scaler is on, and so is the guard's "
               "(loss_scaling or a policy with a loss_scale section): one scaler owns the scale; "
               "leave the guard's off");
+  return t;
+}
+
+// Each stage is a named range in torch.profiler traces (stepguard::verdict, ::inspect, ::agree,
+// ::decide, ::forensics, ::settle, ::act, ::restore, ::snapshot, ::snapshot_wait, ::record),
+// from Python, C++ and every framework integration alike; free when no profiler runs.
+Verdict StepEngine::verdict(const at::Tensor& loss) {
+  RECORD_USER_SCOPE("stepguard::verdict");
+  check_not_pending("verdict()");
+  if (!options_.enabled()) return unguarded_verdict();
+  const auto t = begin_step(loss);
   const std::int64_t step = step_ + 1;
   Pending p;
   p.agreed = inspect_and_agree(loss, step);
   stage_seconds_.agree = p.agreed.agree_seconds;
   stage_seconds_.inspect = seconds_since(t) - p.agreed.agree_seconds;
-  t = Clock::now();
-  GlobalStats& g = p.agreed.global;
-  g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
-  // The stall detector's: read only while a detector that uses it is on.
-  g.largest_lr = policy::trends_read_lr(controller_.config().detectors.trends)
-                     ? port_.largest_lr()
-                     : std::numeric_limits<double>::quiet_NaN();
-  if (framework_scale_) agree_framework_scale(&g);
-  p.decided = decide(step, g);
-  stage_seconds_.decide = seconds_since(t);
-  t = Clock::now();
-  name_spike_ranks(&p.agreed, p.decided);
-  p.findings = investigate(p.agreed, p.decided);
-  const Cause cause = p.findings.agreed_cause;
-  overflow_ruled_out_ = g.nonfinite() && (g.overflow_ruled_out || cause == Cause::kData ||
-                                          cause == Cause::kForward || cause == Cause::kBackward);
-  stage_seconds_.record = seconds_since(t);
+  decide_and_investigate(step, &p);
   // The figures the report will carry, read off the same decision.
   const StepReport r = make_report(step, p.agreed.global, p.decided);
   Verdict v;
@@ -214,26 +202,32 @@ StepReport StepEngine::settle(const Verdict& v, bool applied) {
 // What the framework did against the verdict: an allowed update that did not run is a skipped
 // step; an update run against a skip is an applied one (said on stderr: it cannot be undone).
 // A rollback restores and an abort ends training whatever the update did.
-void StepEngine::overrule(StepDecision* decided, bool applied, std::int64_t step) {
+void StepEngine::overrule(StepDecision* decided, bool applied, std::int64_t step, bool late) {
   Decision& d = decided->decision;
+  if (late && applied && d.has(Action::kClip)) {
+    d.reason += std::string(d.reason.empty() ? "" : "; ") +
+                "decided after the update ran (deferred verdict): not clipped";
+  }
   if (d.outcome == Outcome::kApplied && !applied) {
     d.outcome = Outcome::kSkipped;
     if (!d.has(Action::kSkipBatch)) d.actions.push_back(Action::kSkipBatch);
     d.reason += std::string(d.reason.empty() ? "" : "; ") +
                 "the framework did not apply the update the verdict allowed";
   } else if (d.outcome == Outcome::kSkipped && applied) {
-    std::fprintf(stderr,
-                 "stepguard: step %" PRId64
-                 ": the framework applied an update the guard's verdict skipped (%s); counted as "
-                 "applied\n",
-                 step, d.reason.c_str());
+    std::fprintf(stderr, "stepguard: step %" PRId64 ": %s (%s); counted as applied\n", step,
+                 late ? "the deferred verdict skipped an update that had already run"
+                      : "the framework applied an update the guard's verdict skipped",
+                 d.reason.c_str());
     d.outcome = Outcome::kApplied;
     d.reason += std::string(d.reason.empty() ? "" : "; ") +
-                "the framework applied the update the verdict skipped";
+                (late ? "decided after the update ran (deferred verdict): applied"
+                      : "the framework applied the update the verdict skipped");
   }
 }
 
 void StepEngine::check_not_pending(const char* what) const {
+  TORCH_CHECK(!deferred_, "stepguard: ", what, " while step ", step_,
+              " waits for its deferred decision; flush() it first (GuardedOptimizer.flush())");
   TORCH_CHECK(!pending_.has_value(), "stepguard: ", what, " while the verdict of step ", step_,
               " waits for its settle(); call settle(verdict, applied) first (settle(verdict, "
               "false) after an exception in the update)");
@@ -277,78 +271,25 @@ std::optional<at::Device> StepEngine::gradient_device() const {
   return view_device;
 }
 
-// 1 inspect, 2 agree: the fused pass writes the step buffer on the gradients' device, the one
-// collective sums it, and its one read to the host yields the agreed statistics.
-StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::int64_t step) {
-  Agreed a;
-  inspect::InspectOptions inspect_options;
-  if (controller_.loss_scaling()) {
-    // The fused pass unscales in place: the optimizer then sees true gradients.
-    inspect_options.inv_scale = controller_.inv_loss_scale();
-    inspect_options.unscale_in_place = true;
-  } else if (framework_scale_ && framework_scale_->gradients_scaled) {
-    // The framework unscales in its own step: the guard reads the gradients unscaled, in place
-    // nothing changes.
-    inspect_options.inv_scale = 1.0 / framework_scale_->scale;
-  }
-  if (!step_device_) {
-    // No gradient and no loss: the buffer goes where the parameters are.
-    const auto& params = port_.parameters();
-    step_device_ = params.empty() ? at::Device(at::kCPU) : params.front().device();
-  }
-  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
-  const auto t_inspect = Clock::now();
-  {
-    RECORD_USER_SCOPE("stepguard::inspect");
-    // Validation inside inspection throws before anything changes.
-    inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
-                                  buffer.inspection_block(), &a.local, &a.blame);
-    state_check_.run_if_due(step, policy::state_check_every(controller_.config().detectors.trends),
-                            port_, buffer.state_block());
-  }
-  a.inspect_seconds = seconds_since(t_inspect);
-  consensus::LocalEvidence local_evidence;
-  if (input_check_) {
-    local_evidence.inputs_bad = input_check_->known_bad();
-    local_evidence.inputs_counted = input_check_->any_counted();
-  }
-  local_evidence.probe_bad = probes_.any_nonfinite();
-  local_evidence.watched_grad_sum = watched_grad_sum_;
-  local_evidence.checkpoint_written = recovery_.checkpoint_written();
-  if (framework_scale_) {  // a scaler's device tensors: no read of their own
-    local_evidence.framework_scale = framework_scale_->scale_tensor;
-    local_evidence.framework_floor = framework_scale_->min_scale_tensor;
-  }
-  std::optional<at::Tensor> fingerprint;
-  if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
-  buffer.pack(loss, controller_.digest(step_), local_evidence, fingerprint);
-  step_ = step;
-  ++data_position_;  // this step's batch
-  const auto t_agree = Clock::now();
-  try {
-    RECORD_USER_SCOPE("stepguard::agree");
-    consensus_->all_reduce_sum(buffer.tensor(), step);
-    a.global = buffer.unpack(step);
-    a.global.state_checked = state_check_.ran();
-    a.global.shards_unwatched = reduced_into_shards_ && !watched_grad_sum_.defined();
-    a.rank_row = buffer.rank_row();
-    // The rare step where a count says a rank saw something or differs: one more collective
-    // names the ranks (the steady-state buffer is the same size at any world size).
-    if (consensus::needs_rank_detail(a.global)) {
-      consensus::fill_rank_detail(consensus::gather_rank_rows(*consensus_, buffer.rank_row(), step),
-                                  consensus_->world_size(), &a.global);
-    }
-    if (a.global.replica_checked && a.global.diverged_replicas.empty()) {
-      recovery_.replicas_agreed_before(step);  // snapshots taken before hold agreeing replicas
-    }
-  } catch (const std::exception& e) {
-    // The ranks can no longer agree: nothing may be applied from here on. A ConsensusError
-    // (naming the step and the missing ranks) goes to the caller as it is.
-    abort_with(e.what());
-    throw;
-  }
-  a.agree_seconds = seconds_since(t_agree);
-  return a;
+// 3 decide, and the forensics of an incident (the same on every rank up to each rank's evidence).
+void StepEngine::decide_and_investigate(std::int64_t step, Pending* p) {
+  auto t = Clock::now();
+  GlobalStats& g = p->agreed.global;
+  g.overflow_ruled_out = overflow_ruled_out_ && g.nonfinite();
+  // The stall detector's: read only while a detector that uses it is on.
+  g.largest_lr = policy::trends_read_lr(controller_.config().detectors.trends)
+                     ? port_.largest_lr()
+                     : std::numeric_limits<double>::quiet_NaN();
+  if (framework_scale_) agree_framework_scale(&g);
+  p->decided = decide(step, g);
+  stage_seconds_.decide = seconds_since(t);
+  t = Clock::now();
+  name_spike_ranks(&p->agreed, p->decided);
+  p->findings = investigate(p->agreed, p->decided);
+  const Cause cause = p->findings.agreed_cause;
+  overflow_ruled_out_ = g.nonfinite() && (g.overflow_ruled_out || cause == Cause::kData ||
+                                          cause == Cause::kForward || cause == Cause::kBackward);
+  stage_seconds_.record = seconds_since(t);
 }
 
 // 3 detect, 4 decide: the same on every rank (a function of the agreed stats and state).
@@ -370,7 +311,7 @@ StepDecision StepEngine::decide(std::int64_t step, const GlobalStats& global) {
 // 5 act: restore or drop the step (the update itself ran between the phases), then the snapshot
 // and checkpoint cadence.
 void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDecision& decided,
-                     const std::vector<std::string>& blamed) {
+                     const std::vector<std::string>& blamed, bool gradients_current) {
   RECORD_USER_SCOPE("stepguard::act");
   const Decision& decision = decided.decision;
   switch (decision.outcome) {
@@ -378,7 +319,7 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
       ++totals_.applied;
       break;
     case Outcome::kSkipped:
-      if (options_.zero_grad_on_skip()) port_.discard();
+      if (options_.zero_grad_on_skip() && gradients_current) port_.discard();
       ++totals_.skipped;
       break;
     case Outcome::kRolledBack:
@@ -394,7 +335,7 @@ void StepEngine::act(std::int64_t step, const GlobalStats& global, const StepDec
       ++totals_.rolled_back;
       break;
     case Outcome::kAborted:
-      if (options_.zero_grad_on_skip()) port_.discard();
+      if (options_.zero_grad_on_skip() && gradients_current) port_.discard();
       abort_with(decision.reason);
       ++totals_.aborted;
       break;

@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -97,6 +98,27 @@ class StepEngine {
   /// Whether a verdict waits for its settle().
   bool verdict_pending() const noexcept { return pending_.has_value(); }
 
+  /// The deferred verdict (GuardedOptimizer(deferred=True), for optimizers that take a device
+  /// `found_inf`): begin_deferred(loss) inspects and sums the step buffer with no read and no
+  /// host wait, and hands back `found_inf`, 1.0f on the device when the update must not run (a
+  /// NaN/Inf gradient or loss on any rank, a bad optimizer state), and the LR factor decided so
+  /// far; the buffer goes to the host in the background. The caller steps its optimizer with
+  /// them. resolve_deferred() (at the next step, before its begin_deferred(), or to flush) waits
+  /// for that copy and decides the step as settle() would: skips and aborts stand as the device
+  /// made them, rollbacks restore the snapshot then (the batch of the call that resolves is
+  /// dropped: its gradients are of the abandoned weights), a clip or a skip of a finite step
+  /// comes too late and is recorded so. `update_failed`: the optimizer's step raised.
+  /// `batch_in_hand`: a next step's batch is in hand (its backward ran on the weights a rollback
+  /// abandons: it is dropped and counted as skipped data); false to flush between steps.
+  struct DeferredBegin {
+    at::Tensor found_inf;
+    double lr_factor = 1.0;
+  };
+  DeferredBegin begin_deferred(const at::Tensor& loss);
+  std::optional<StepReport> resolve_deferred(bool update_failed = false,
+                                             bool batch_in_hand = false);
+  bool deferred_pending() const noexcept { return deferred_ != nullptr; }
+
   /// Waits for the background work of the last step: the snapshot copy (a failure is reported
   /// as one to take it) and this rank's checkpoint write (a failure is logged and counted).
   void wait_for_background_work();
@@ -159,8 +181,12 @@ class StepEngine {
     StepDecision decided;
     Findings findings;
   };
+  struct DeferredStep;  // step_deferred.cpp
 
   void check_can_step(const at::Tensor& loss);
+  /// The stage clock reset, the last snapshot landed, the step's checks; returns when the
+  /// inspection's time starts.
+  std::chrono::steady_clock::time_point begin_step(const at::Tensor& loss);
   /// The framework's scale and floor for the step: from the step buffer where the port gave
   /// device tensors (checked then), else the port's host numbers into `global`.
   void agree_framework_scale(GlobalStats* global);
@@ -173,6 +199,15 @@ class StepEngine {
   bool same_parameters() const;
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
+  /// Inspection and the evidence into a fresh step buffer (everything before the collective).
+  consensus::StepBuffer inspect_and_pack(const at::Tensor& loss, std::int64_t step, Agreed* a);
+  /// The summed buffer's host copy into a->global (and the rare per-rank exchange).
+  void agree_counts(const at::Tensor& host, const at::Tensor& rank_row, std::int64_t step,
+                    bool state_checked, Agreed* a);
+  /// Runs `exchange`; when it throws, training is aborted (the ranks can no longer agree).
+  void agree_or_abort(const std::function<void()>& exchange);
+  /// 3 decide and the forensics of an incident, on the agreed statistics.
+  void decide_and_investigate(std::int64_t step, Pending* p);
   StepDecision decide(std::int64_t step, const GlobalStats& global);
   Findings investigate(const Agreed& agreed, const StepDecision& decided);
   void state_evidence(const Signals& signals, Findings* f);
@@ -187,9 +222,12 @@ class StepEngine {
   std::vector<std::string> blame_across_ranks(const std::vector<std::string>& mine,
                                               std::int64_t step);
   /// `blamed`: the step's offending gradients on this rank (reset_moments' affected tensors).
+  /// `gradients_current`: the port's gradients are this step's (false when the decision comes
+  /// one step late: a skip then leaves the next step's gradients alone).
   void act(std::int64_t step, const GlobalStats& global, const StepDecision& decided,
-           const std::vector<std::string>& blamed);
-  static void overrule(StepDecision* decided, bool applied, std::int64_t step);
+           const std::vector<std::string>& blamed, bool gradients_current = true);
+  /// `late`: the decision was made after the update ran or was skipped on the device.
+  static void overrule(StepDecision* decided, bool applied, std::int64_t step, bool late = false);
   void checkpoint_after(std::int64_t step, const StepDecision& decided, const GlobalStats& global);
   /// Waits for the snapshot copy in flight; a copy that failed is reported (log, metric, book)
   /// as a snapshot that could not be taken. Never throws.
@@ -234,6 +272,9 @@ class StepEngine {
   bool reduced_into_shards_ = false;  ///< the port's gradients_reduced_into_shards()
   std::int64_t restored_from_ = 0;    ///< the last step rolled back to this snapshot (0: did not)
   std::optional<Pending> pending_;
+  std::unique_ptr<DeferredStep> deferred_;  ///< begun, its decision not yet made
+  at::Tensor deferred_host_;                ///< the deferred step buffer's host copy (pinned)
+  bool resolving_deferred_ = false;         ///< in resolve_deferred(): reports say `deferred`
 
   std::int64_t step_ = 0;
   GuardTotals totals_;

@@ -1,17 +1,113 @@
-// StepEngine's exchanges on an incident step: what the ranks tell each other beyond the step's
-// one collective (each rank's blamed tensors, the replicas' tensor fingerprints, the ranks'
-// losses on a spike) and the cause the job agrees on from the origin ranks' findings; and the
-// layout the ranks agreed at construction, kept as it was.
+// StepEngine's exchanges: the step's inspection and its one collective, and on an incident step
+// what the ranks tell each other beyond it (each rank's blamed tensors, the replicas' tensor
+// fingerprints, the ranks' losses on a spike) and the cause the job agrees on from the origin
+// ranks' findings; and the layout the ranks agreed at construction, kept as it was.
 #include <algorithm>
 #include <iterator>
 #include <string>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
-#include "plugin/src/step_engine.h"
+#include "csrc/policy/trend.h"
+#include "plugin/src/step_internal.h"
 
 namespace stepguard {
+
+// 1 inspect: the fused pass writes the step buffer on the gradients' device, with this rank's
+// evidence beside it. Nothing is read back.
+consensus::StepBuffer StepEngine::inspect_and_pack(const at::Tensor& loss, std::int64_t step,
+                                                   Agreed* out) {
+  Agreed& a = *out;
+  inspect::InspectOptions inspect_options;
+  if (controller_.loss_scaling()) {
+    // The fused pass unscales in place: the optimizer then sees true gradients.
+    inspect_options.inv_scale = controller_.inv_loss_scale();
+    inspect_options.unscale_in_place = true;
+  } else if (framework_scale_ && framework_scale_->gradients_scaled) {
+    // The framework unscales in its own step: the guard reads the gradients unscaled, in place
+    // nothing changes.
+    inspect_options.inv_scale = 1.0 / framework_scale_->scale;
+  }
+  if (!step_device_) {
+    // No gradient and no loss: the buffer goes where the parameters are.
+    const auto& params = port_.parameters();
+    step_device_ = params.empty() ? at::Device(at::kCPU) : params.front().device();
+  }
+  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
+  const auto t_inspect = EngineClock::now();
+  {
+    RECORD_USER_SCOPE("stepguard::inspect");
+    // Validation inside inspection throws before anything changes.
+    inspect::inspect_counted_once(port_.gradients(), layout_.copies, inspect_options,
+                                  buffer.inspection_block(), &a.local, &a.blame);
+    state_check_.run_if_due(step, policy::state_check_every(controller_.config().detectors.trends),
+                            port_, buffer.state_block());
+  }
+  a.inspect_seconds = seconds_since(t_inspect);
+  consensus::LocalEvidence local_evidence;
+  if (input_check_) {
+    local_evidence.inputs_bad = input_check_->known_bad();
+    local_evidence.inputs_counted = input_check_->any_counted();
+  }
+  local_evidence.probe_bad = probes_.any_nonfinite();
+  local_evidence.watched_grad_sum = watched_grad_sum_;
+  local_evidence.checkpoint_written = recovery_.checkpoint_written();
+  if (framework_scale_) {  // a scaler's device tensors: no read of their own
+    local_evidence.framework_scale = framework_scale_->scale_tensor;
+    local_evidence.framework_floor = framework_scale_->min_scale_tensor;
+  }
+  std::optional<at::Tensor> fingerprint;
+  if (replica_check_due(step)) fingerprint = consensus::parameter_fingerprint(port_.parameters());
+  buffer.pack(loss, controller_.digest(step_), local_evidence, fingerprint);
+  step_ = step;
+  ++data_position_;  // this step's batch
+  return buffer;
+}
+
+// 1 inspect, 2 agree: the one collective sums the buffer, and its one read to the host yields
+// the agreed statistics.
+StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::int64_t step) {
+  Agreed a;
+  consensus::StepBuffer buffer = inspect_and_pack(loss, step, &a);
+  const auto t_agree = EngineClock::now();
+  agree_or_abort([&] {
+    RECORD_USER_SCOPE("stepguard::agree");
+    consensus_->all_reduce_sum(buffer.tensor(), step);
+    agree_counts(buffer.tensor().to(at::kCPU), buffer.rank_row(), step, state_check_.ran(), &a);
+  });
+  a.agree_seconds = seconds_since(t_agree);
+  return a;
+}
+
+void StepEngine::agree_counts(const at::Tensor& host, const at::Tensor& rank_row, std::int64_t step,
+                              bool state_checked, Agreed* a) {
+  a->global = consensus::StepBuffer::unpack_host(host, consensus_->world_size(), step);
+  a->global.state_checked = state_checked;
+  a->global.shards_unwatched = reduced_into_shards_ && !watched_grad_sum_.defined();
+  a->rank_row = rank_row;
+  // The rare step where a count says a rank saw something or differs: one more collective
+  // names the ranks (the steady-state buffer is the same size at any world size).
+  if (consensus::needs_rank_detail(a->global)) {
+    consensus::fill_rank_detail(consensus::gather_rank_rows(*consensus_, rank_row, step),
+                                consensus_->world_size(), &a->global);
+  }
+  if (a->global.replica_checked && a->global.diverged_replicas.empty()) {
+    recovery_.replicas_agreed_before(step);  // snapshots taken before hold agreeing replicas
+  }
+}
+
+void StepEngine::agree_or_abort(const std::function<void()>& exchange) {
+  try {
+    exchange();
+  } catch (const std::exception& e) {
+    // The ranks can no longer agree: nothing may be applied from here on. A ConsensusError
+    // (naming the step and the missing ranks) goes to the caller as it is.
+    abort_with(e.what());
+    throw;
+  }
+}
 
 // Every rank's blamed gradients, by name, to every rank (names, not indices: the ranks' lists
 // differ under pipeline parallelism and sharding). Two collectives, on a non-finite step only:

@@ -231,6 +231,7 @@ StepReport StepEngine::record(std::int64_t step, const Agreed& agreed, const Ste
                               const Findings& findings) {
   RECORD_USER_SCOPE("stepguard::record");
   StepReport report = make_report(step, agreed.global, decided);
+  report.deferred = resolving_deferred_;
   report.incident = make_incident(step, agreed, decided, findings, report);
   restored_from_ = report.outcome == Outcome::kRolledBack ? report.rolled_back_to : 0;
   if (report.incident) {

@@ -77,7 +77,9 @@ _TORCH_OPTIM = {"param_groups", "state", "defaults", "zero_grad", "add_param_gro
                 "OptimizerPreHook", "OptimizerPostHook", "profile_hook_step"}
 # The guard's own part of a framework's checkpoint (Lightning, HF, DeepSpeed, Megatron keep it
 # beside the optimizer's); C++ save/load write both parts in one archive.
-_PYTHON_ONLY = {"guard_state_dict", "load_guard_state_dict"}
+# flush(): the deferred verdict's, which needs an optimizer that takes a device found_inf (torch's
+# fused Python optimizers); LibTorch's C++ optimizers take none.
+_PYTHON_ONLY = {"guard_state_dict", "load_guard_state_dict", "flush"}
 
 
 def _cpp_public_methods():

@@ -2,6 +2,8 @@
 skipped and a loss spike rolled back, as on the CPU. Skipped (with the reason) where torch sees no
 GPU; benchmarks/gpu_check.sh runs it on the GPU machine."""
 
+import warnings
+
 import torch
 
 import stepguard
@@ -57,3 +59,51 @@ def test_bf16_autocast_on_cuda_skips_a_nan_and_rolls_back_a_spike():
     assert outcomes[4] == "skipped" and outcomes[7] == "rolled_back"
     assert outcomes.count("applied") == 8
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# The deferred verdict's acceptance: no host read or wait in a steady-state step (no snapshot
+# due), checked by torch's sync debug mode as "error"; and the synchronous verdict's one read.
+STEADY = """version: 1
+checkpoint: {snapshot_every: 1000}
+rules:
+  - {on: nonfinite, action: skip_batch}
+"""
+
+
+def _cuda_loop(deferred, steps, sync_mode):
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)).to(device)
+    guard = stepguard.GuardedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model.named_parameters(),
+        policy_yaml=STEADY, deferred=deferred)
+    x = torch.randn(64, 256, device=device)
+
+    def one():
+        guard.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        guard.step(loss.detach())
+    for _ in range(3):  # warm-up: the first steps allocate and decide nothing yet
+        one()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            for _ in range(steps):
+                one()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return guard, [w for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_the_deferred_verdict_makes_no_host_read_in_a_steady_state_step_on_cuda():
+    guard, _ = _cuda_loop(True, 100, "error")  # any synchronizing call raises
+    assert guard.flush().deferred
+
+
+def test_the_synchronous_verdict_makes_one_host_read_per_step_on_cuda():
+    _, syncs = _cuda_loop(False, 20, "warn")
+    assert len(syncs) == 20, [str(w.message) for w in syncs[:5]]

@@ -9,9 +9,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from . import _C, _amp, _log
+from . import _C, _amp, _deferred, _log
 from ._guard_setup import (check_default_group, check_zero_group, checked_scaler,
-                           guard_options_of, init_hook_tables)
+                           guard_options_of, init_hook_tables, with_module_probes)
 from ._C import StepReport
 from ._pictures import IncidentPictures
 from ._port import TorchOptimPort, check_name, is_zero_redundancy
@@ -63,6 +63,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             all; ``replicated(n)``, ``shard(n)``, ``absent()``), so that every element of the job
             counts once in the norm, the non-finite count and blame. Ranks may hold different
             lists; lists that do not fit together are refused here, on every rank.
+        deferred: True makes the step's verdict with no host read or wait, for an optimizer that
+            skips on a device flag (torch's Adam, AdamW, SGD, Adagrad with ``fused=True``): a
+            non-finite gradient or loss, or a bad optimizer state, skips the update on the device
+            at its step; the rest of the policy (rollback, LR, abort, incidents, metrics, trace)
+            is decided one step later, and ``step()`` returns the previous step's report (None at
+            the first; ``flush()`` decides the last). A rollback then drops the batch of the step
+            that decides it. Refused with a loss scaler, a port, or ``set_replay()``.
         With trace_path and incident_dir, and matplotlib installed, each
         incident report gets a picture of the steps around it (``<report stem>.png``, linked from
         the report; the first 20 incidents of a guard).
@@ -109,7 +116,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  port: Optional[TorchOptimPort] = None,
                  layout: Optional[Sequence["_C.Placement"]] = None,
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
-                 allow_untested_framework: bool = False, **options: Any) -> None:
+                 allow_untested_framework: bool = False, deferred: bool = False,
+                 **options: Any) -> None:
         # The wrapped optimizer holds the state (param_groups, state and defaults pass through to
         # it), so Optimizer.__init__, which would rebuild them, is not called; what else it sets
         # up is: the hook tables its public registrars (register_step_pre_hook, ...) fill.
@@ -124,6 +132,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._grad_scaler = checked_scaler(grad_scaler, port, guard_options,
                                            allow_untested_framework)
         self.enabled = guard_options.enabled
+        if deferred:
+            _deferred.check_deferred(optimizer, port, grad_scaler, guard_options)
+        self._deferred = bool(deferred) and self.enabled
         if not self.enabled:
             # Off: a GradScaler steps the guard as a plain optimizer (it unscales, and calls
             # step() on finite steps only), as it steps the wrapped one without the guard.
@@ -219,6 +230,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                 "then scaler.step(guard, loss)")
             self._port.failure = None
             self._unscale()
+            if self._deferred:
+                try:
+                    return _deferred.deferred_step(self, self._loss_of(closure))
+                finally:
+                    self._recorded_loss = None
             try:
                 report = self._guard.step(self._loss_of(closure))
             except _C.StepguardError as error:
@@ -247,6 +263,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         Nothing of the guard's but ``stats()`` in between. ``loss`` as for ``step(loss)``
         (None: the one given to ``record_loss``, or none)."""
         with self._one_call("verdict()"):
+            if self._deferred:
+                _deferred.refuse_phases("verdict()")
             self._unscale()
             v = self._guard.verdict(self._loss_of(loss))
             self._recorded_loss = None
@@ -264,6 +282,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         with self._one_call("settle()"):
             report = self._guard.settle(verdict, applied)
         return self._after_step(report)
+
+    def flush(self) -> Optional[StepReport]:
+        """With ``deferred=True``: decides the step still waiting for its decision now (one host
+        read; rollbacks, incidents and records as at the next step) and returns its report; None
+        when none waits. Call it after the last step; the state dict calls it first."""
+        with self._one_call("flush()"):
+            return _deferred.flush(self)
 
     def clip_gradients(self, verdict: "_C.Verdict") -> None:
         """The policy's clip of ``verdict`` (its ``clip`` action) on the guarded gradients: one
@@ -361,7 +386,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         the first module whose output was non-finite in forward order and the first whose
         gradient was in backward order, as one would find them by hand with hooks."""
         if fn is not None and model is not None:
-            fn = _with_module_probes(fn, model, self._guard)
+            fn = with_module_probes(fn, model, self._guard)
         self._guard.set_replay(fn)
 
     def probe(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -447,6 +472,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         ``torch.load(weights_only=True)`` take it. Loading takes the totals by name (a count
         the state lacks starts at 0; an unknown name is refused) or as the 8 positional words
         state dicts held before."""
+        self.flush()  # deferred=True: the step waiting for its decision is decided first
         return self._guard.record()
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -470,31 +496,3 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """The active policy in words (``stepguard policy explain``'s), as ``/policy`` serves."""
         return self._guard.explain_policy()
 
-
-def _with_module_probes(fn, model, guard):
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError("stepguard: set_replay(model=...) takes a torch.nn.Module, got %s"
-                        % type(model).__name__)
-    # Names as the parameters have them: a wrapper's own prefix (DDP's "module.") is dropped.
-    inner = getattr(model, "module", model) if isinstance(
-        getattr(model, "module", None), torch.nn.Module) else model
-    modules = [(name, m) for name, m in inner.named_modules() if name]
-
-    def probe_output(name):
-        def hook(_module, _inputs, output):
-            if torch.is_tensor(output) and output.is_floating_point():
-                return guard.probe(name, output)
-            if isinstance(output, tuple) and output and torch.is_tensor(output[0]) \
-                    and output[0].is_floating_point():
-                return (guard.probe(name, output[0]),) + output[1:]
-            return None
-        return hook
-
-    def replay(mode):
-        handles = [m.register_forward_hook(probe_output(name)) for name, m in modules]
-        try:
-            return fn(mode)
-        finally:
-            for h in handles:
-                h.remove()
-    return replay

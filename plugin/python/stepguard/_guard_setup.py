@@ -85,3 +85,32 @@ def guard_options_of(policy, policy_yaml, process_group, store, options):
     for name, value in options.items():  # a keyword given is a value, None included
         setattr(out, name, value)
     return out
+
+
+def with_module_probes(fn, model, guard):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("stepguard: set_replay(model=...) takes a torch.nn.Module, got %s"
+                        % type(model).__name__)
+    # Names as the parameters have them: a wrapper's own prefix (DDP's "module.") is dropped.
+    inner = getattr(model, "module", model) if isinstance(
+        getattr(model, "module", None), torch.nn.Module) else model
+    modules = [(name, m) for name, m in inner.named_modules() if name]
+
+    def probe_output(name):
+        def hook(_module, _inputs, output):
+            if torch.is_tensor(output) and output.is_floating_point():
+                return guard.probe(name, output)
+            if isinstance(output, tuple) and output and torch.is_tensor(output[0]) \
+                    and output[0].is_floating_point():
+                return (guard.probe(name, output[0]),) + output[1:]
+            return None
+        return hook
+
+    def replay(mode):
+        handles = [m.register_forward_hook(probe_output(name)) for name, m in modules]
+        try:
+            return fn(mode)
+        finally:
+            for h in handles:
+                h.remove()
+    return replay

@@ -2,8 +2,6 @@
 skipped and a loss spike rolled back, as on the CPU. Skipped (with the reason) where torch sees no
 GPU; benchmarks/gpu_check.sh runs it on the GPU machine."""
 
-import warnings
-
 import torch
 
 import stepguard
@@ -70,7 +68,9 @@ rules:
 """
 
 
-def _cuda_loop(deferred, steps, sync_mode):
+def _cuda_loop(deferred, steps, sync_mode="default"):
+    """A steady-state loop of `steps` guarded steps (after 3 warm-up steps); returns the guard
+    and the CUDA runtime calls that made the host wait, as torch.profiler recorded them."""
     device = torch.device("cuda:0")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
@@ -88,22 +88,25 @@ def _cuda_loop(deferred, steps, sync_mode):
     for _ in range(3):  # warm-up: the first steps allocate and decide nothing yet
         one()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode(sync_mode)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        torch.cuda.set_sync_debug_mode(sync_mode)  # "error": a synchronizing call raises
         try:
             for _ in range(steps):
                 one()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return guard, [w for w in caught if "synchroniz" in str(w.message)]
+    waits = [e.name for e in prof.events()
+             if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")]
+    return guard, waits
 
 
 def test_the_deferred_verdict_makes_no_host_read_in_a_steady_state_step_on_cuda():
-    guard, _ = _cuda_loop(True, 100, "error")  # any synchronizing call raises
+    guard, waits = _cuda_loop(True, 100, "error")
+    assert waits == []
     assert guard.flush().deferred
 
 
 def test_the_synchronous_verdict_makes_one_host_read_per_step_on_cuda():
-    _, syncs = _cuda_loop(False, 20, "warn")
-    assert len(syncs) == 20, [str(w.message) for w in syncs[:5]]
+    _, waits = _cuda_loop(False, 20)
+    assert len(waits) == 20, waits[:5]

@@ -10,6 +10,9 @@ at least 50 guarded iterations to include them; the mean counts them, the median
 with snapshots off. Both variants train one model (two AdamW instances over its parameters), in
 alternating blocks. Prints one JSON object per case: case, params, plain_ms, guarded_ms,
 overhead (= guarded / plain - 1, medians), and the same from means (overhead_mean).
+
+--fused: each case twice over fused AdamW (plain and guarded alike): with the synchronous verdict
+("<case>/fused") and with deferred=True ("<case>/deferred"), whose step has no host read.
 """
 
 import argparse
@@ -44,16 +47,18 @@ limits:
 """
 
 
-def run_case(name, config, batch, context, policy_yaml, rounds, block):
+def run_case(name, config, batch, context, policy_yaml, rounds, block, fused=False,
+             deferred=False):
     vocab = 96
     torch.manual_seed(0)
     # One model, two optimizers over its parameters: the iterations differ only in their step
     # (two model copies measured a memory-placement difference of up to 17% instead).
     model = CharTransformer(vocab, context=context, **config)
     plain_model = guarded_model = model
-    plain_opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-5),
-                                       model.named_parameters(), policy_yaml=policy_yaml)
+    plain_opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+    guard = stepguard.GuardedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None),
+        model.named_parameters(), policy_yaml=policy_yaml, deferred=deferred)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (batch, context), generator=g)
     y = torch.randint(0, vocab, (batch, context), generator=g)
@@ -119,6 +124,8 @@ def main():
     p.add_argument("--block", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--only", default="", help="run only cases whose name contains this")
+    p.add_argument("--fused", action="store_true",
+                   help="fused AdamW, each case with the synchronous and the deferred verdict")
     p.add_argument("--large-rounds", type=int, default=0,
                    help="rounds for the 50M cases (default: --rounds)")
     args = p.parse_args()
@@ -137,8 +144,11 @@ def main():
         if args.only and args.only not in name:
             continue
         rounds = args.large_rounds if args.large_rounds and "50M" in name else args.rounds
-        print(json.dumps(run_case(name, config, batch, context, policy_yaml, rounds, args.block)),
-              flush=True)
+        variants = [(name + "/fused", True, False), (name + "/deferred", True, True)] \
+            if args.fused else [(name, False, False)]
+        for label, fused, deferred in variants:
+            print(json.dumps(run_case(label, config, batch, context, policy_yaml, rounds,
+                                      args.block, fused, deferred)), flush=True)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,27 @@ TEST(StepBuffer, InputCountsJoinTheBufferOnTheDevice) {
 }
 
 // Three ranks' buffers and rows summed by hand, as the all-reduces would.
+TEST(StepBuffer, AResetBufferPacksAsAFreshOneInTheSameStorage) {
+  // The engine keeps one buffer for a guard's life: reset() then pack() must give what a new
+  // buffer gives, in the same storage (no allocation per step).
+  StepBuffer kept(1, 3, at::kCPU);
+  kept.inspection_block().copy_(at::tensor({2.0, 1.0, 9.0, 0.0}, at::kDouble));
+  LocalEvidence bad;
+  bad.inputs_bad = true;
+  bad.probe_bad = true;
+  kept.pack(at::tensor(std::numeric_limits<double>::quiet_NaN()), 99, bad);
+  const void* storage = kept.tensor().data_ptr();
+  const void* row_storage = kept.rank_row().data_ptr();
+  kept.reset();
+  kept.pack(at::tensor(1.5), 5, LocalEvidence{});
+  StepBuffer fresh(1, 3, at::kCPU);
+  fresh.pack(at::tensor(1.5), 5, LocalEvidence{});
+  EXPECT_TRUE(at::equal(kept.tensor(), fresh.tensor()));
+  EXPECT_TRUE(at::equal(kept.rank_row(), fresh.rank_row()));
+  EXPECT_EQ(kept.tensor().data_ptr(), storage);
+  EXPECT_EQ(kept.rank_row().data_ptr(), row_storage);
+}
+
 TEST(StepBuffer, TheDeviceSkipFlagAndItsHostReadingAgree) {
   // found_inf for the deferred verdict: 1.0f for a NaN/Inf gradient, a non-finite loss or a bad
   // optimizer state, 0.0f otherwise (an input or probe alone, the digest, decide nothing here).

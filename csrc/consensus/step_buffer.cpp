@@ -63,6 +63,11 @@ StepBuffer::StepBuffer(int rank, int world_size, const at::Device& device)
               " is not in a world of ", world_size);
 }
 
+void StepBuffer::reset() {
+  buffer_.zero_();
+  row_.zero_();
+}
+
 at::Tensor StepBuffer::inspection_block() const {
   return buffer_.narrow(0, step_slot::kInspection, inspect_slot::kCount);
 }

@@ -101,6 +101,11 @@ class StepBuffer {
  public:
   /// A zeroed buffer for `rank` of `world_size`, on `device` (the gradients').
   StepBuffer(int rank, int world_size, const at::Device& device);
+  /// Zeroes the buffer and the row for the next step (a buffer kept across steps: no
+  /// allocation per step). In stream order on a device: a copy of the last step's sum that is
+  /// still in flight reads it before the zeroing does.
+  void reset();
+  at::Device device() const { return buffer_.device(); }
 
   /// The block inspection writes (inspect_slot order), a view into the buffer.
   at::Tensor inspection_block() const;

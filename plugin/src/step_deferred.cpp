@@ -32,7 +32,7 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
   const std::int64_t step = step_ + 1;
   auto d = std::make_unique<DeferredStep>();
   d->step = step;
-  consensus::StepBuffer buffer = inspect_and_pack(loss, step, &d->agreed);
+  consensus::StepBuffer& buffer = inspect_and_pack(loss, step, &d->agreed);
   d->state_checked = state_check_.ran();
   const auto t_agree = EngineClock::now();
   at::Tensor& summed = buffer.tensor();

@@ -200,7 +200,7 @@ class StepEngine {
   std::optional<at::Device> gradient_device() const;
   Agreed inspect_and_agree(const at::Tensor& loss, std::int64_t step);
   /// Inspection and the evidence into a fresh step buffer (everything before the collective).
-  consensus::StepBuffer inspect_and_pack(const at::Tensor& loss, std::int64_t step, Agreed* a);
+  consensus::StepBuffer& inspect_and_pack(const at::Tensor& loss, std::int64_t step, Agreed* a);
   /// The summed buffer's host copy into a->global (and the rare per-rank exchange).
   void agree_counts(const at::Tensor& host, const at::Tensor& rank_row, std::int64_t step,
                     bool state_checked, Agreed* a);
@@ -272,9 +272,10 @@ class StepEngine {
   bool reduced_into_shards_ = false;  ///< the port's gradients_reduced_into_shards()
   std::int64_t restored_from_ = 0;    ///< the last step rolled back to this snapshot (0: did not)
   std::optional<Pending> pending_;
-  std::unique_ptr<DeferredStep> deferred_;  ///< begun, its decision not yet made
-  at::Tensor deferred_host_;                ///< the deferred step buffer's host copy (pinned)
-  bool resolving_deferred_ = false;         ///< in resolve_deferred(): reports say `deferred`
+  std::optional<consensus::StepBuffer> step_buffer_;  ///< kept across steps (inspect_and_pack)
+  std::unique_ptr<DeferredStep> deferred_;            ///< begun, its decision not yet made
+  at::Tensor deferred_host_;         ///< the deferred step buffer's host copy (pinned)
+  bool resolving_deferred_ = false;  ///< in resolve_deferred(): reports say `deferred`
 
   std::int64_t step_ = 0;
   GuardTotals totals_;

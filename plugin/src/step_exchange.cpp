@@ -17,8 +17,8 @@ namespace stepguard {
 
 // 1 inspect: the fused pass writes the step buffer on the gradients' device, with this rank's
 // evidence beside it. Nothing is read back.
-consensus::StepBuffer StepEngine::inspect_and_pack(const at::Tensor& loss, std::int64_t step,
-                                                   Agreed* out) {
+consensus::StepBuffer& StepEngine::inspect_and_pack(const at::Tensor& loss, std::int64_t step,
+                                                    Agreed* out) {
   Agreed& a = *out;
   inspect::InspectOptions inspect_options;
   if (controller_.loss_scaling()) {
@@ -35,7 +35,13 @@ consensus::StepBuffer StepEngine::inspect_and_pack(const at::Tensor& loss, std::
     const auto& params = port_.parameters();
     step_device_ = params.empty() ? at::Device(at::kCPU) : params.front().device();
   }
-  consensus::StepBuffer buffer(consensus_->rank(), consensus_->world_size(), *step_device_);
+  // One buffer for the guard's life, zeroed each step (made again only if the device changes).
+  if (step_buffer_ && step_buffer_->device() == *step_device_) {
+    step_buffer_->reset();
+  } else {
+    step_buffer_.emplace(consensus_->rank(), consensus_->world_size(), *step_device_);
+  }
+  consensus::StepBuffer& buffer = *step_buffer_;
   const auto t_inspect = EngineClock::now();
   {
     RECORD_USER_SCOPE("stepguard::inspect");
@@ -70,7 +76,7 @@ consensus::StepBuffer StepEngine::inspect_and_pack(const at::Tensor& loss, std::
 // the agreed statistics.
 StepEngine::Agreed StepEngine::inspect_and_agree(const at::Tensor& loss, std::int64_t step) {
   Agreed a;
-  consensus::StepBuffer buffer = inspect_and_pack(loss, step, &a);
+  consensus::StepBuffer& buffer = inspect_and_pack(loss, step, &a);
   const auto t_agree = EngineClock::now();
   agree_or_abort([&] {
     RECORD_USER_SCOPE("stepguard::agree");

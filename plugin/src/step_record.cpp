@@ -369,9 +369,13 @@ void StepEngine::watch_gradient(const at::Tensor& grad) {
   // every element and cost 7-11x as much here. The step's sums add up in fp64, judged once
   // when the step packs its buffer.
   const at::ScalarType accumulate = grad.element_size() < 4 ? at::kFloat : grad.scalar_type();
-  const at::Tensor sum = grad.detach().sum(accumulate).to(at::kDouble);
+  // Two ops a gradient: its sum, and an in-place add into the fp64 total (the add promotes, no
+  // cast of its own).
+  const at::Tensor sum = grad.detach().sum(accumulate);
   if (!watched_grad_sum_.defined()) {
-    watched_grad_sum_ = sum;
+    watched_grad_sum_ = sum.to(at::kDouble);
+  } else if (watched_grad_sum_.device() == sum.device()) {
+    watched_grad_sum_.add_(sum);
   } else {
     watched_grad_sum_.add_(sum.to(watched_grad_sum_.device()));
   }

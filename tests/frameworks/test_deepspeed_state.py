@@ -5,7 +5,6 @@ flat partition of the moments after a skipped step and keeps the step counter.""
 
 import json
 import os
-import sys
 
 import torch
 import torch.nn as nn
@@ -27,20 +26,10 @@ def _replicas(engine, world):
 
 
 def _finish(rows, rank, out_dir):
-    """Writes this rank's rows for the test, then leaves (_leave)."""
+    """Writes this rank's rows for the test (spawn_ranks then leaves the process)."""
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(rows, f, default=str)
     torch.distributed.destroy_process_group()
-    _leave()
-
-
-def _leave():
-    """Ends a rank once its results are written, without the interpreter's teardown: there the
-    Gloo process group's threads sometimes abort the process ("terminate called without an
-    active exception", about 1 run in 8 here; docs/python.md gives users the same advice)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _zero_two_engine(rank, world, port):

@@ -40,7 +40,7 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
     RECORD_USER_SCOPE("stepguard::agree");
     consensus_->all_reduce_sum_on_stream(summed, step);
   });
-  d->found_inf = buffer.skip_flag();
+  at::Tensor found_inf = buffer.skip_flag();
   if (summed.is_cpu()) {
     deferred_host_ = summed;  // summed on the host already: nothing to copy or wait for
   } else {
@@ -53,8 +53,6 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
     d->copied.emplace(summed.device().type());
     d->copied->record(impl.getStream(summed.device()));
   }
-  d->summed = summed;
-  d->rank_row = buffer.rank_row();
   d->agreed.agree_seconds = seconds_since(t_agree);
   stage_seconds_.agree = d->agreed.agree_seconds;
   stage_seconds_.inspect = seconds_since(t) - d->agreed.agree_seconds;
@@ -64,7 +62,7 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
   input_check_.reset();
   std::swap(d->probes, probes_);
   d->watched_grad_sum = std::exchange(watched_grad_sum_, at::Tensor());
-  DeferredBegin out{d->found_inf, controller_.lr_factor()};
+  DeferredBegin out{std::move(found_inf), controller_.lr_factor()};
   deferred_ = std::move(d);
   return out;
 }
@@ -96,7 +94,8 @@ std::optional<StepReport> StepEngine::resolve_deferred(bool update_failed, bool 
   Pending p;
   p.agreed = std::move(d->agreed);
   const at::Tensor& host = deferred_host_;  // on the host: the pinned copy, or the buffer itself
-  agree_or_abort([&] { agree_counts(host, d->rank_row, step, d->state_checked, &p.agreed); });
+  agree_or_abort(
+      [&] { agree_counts(host, step_buffer_->rank_row(), step, d->state_checked, &p.agreed); });
   settle_snapshot();  // a restore reads the snapshot in flight
   decide_and_investigate(step, &p);
   const bool applied = !update_failed && !consensus::StepBuffer::skips_on_device(host);

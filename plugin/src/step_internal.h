@@ -22,13 +22,12 @@ inline double seconds_since(EngineClock::time_point start) {
 }
 
 /// A step begun without its decision: what the decision will need, kept as it was then (the
-/// next step's check_inputs(), probes and gradient watch fill fresh ones meanwhile).
+/// next step's check_inputs(), probes and gradient watch fill fresh ones meanwhile). Its summed
+/// buffer and rank row stay in the engine's step buffer, which the next step resets only after
+/// this one is resolved.
 struct StepEngine::DeferredStep {
   std::int64_t step = 0;
   Agreed agreed;                     ///< local stats, blame; global filled at resolve
-  at::Tensor summed;                 ///< the summed step buffer on the device (alive until copied)
-  at::Tensor rank_row;               ///< for the per-rank exchange of an incident step
-  at::Tensor found_inf;              ///< what the optimizer was given
   std::optional<c10::Event> copied;  ///< the host copy's completion, on a device
   bool state_checked = false;
   std::shared_ptr<const forensics::InputCheck> input_check;

@@ -85,6 +85,24 @@ def test_the_whole_run_is_drawn_with_every_incident_and_rollback(demo_run):
     assert spike["action"] == "rollback" and s["rollbacks"] == 1
     assert drawn["rollbacks"] == [{"from": 70, "to": rollback_target(spike)}]
     assert rollback_target(spike) < 70
+    assert drawn["loss_scale"] is False  # an fp32 demo: no loss scale to draw
+
+
+@needs_matplotlib
+def test_the_loss_scale_is_drawn_for_a_run_that_scales_its_loss_only(tmp_path):
+    """An fp32 run's trace holds a loss scale of 1 on every step: its panel shows the LR factor
+    alone (it drew a flat, empty-looking loss-scale line before); a scaled run's is drawn."""
+    row = {"step": 1, "loss": 2.5, "grad_norm": 0.5, "loss_scale": 1.0, "lr_factor": 1.0,
+           "outcome": "applied", "actions": ["apply"], "action": "apply"}
+    for name, scales, drawn_scale in (("fp32", [1.0, 1.0, 1.0, 1.0], False),
+                                      ("fp16", [65536.0, 65536.0, 32768.0, 32768.0], True)):
+        trace = tmp_path / ("%s.jsonl" % name)
+        trace.write_text("".join(json.dumps(dict(row, step=i + 1, loss_scale=scale)) + "\n"
+                                 for i, scale in enumerate(scales)))
+        out = str(tmp_path / ("%s.png" % name))
+        drawn = plot.plot_trace(str(trace), out)
+        assert drawn["loss_scale"] is drawn_scale and drawn["steps"] == [1, 2, 3, 4]
+        assert_picture(out)
 
 
 @needs_matplotlib
@@ -205,6 +223,7 @@ def test_guarded_optimizer_draws_a_picture_beside_its_incident_report(tmp_path):
     drawn = plot.plot_trace(str(trace), str(tmp_path / "again.png"), around=4, window=10)
     assert [(i["step"], i["signal"], i["action"]) for i in drawn["incidents"]] == \
         [(4, "nonfinite_grad", incident["action"])]
+    assert drawn["loss_scale"] is False
 
 
 def test_without_matplotlib_the_guard_says_once_that_pictures_are_off(tmp_path, monkeypatch,

@@ -1,7 +1,7 @@
 """stepguard plot: a picture of a run, drawn from its trace (the JSONL event log, one object per
 step). The top panel holds the loss and the grad norm (log scale) with every incident marked at
 its step (its signal and action) and every rollback drawn as an arrow back to the step it
-restored; beneath, the loss scale and the LR factor.
+restored; beneath, the loss scale (for a run that scales its loss) and the LR factor.
 
     stepguard plot TRACE.jsonl -o run.png [--around STEP] [--window N]
     python3 -m stepguard.plot TRACE.jsonl -o run.png
@@ -278,16 +278,27 @@ def _draw_losses(ax, rows, incidents, rollbacks, span):
     ax.grid(True, which="major", alpha=0.3)
 
 
+def _scaled(rows):
+    """Whether the run scaled its loss: a loss scale other than 1 on some step (an fp32 run's
+    trace holds 1 throughout, which would draw a flat, empty-looking panel)."""
+    return any(v != 1.0 for v in _series(rows, "loss_scale", positive=True)[1])
+
+
 def _draw_scales(ax, rows):
-    xs, ys = _series(rows, "loss_scale", positive=True)
-    scale = ax.plot(xs, ys, color="tab:purple", drawstyle="steps-post", label="loss scale")
-    ax.set_yscale("log")
-    ax.set_ylabel("loss scale")
-    twin = ax.twinx()
     xs, ys = _series(rows, "lr_factor")
-    lr = twin.plot(xs, ys, color="tab:orange", drawstyle="steps-post", label="LR factor")
-    twin.set_ylim(0, max([1.0] + ys) * 1.15)
-    twin.set_ylabel("LR factor")
+    if _scaled(rows):
+        xs_scale, ys_scale = _series(rows, "loss_scale", positive=True)
+        scale = ax.plot(xs_scale, ys_scale, color="tab:purple", drawstyle="steps-post",
+                        label="loss scale")
+        ax.set_yscale("log")
+        ax.set_ylabel("loss scale")
+        lr_ax = ax.twinx()
+    else:  # the LR factor alone, on the panel's own axis
+        scale, lr_ax = [], ax
+    lr = lr_ax.plot(xs, ys, color="tab:orange", drawstyle="steps-post",
+                    label="LR factor" if scale else "LR factor (no loss scaling)")
+    lr_ax.set_ylim(0, max([1.0] + ys) * 1.15)
+    lr_ax.set_ylabel("LR factor")
     ax.legend(handles=scale + lr, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize=7,
               borderaxespad=0.0)
     ax.set_xlabel("step")
@@ -337,7 +348,8 @@ def plot_trace(trace_path, out_png, around=None, window=DEFAULT_WINDOW):
 
     Returns what was drawn, as plain values: ``{"trace", "out", "around", "window", "steps"
     (the step numbers drawn), "incidents" ([{step, signal, action, signals, actions, outcome}]),
-    "rollbacks" ([{from, to}])}``. Raises TraceError (bad input; the message names the file and
+    "rollbacks" ([{from, to}]), "loss_scale" (whether a loss-scale line was drawn: not for a run
+    whose loss scale is 1 throughout)}``. Raises TraceError (bad input; the message names the file and
     line), MatplotlibMissing or PackageMissing."""
     if window < 0:
         raise TraceError("--window %d: must be 0 or more" % window)
@@ -349,7 +361,8 @@ def plot_trace(trace_path, out_png, around=None, window=DEFAULT_WINDOW):
         title += " (around step %d)" % around
     _render(rows, incidents, rollbacks, around, title, out_png)
     return {"trace": trace_path, "out": out_png, "around": around, "window": window,
-            "steps": steps, "incidents": incidents, "rollbacks": rollbacks}
+            "steps": steps, "incidents": incidents, "rollbacks": rollbacks,
+            "loss_scale": _scaled(rows)}
 
 
 def picture_path(report_path):

@@ -295,13 +295,14 @@ TEST(DefaultPreset, TheWatchSurvivesTheStateRoundTrip) {
   std::vector<std::int64_t> engine_words = older.encode();
   std::size_t trend_words = 1;  // the trend detectors' count, then each one's length and state
   for (const std::vector<double>& t : older.trends) trend_words += 1 + t.size();
-  const std::size_t tail =
-      2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() + 6 + 1 + trend_words;
+  const std::size_t tail = 2 + older.loss_ema.recent.size() + older.grad_norm_ema.recent.size() +
+                           6 + 1 + trend_words + 2;  // the detrended spreads
   engine_words.resize(engine_words.size() - tail);
   const auto& rules = run.controller.config().rules;
   const policy::EngineState decoded =
       policy::EngineState::decode(engine_words, rules.size(), policy::rules_digest(rules));
   EXPECT_TRUE(decoded.loss_ema.recent.empty());
+  EXPECT_EQ(decoded.loss_ema.spread, 0.0);
   EXPECT_EQ(decoded.watch.started, 0);
   EXPECT_EQ(decoded.loss_ema.mean, older.loss_ema.mean);
 }
@@ -338,6 +339,34 @@ TEST(PolicyFile, RecentRatioAndRecoveryAreReadAndChecked) {
   EXPECT_NE(issues("version: 1\nrules:\n  - {on: loss_not_recovered, action: alert}\n")
                 .find("can never fire"),
             std::string::npos);
+}
+
+TEST(PolicyFile, TheDetrendedZScoreIsReadCheckedExplainedAndKeptInTheState) {
+  const std::string yaml =
+      "version: 1\ndetectors:\n  loss_spike: {detrend: true, recent_window: 16}\n"
+      "rules:\n  - {on: loss_spike, action: skip_batch}\n";
+  const policy::PolicyConfig c = parse(yaml);
+  EXPECT_TRUE(c.detectors.loss_spike.ema.detrend);
+  EXPECT_FALSE(c.detectors.grad_norm_spike.ema.detrend);
+  EXPECT_TRUE(parse(preset("default")).detectors.loss_spike.ema.detrend);
+  std::string issues;
+  policy::PolicyConfig out;
+  for (const auto& i : policy::parse_policy("version: 1\ndetectors:\n  loss_spike: {detrend: 3}\n",
+                                            "case.yaml", &out)) {
+    issues += i.format() + "\n";
+  }
+  EXPECT_NE(issues.find("case.yaml:3:"), std::string::npos) << issues;
+  EXPECT_NE(issues.find("detrend"), std::string::npos) << issues;
+  EXPECT_NE(policy::explain_policy(c).find("above the median of its last 16 values (detrended"),
+            std::string::npos)
+      << policy::explain_policy(c);
+  // The spread rides in the engine's state words and comes back.
+  StepController controller(c, false);
+  for (std::int64_t s = 1; s <= 12; ++s) controller.decide(s, finite(2.0 + 0.1 * (s % 3)));
+  ASSERT_GT(controller.engine_state().loss_ema.spread, 0.0);
+  StepController other(c, false);
+  other.decode(controller.encode());
+  EXPECT_EQ(other.engine_state(), controller.engine_state());
 }
 
 }  // namespace

@@ -118,7 +118,8 @@ TEST(LossTrend, ItsStateTravelsInTheEngineStateAndARollbackRewindsIt) {
   EXPECT_EQ(e.state().trends, saved.trends);
   // A state of an earlier release (no trend words) restores with the detectors fresh.
   std::vector<std::int64_t> older = words;
-  older.resize(older.size() - 1 - 1 - saved.trends[0].size() - (saved.trends.size() - 1));
+  older.resize(older.size() - 2 /* the spreads */ - 1 - 1 - saved.trends[0].size() -
+               (saved.trends.size() - 1));
   const policy::EngineState old =
       policy::EngineState::decode(older, saved.rules.size(), saved.rules_digest);
   EXPECT_TRUE(old.trends.empty());

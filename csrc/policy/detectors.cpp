@@ -89,9 +89,13 @@ SpikeVerdict EmaZScore::observe(double x, double largest) {
     v.spike = v.recent = true;
     v.reference = median;
   }
+  // Detrended once two values are in: the centre is their median, the spread its own average.
+  const bool detrended = config_.detrend && state_.recent.size() >= kRecentMinimum;
+  const double centre = detrended ? recent_median(state_.recent) : state_.mean;
+  if (detrended && !v.recent) v.reference = centre;
   if (state_.count > 0) {
-    const double sd = std::sqrt(state_.variance);
-    const double diff = x - state_.mean;
+    const double sd = std::sqrt(detrended ? state_.spread : state_.variance);
+    const double diff = x - centre;
     // A constant series has no spread: any rise is infinitely many deviations away.
     v.z = sd > 0 ? diff / sd : (diff > 0 ? std::numeric_limits<double>::infinity() : 0.0);
     if (v.spike) {
@@ -115,8 +119,14 @@ SpikeVerdict EmaZScore::observe(double x, double largest) {
     state_.mean += alpha * delta;
     state_.variance = (1.0 - alpha) * (state_.variance + alpha * delta * delta);
   }
+  if (detrended) {  // bias-corrected the same way, from its first deviation (the third value)
+    const auto seen = static_cast<double>(state_.count - static_cast<std::int64_t>(kRecentMinimum));
+    const double alpha = std::max(1.0 - config_.decay, 1.0 / (std::max(seen, 0.0) + 1.0));
+    const double e = x - centre;
+    state_.spread = (1.0 - alpha) * state_.spread + alpha * e * e;
+  }
   state_.count += 1;
-  if (config_.recent_factor > 0) {
+  if (config_.recent_factor > 0 || config_.detrend) {
     state_.recent.push_back(x);
     const auto keep = static_cast<std::size_t>(config_.recent_window);
     if (state_.recent.size() > keep) {

@@ -13,6 +13,13 @@
  *   that median is more than recent_factor times the largest step-to-step rise inside the window.
  *   The median follows a loss that is still falling fast (a running mean lags above it); the rise
  *   condition keeps a series that is noisy by nature (a small, jumpy loss) from alarming.
+ *   Detrended (detrend = true): z = (x - the recent median) / its spread, the spread being the EMA
+ *   of the squared deviations of the accepted values from the median of the values before each.
+ *   The median follows a loss that is still falling, so neither the centre nor the spread carries
+ *   the descent: the plain EMA's mean lags above a falling loss and its variance takes in that lag,
+ *   which blunts the z-score for as long as the loss falls (a loss had to triple to be told there).
+ *   The warm-up, the early ratio and the recent ratio are the same; the EMA mean and variance are
+ *   kept either way (the grad norm's clip threshold reads them).
  * - RatioRule (Megatron's check): x > k * the largest value seen in the first N steps.
  * Non-finite values are the non-finite detector's business: they are ignored here.
  *
@@ -36,6 +43,7 @@ struct EmaZScoreConfig {
   std::int64_t early_after = 3;    ///< observations before the early ratio applies
   double recent_factor = 0.0;      ///< at any step: a spike above this x the recent median; 0: off
   std::int64_t recent_window = 8;  ///< accepted values the recent median is taken over (>= 2)
+  bool detrend = false;            ///< z against the recent median and its own spread
 };
 
 /// Values a recent-ratio test needs before it applies: the third value is the first it judges.
@@ -49,8 +57,10 @@ struct EmaZScoreState {
   double variance = 0.0;
   std::int64_t count = 0;      ///< observations folded into the averages
   std::vector<double> recent;  ///< the last recent_window accepted values, newest last
+  double spread = 0.0;         ///< detrended: EMA of (x - median of the values before x)^2
   bool operator==(const EmaZScoreState& o) const noexcept {
-    return mean == o.mean && variance == o.variance && count == o.count && recent == o.recent;
+    return mean == o.mean && variance == o.variance && count == o.count && recent == o.recent &&
+           spread == o.spread;
   }
 };
 
@@ -60,6 +70,7 @@ struct SpikeVerdict {
   bool early = false;      ///< caught by the warm-up ratio (x / mean > early_factor), not by z
   bool recent = false;     ///< caught by the recent ratio (x / recent median > recent_factor)
   double reference = 0.0;  ///< the level x was judged against: the recent median, else the mean
+                           ///< (detrended: the recent median)
 };
 
 /// The level a series rose from: the upper median of `values` (NaN when empty).

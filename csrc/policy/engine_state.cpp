@@ -50,6 +50,9 @@ std::vector<std::int64_t> EngineState::encode() const {
     w.push_back(static_cast<std::int64_t>(t.size()));
     for (double v : t) w.push_back(bits_of(v));
   }
+  // Appended with the detrended z-score (a state without them decodes with a spread of 0).
+  w.push_back(bits_of(loss_ema.spread));
+  w.push_back(bits_of(grad_norm_ema.spread));
   return w;
 }
 
@@ -72,73 +75,99 @@ std::uint64_t rules_digest(const std::vector<Rule>& rules) noexcept {
   return h == 0 ? 1 : h;  // 0 means "not recorded"
 }
 
-EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count,
-                                std::uint64_t digest, bool* rules_reset) {
-  std::size_t at = 0;
-  auto next = [&]() -> std::int64_t {
-    if (at >= words.size()) throw std::invalid_argument("stepguard: policy state is truncated");
-    return words[at++];
-  };
-  auto list = [&](std::vector<std::int64_t>* v) {
+namespace {
+
+// Reads the 64-bit words of an encoded state in order, each length checked against what is left.
+class WordReader {
+ public:
+  explicit WordReader(const std::vector<std::int64_t>& words) : words_(words) {}
+  bool done() const noexcept { return at_ >= words_.size(); }
+  std::int64_t next() {
+    if (at_ >= words_.size()) throw std::invalid_argument("stepguard: policy state is truncated");
+    return words_[at_++];
+  }
+  void list(std::vector<std::int64_t>* v) {
     const std::int64_t n = next();
-    if (n < 0 || static_cast<std::size_t>(n) > words.size() - at) {
-      throw std::invalid_argument("stepguard: policy state holds a bad list length");
+    check_length(n, "list length");
+    v->assign(words_.begin() + static_cast<std::ptrdiff_t>(at_),
+              words_.begin() + static_cast<std::ptrdiff_t>(at_ + static_cast<std::size_t>(n)));
+    at_ += static_cast<std::size_t>(n);
+  }
+  void doubles(std::vector<double>* v) {
+    std::vector<std::int64_t> bits;
+    list(&bits);
+    for (std::int64_t b : bits) v->push_back(double_of(b));
+  }
+  void check_length(std::int64_t n, const char* what) const {
+    if (n < 0 || static_cast<std::size_t>(n) > words_.size() - at_) {
+      throw std::invalid_argument(std::string("stepguard: policy state holds a bad ") + what);
     }
-    v->assign(words.begin() + static_cast<std::ptrdiff_t>(at),
-              words.begin() + static_cast<std::ptrdiff_t>(at + static_cast<std::size_t>(n)));
-    at += static_cast<std::size_t>(n);
-  };
-  EngineState s;
-  s.consecutive_bad_steps = next();
-  s.bad_steps_total = next();
-  s.loss_ema.mean = double_of(next());
-  s.loss_ema.variance = double_of(next());
-  s.loss_ema.count = next();
-  s.grad_norm_ema.mean = double_of(next());
-  s.grad_norm_ema.variance = double_of(next());
-  s.grad_norm_ema.count = next();
-  s.loss_ratio.reference_max = double_of(next());
-  s.loss_ratio.count = next();
-  const std::int64_t n = next();
-  if (n < 0 || static_cast<std::size_t>(n) > words.size() - at) {
-    throw std::invalid_argument("stepguard: policy state holds a bad rule count");
   }
-  s.rules.resize(static_cast<std::size_t>(n));
-  for (RuleState& r : s.rules) {
-    r.streak = next();
-    r.last_fired = next();
-    r.fired = next();
-    list(&r.recent);
-  }
-  list(&s.recent_skips);
-  list(&s.recent_rollbacks);
-  if (at < words.size()) {
-    for (std::vector<double>* recent : {&s.loss_ema.recent, &s.grad_norm_ema.recent}) {
-      std::vector<std::int64_t> bits;
-      list(&bits);
-      for (std::int64_t b : bits) recent->push_back(double_of(b));
+
+ private:
+  const std::vector<std::int64_t>& words_;
+  std::size_t at_ = 0;
+};
+
+// The words appended after the first release's, each group optional (an older state ends before
+// it): the recent windows and the recovery watch, the rules' digest, the trend detectors, the
+// detrended spreads.
+void decode_appended(WordReader& r, EngineState* s) {
+  if (!r.done()) {
+    for (std::vector<double>* recent : {&s->loss_ema.recent, &s->grad_norm_ema.recent}) {
+      r.doubles(recent);
     }
-    s.watch.started = next();
-    s.watch.window_start = next();
-    s.watch.loss_level = double_of(next());
-    s.watch.grad_norm_level = double_of(next());
-    s.watch.loss_now = double_of(next());
-    s.watch.escalations = next();
+    s->watch.started = r.next();
+    s->watch.window_start = r.next();
+    s->watch.loss_level = double_of(r.next());
+    s->watch.grad_norm_level = double_of(r.next());
+    s->watch.loss_now = double_of(r.next());
+    s->watch.escalations = r.next();
   }
-  if (at < words.size()) s.rules_digest = static_cast<std::uint64_t>(next());
-  if (at < words.size()) {  // the trend detectors' states (their own checks at restore)
-    const std::int64_t kinds = next();
+  if (!r.done()) s->rules_digest = static_cast<std::uint64_t>(r.next());
+  if (!r.done()) {  // the trend detectors' states (their own checks at restore)
+    const std::int64_t kinds = r.next();
     if (kinds < 0 || kinds > 64) {
       throw std::invalid_argument("stepguard: policy state holds a bad trend detector count");
     }
-    s.trends.resize(static_cast<std::size_t>(kinds));
-    for (std::vector<double>& t : s.trends) {
-      std::vector<std::int64_t> bits;
-      list(&bits);
-      for (std::int64_t b : bits) t.push_back(double_of(b));
-    }
+    s->trends.resize(static_cast<std::size_t>(kinds));
+    for (std::vector<double>& t : s->trends) r.doubles(&t);
   }
-  if (at != words.size()) throw std::invalid_argument("stepguard: policy state has extra words");
+  if (!r.done()) {
+    s->loss_ema.spread = double_of(r.next());
+    s->grad_norm_ema.spread = double_of(r.next());
+  }
+  if (!r.done()) throw std::invalid_argument("stepguard: policy state has extra words");
+}
+
+}  // namespace
+
+EngineState EngineState::decode(const std::vector<std::int64_t>& words, std::size_t rule_count,
+                                std::uint64_t digest, bool* rules_reset) {
+  WordReader r(words);
+  EngineState s;
+  s.consecutive_bad_steps = r.next();
+  s.bad_steps_total = r.next();
+  s.loss_ema.mean = double_of(r.next());
+  s.loss_ema.variance = double_of(r.next());
+  s.loss_ema.count = r.next();
+  s.grad_norm_ema.mean = double_of(r.next());
+  s.grad_norm_ema.variance = double_of(r.next());
+  s.grad_norm_ema.count = r.next();
+  s.loss_ratio.reference_max = double_of(r.next());
+  s.loss_ratio.count = r.next();
+  const std::int64_t n = r.next();
+  r.check_length(n, "rule count");
+  s.rules.resize(static_cast<std::size_t>(n));
+  for (RuleState& rule : s.rules) {
+    rule.streak = r.next();
+    rule.last_fired = r.next();
+    rule.fired = r.next();
+    r.list(&rule.recent);
+  }
+  r.list(&s.recent_skips);
+  r.list(&s.recent_rollbacks);
+  decode_appended(r, &s);
   s.check_ranges();
   const bool other_rules =
       s.rules_digest != 0 ? s.rules_digest != digest : s.rules.size() != rule_count;
@@ -165,11 +194,12 @@ void check_count(const char* what, std::int64_t v) {
 
 void check_ema(const char* what, const EmaZScoreState& e) {
   check_count(what, e.count);
-  if (!std::isfinite(e.mean) || !std::isfinite(e.variance) || e.variance < 0) {
-    throw std::invalid_argument(std::string("stepguard: policy state holds a ") + what +
-                                " average that is not a finite number (mean " +
-                                std::to_string(e.mean) + ", variance " +
-                                std::to_string(e.variance) + ")");
+  if (!std::isfinite(e.mean) || !std::isfinite(e.variance) || e.variance < 0 ||
+      !std::isfinite(e.spread) || e.spread < 0) {
+    throw std::invalid_argument(
+        std::string("stepguard: policy state holds a ") + what +
+        " average that is not a finite number (mean " + std::to_string(e.mean) + ", variance " +
+        std::to_string(e.variance) + ", spread " + std::to_string(e.spread) + ")");
   }
 }
 

@@ -33,8 +33,8 @@ inline const std::vector<std::string> kDetectorKeys = {
 inline const std::vector<std::string> kRecoveryKeys = {"enabled", "within", "factor"};
 inline const std::vector<std::string> kReplicaKeys = {"every"};
 inline const std::vector<std::string> kSpikeKeys = {
-    "enabled",      "z",           "warmup",        "decay",
-    "early_factor", "early_after", "recent_factor", "recent_window"};
+    "enabled",       "z",      "warmup", "decay", "early_factor", "early_after", "recent_factor",
+    "recent_window", "detrend"};
 inline const std::vector<std::string> kRatioKeys = {"enabled", "factor", "reference_steps"};
 inline const std::vector<std::string> kRuleKeys = {
     "name", "on", "consecutive", "within", "after_step", "cooldown", "action"};

@@ -115,9 +115,17 @@ void explain_detectors(const DetectorSettings& d, std::ostream& out) {
   }
   out << "Detectors:\n";
   auto spike = [&out](const char* what, const SpikeSettings& s) {
-    out << "  - " << what << " spike: more than " << s.ema.threshold
-        << " standard deviations above its moving average (decay " << s.ema.decay << "), after "
-        << s.ema.warmup << " steps of warm-up; spikes do not move the average\n";
+    if (s.ema.detrend) {
+      out << "  - " << what << " spike: more than " << s.ema.threshold
+          << " of its own deviations above the median of its last " << s.ema.recent_window
+          << " values (detrended: a falling " << what
+          << " does not widen them; their moving average with decay " << s.ema.decay << "), after "
+          << s.ema.warmup << " steps of warm-up; spikes do not move them\n";
+    } else {
+      out << "  - " << what << " spike: more than " << s.ema.threshold
+          << " standard deviations above its moving average (decay " << s.ema.decay << "), after "
+          << s.ema.warmup << " steps of warm-up; spikes do not move the average\n";
+    }
     if (s.ema.early_factor > 0 && s.ema.warmup > s.ema.early_after) {
       out << "    during the warm-up, from step " << s.ema.early_after + 1 << ": a " << what
           << " above " << s.ema.early_factor << "x its running mean\n";

@@ -294,6 +294,7 @@ class Reader {
       long long v = 0;
       if (check_.whole_number(n, "recent_window", 2, 1024, &v)) s->ema.recent_window = v;
     }
+    if (const YAML::Node n = node["detrend"]; n) check_.boolean(n, "detrend", &s->ema.detrend);
   }
 
   // A ratio at map[key]: 0 (off) or a number above 1.

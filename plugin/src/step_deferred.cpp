@@ -25,10 +25,11 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
               "stepguard: deferred=True with set_replay(): a forensic replay runs the step's "
               "batch again, and that batch is gone when the deferred decision is made; leave "
               "replays off");
-  const auto t = begin_step(loss);
-  TORCH_CHECK(!framework_scale_,
+  // Refused before begin_step(), which lands the last snapshot and claims the step.
+  TORCH_CHECK(!port_.framework_loss_scale(),
               "stepguard: deferred=True under a framework's loss scaler: its scale for the next "
               "step would depend on a decision not yet made; use the synchronous verdict");
+  const auto t = begin_step(loss);
   const std::int64_t step = step_ + 1;
   auto d = std::make_unique<DeferredStep>();
   d->step = step;

@@ -1,10 +1,13 @@
 // The per-step buffer: its layout, what a rank packs, and what unpacking the sum yields
 // (agreed statistics, faulty ranks, the digest majority vote). Expected values by hand.
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "csrc/consensus/step_buffer.h"
@@ -93,6 +96,69 @@ TEST(StepBuffer, AResetBufferPacksAsAFreshOneInTheSameStorage) {
   EXPECT_TRUE(at::equal(kept.rank_row(), fresh.rank_row()));
   EXPECT_EQ(kept.tensor().data_ptr(), storage);
   EXPECT_EQ(kept.rank_row().data_ptr(), row_storage);
+}
+
+// The ATen ops a thread dispatches while `run` runs, by name, outermost calls only (a zero_ that
+// calls fill_ counts once).
+std::map<std::string, int> ops_of(const std::function<void()>& run) {
+  static thread_local std::map<std::string, int>* counted = nullptr;
+  static thread_local int depth = 0;
+  std::map<std::string, int> out;
+  counted = &out;
+  const at::CallbackHandle handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (depth++ == 0 && counted != nullptr) ++(*counted)[fn.name()];
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { --depth; })
+          .scopes({at::RecordScope::FUNCTION}));
+  run();
+  at::removeCallback(handle);
+  counted = nullptr;
+  return out;
+}
+
+TEST(StepBuffer, WhatTheHostKnowsIsWrittenInOneCopyNotAFillPerSlot) {
+  // The loss given, the ranks reporting, the host's input and probe flags, the checkpoint state,
+  // the digest's 8 chunk slots, the absent scales and the row's digest: values the host knows,
+  // written from host memory in one copy for the buffer's slots and one for the row, not one
+  // device op each. A step of a kept buffer (reset, then pack) made 41 ops that run a kernel
+  // on the buffer's device (16 fills, 2 zeroings and a zeros_like among them); 21 now.
+  StepBuffer b(0, 2, at::kCPU);
+  LocalEvidence evidence;
+  evidence.inputs_bad = true;
+  const at::Tensor loss = at::tensor(2.5, at::kDouble);
+  b.pack(loss, 7, evidence);  // the first step makes the host staging once
+  const std::map<std::string, int> ops = ops_of([&] {
+    b.reset();
+    b.pack(loss, 0x0123456789abcdefull, evidence);
+  });
+  int kernels = 0;
+  std::string listing;
+  for (const auto& [name, n] : ops) {
+    listing += name + " x" + std::to_string(n) + " ";
+    // Views and no-op conversions launch nothing.
+    for (const char* view : {"aten::select", "aten::narrow", "aten::reshape", "aten::detach",
+                             "aten::to", "aten::empty"}) {
+      if (name == view) kernels -= n;
+    }
+    kernels += n;
+  }
+  EXPECT_EQ(ops.count("aten::fill_"), 0u) << listing;
+  EXPECT_EQ(ops.count("aten::empty"), 0u) << listing;  // no allocation on a kept buffer's step
+  EXPECT_EQ(ops.at("aten::zero_"), 1) << listing;
+  EXPECT_EQ(kernels, 21) << listing;
+  // And the values are the ones the fills wrote.
+  StepBuffer fresh(0, 2, at::kCPU);
+  fresh.pack(loss, 0x0123456789abcdefull, evidence);
+  EXPECT_TRUE(at::equal(b.tensor(), fresh.tensor()));
+  EXPECT_TRUE(at::equal(b.rank_row(), fresh.rank_row()));
+  const double* row = b.rank_row().data_ptr<double>();
+  EXPECT_EQ(row[row_slot::kInputsBad], 1.0);
+  EXPECT_EQ(row[row_slot::kDigest],
+            static_cast<double>(0x0123456789abcdefull & step_slot::kDigestMask));
+  EXPECT_EQ(b.tensor()[step_slot::kDigest + 1].item<double>(), static_cast<double>(0x89ab));
 }
 
 TEST(StepBuffer, TheDeviceSkipFlagAndItsHostReadingAgree) {

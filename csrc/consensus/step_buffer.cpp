@@ -1,5 +1,6 @@
 #include "csrc/consensus/step_buffer.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -64,8 +65,7 @@ StepBuffer::StepBuffer(int rank, int world_size, const at::Device& device)
 }
 
 void StepBuffer::reset() {
-  buffer_.zero_();
-  row_.zero_();
+  buffer_.zero_();  // the row is written whole by pack()
 }
 
 at::Tensor StepBuffer::inspection_block() const {
@@ -76,67 +76,97 @@ at::Tensor StepBuffer::state_block() const {
   return buffer_.narrow(0, step_slot::kState, inspect_slot::kCount);
 }
 
+void StepBuffer::stage_host_values(bool loss_given, std::uint64_t digest,
+                                   const LocalEvidence& evidence) {
+  const bool on_cuda = buffer_.is_cuda();
+  if (!staged_.defined()) {
+    // Pinned beside a CUDA buffer: the copies below do not wait for the device.
+    staged_ = at::empty({kStagedSlots + row_slot::kSize},
+                        at::TensorOptions().dtype(at::kDouble).pinned_memory(on_cuda));
+  } else if (staged_copied_) {
+    staged_copied_->synchronize();  // the last step's copies have read it (long since, normally)
+  }
+  double* s = staged_.data_ptr<double>();
+  std::fill(s, s + staged_.numel(), 0.0);
+  const auto slot = [s](int i) -> double& { return s[i - step_slot::kLossSum]; };
+  slot(step_slot::kLossGiven) = loss_given ? 1.0 : 0.0;
+  slot(step_slot::kRanksReporting) = 1.0;
+  slot(step_slot::kInputRanks) = evidence.inputs_bad ? 1.0 : 0.0;
+  slot(step_slot::kProbeRanks) = evidence.probe_bad ? 1.0 : 0.0;
+  slot(step_slot::kCheckpointWritten) = evidence.checkpoint_written ? 1.0 : 0.0;
+  for (int c = 0; c < step_slot::kChunks; ++c) {
+    const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
+    slot(step_slot::kDigest + c) = chunk;
+    slot(step_slot::kDigest + step_slot::kChunks + c) = chunk * chunk;
+  }
+  double* row = s + kStagedSlots;
+  row[row_slot::kInputsBad] = slot(step_slot::kInputRanks);
+  row[row_slot::kProbeBad] = slot(step_slot::kProbeRanks);
+  row[row_slot::kDigest] = static_cast<double>(mask_digest(digest));
+  row[row_slot::kLoss] = loss_given ? 0.0 : std::numeric_limits<double>::quiet_NaN();
+  buffer_.narrow(0, step_slot::kLossSum, kStagedSlots)
+      .copy_(staged_.narrow(0, 0, kStagedSlots), /*non_blocking=*/on_cuda);
+  row_.copy_(staged_.narrow(0, kStagedSlots, row_slot::kSize), /*non_blocking=*/on_cuda);
+  if (on_cuda) {
+    if (!staged_copied_) staged_copied_.emplace(buffer_.device().type());
+    const c10::impl::VirtualGuardImpl impl(buffer_.device().type());
+    staged_copied_->record(impl.getStream(buffer_.device()));
+  }
+}
+
 void StepBuffer::pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
                       const std::optional<at::Tensor>& fingerprint) {
+  // What the host knows, from host memory: every slot between the two inspection blocks and the
+  // whole row, the device-made values of those slots written over them below in stream order.
+  stage_host_values(loss.defined(), digest, evidence);
   // No loss (step() from the gradients alone): it counts as finite and adds nothing.
-  const at::Tensor l = loss.defined() ? loss.detach().reshape({}).to(buffer_.options())
-                                      : at::zeros({}, buffer_.options());
-  const at::Tensor finite = at::isfinite(l);
-  const at::Tensor finite_l = at::where(finite, l, at::zeros_like(l));
-  buffer_.select(0, step_slot::kLossSum).copy_(finite_l);
-  buffer_.select(0, step_slot::kLossSquares).copy_(finite_l * finite_l);
-  buffer_.select(0, step_slot::kLossInf).copy_(at::isposinf(l));
-  buffer_.select(0, step_slot::kLossNonfinite).copy_(finite.logical_not());
-  buffer_.select(0, step_slot::kLossGiven).fill_(loss.defined() ? 1.0 : 0.0);
-  buffer_.select(0, step_slot::kRanksReporting).fill_(1.0);
   const int block = step_slot::kInspection;
   const at::Tensor grads_bad = (buffer_.select(0, block + inspect_slot::kNanCount) +
                                 buffer_.select(0, block + inspect_slot::kInfCount)) > 0;
-  const at::Tensor faulty = grads_bad.logical_or(finite.logical_not());
+  at::Tensor faulty = grads_bad;
+  if (loss.defined()) {
+    const at::Tensor l = loss.detach().reshape({}).to(buffer_.options());
+    const at::Tensor nonfinite = at::isfinite(l).logical_not_();
+    const at::Tensor finite_l = l.masked_fill(nonfinite, 0.0);
+    buffer_.select(0, step_slot::kLossSum).copy_(finite_l);
+    buffer_.select(0, step_slot::kLossSquares).copy_(finite_l * finite_l);
+    buffer_.select(0, step_slot::kLossInf).copy_(at::isposinf(l));
+    buffer_.select(0, step_slot::kLossNonfinite).copy_(nonfinite);
+    row_.select(0, row_slot::kLossBad).copy_(nonfinite);
+    row_.select(0, row_slot::kLoss).copy_(l);
+    faulty = grads_bad.logical_or(nonfinite);
+  }
   buffer_.select(0, step_slot::kFaultyRanks).copy_(faulty);
-  buffer_.select(0, step_slot::kInputRanks).fill_(evidence.inputs_bad ? 1.0 : 0.0);
   if (evidence.inputs_counted.defined()) {
     // Device ops: the counts join the buffer without a read of their own.
     const at::Tensor counted = evidence.inputs_counted.to(buffer_.device(), at::kDouble);
     buffer_.select(0, step_slot::kInputRanks)
         .copy_(at::maximum(buffer_.select(0, step_slot::kInputRanks), counted));
   }
-  buffer_.select(0, step_slot::kProbeRanks).fill_(evidence.probe_bad ? 1.0 : 0.0);
   if (evidence.watched_grad_sum.defined()) {
     const at::Tensor watched =
         at::isfinite(evidence.watched_grad_sum).logical_not().to(buffer_.device(), at::kDouble);
     buffer_.select(0, step_slot::kProbeRanks)
         .copy_(at::maximum(buffer_.select(0, step_slot::kProbeRanks), watched));
   }
-  buffer_.select(0, step_slot::kCheckpointWritten).fill_(evidence.checkpoint_written ? 1.0 : 0.0);
   const std::pair<int, const at::Tensor*> scales[] = {
       {step_slot::kFrameworkScale, &evidence.framework_scale},
       {step_slot::kFrameworkFloor, &evidence.framework_floor}};
   for (const auto& [slot, value] : scales) {
     if (value->defined()) {
       buffer_.select(0, slot).copy_(value->detach().reshape({}).to(buffer_.options()));
-    } else {
-      buffer_.select(0, slot).fill_(0.0);
     }
   }
-  for (int c = 0; c < step_slot::kChunks; ++c) {
-    const double chunk = static_cast<double>((digest >> (16 * c)) & kChunkMask);
-    buffer_.select(0, step_slot::kDigest + c).fill_(chunk);
-    buffer_.select(0, step_slot::kDigest + step_slot::kChunks + c).fill_(chunk * chunk);
-  }
   row_.select(0, row_slot::kGradFault).copy_(grads_bad);
-  row_.select(0, row_slot::kLossBad).copy_(finite.logical_not());
-  row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
-  row_.select(0, row_slot::kProbeBad).copy_(buffer_.select(0, step_slot::kProbeRanks));
-  row_.select(0, row_slot::kDigest).fill_(static_cast<double>(mask_digest(digest)));
+  if (evidence.inputs_counted.defined()) {
+    row_.select(0, row_slot::kInputsBad).copy_(buffer_.select(0, step_slot::kInputRanks));
+  }
+  if (evidence.watched_grad_sum.defined()) {
+    row_.select(0, row_slot::kProbeBad).copy_(buffer_.select(0, step_slot::kProbeRanks));
+  }
   row_.select(0, row_slot::kStateBad)
       .copy_(buffer_.select(0, step_slot::kState + inspect_slot::kNanCount) +
              buffer_.select(0, step_slot::kState + inspect_slot::kInfCount));
-  if (loss.defined()) {
-    row_.select(0, row_slot::kLoss).copy_(l);
-  } else {
-    row_.select(0, row_slot::kLoss).fill_(std::numeric_limits<double>::quiet_NaN());
-  }
   if (!fingerprint) return;
   const at::Tensor h = fingerprint->to(buffer_.device());
   for (int c = 0; c < step_slot::kChunks; ++c) {

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <cstdint>
 #include <optional>
@@ -101,9 +102,9 @@ class StepBuffer {
  public:
   /// A zeroed buffer for `rank` of `world_size`, on `device` (the gradients').
   StepBuffer(int rank, int world_size, const at::Device& device);
-  /// Zeroes the buffer and the row for the next step (a buffer kept across steps: no
-  /// allocation per step). In stream order on a device: a copy of the last step's sum that is
-  /// still in flight reads it before the zeroing does.
+  /// Zeroes the buffer for the next step (a buffer kept across steps: no allocation per step;
+  /// pack() writes the row whole). In stream order on a device: a copy of the last step's sum
+  /// that is still in flight reads it before the zeroing does.
   void reset();
   at::Device device() const { return buffer_.device(); }
 
@@ -112,8 +113,11 @@ class StepBuffer {
   /// The block the optimizer state check writes (inspect_slot order), a view into the buffer.
   at::Tensor state_block() const;
   /// Adds this rank's loss, fault flag, evidence, state digest and (on a replica-check step) the
-  /// parameter fingerprint (an int64 scalar on the device, parameter_fingerprint()). Device ops
-  /// only: nothing is read back before the collective. Call after inspection wrote its block.
+  /// parameter fingerprint (an int64 scalar on the device, parameter_fingerprint()). What the
+  /// host knows (the digest, the host's flags) goes in from host memory in one copy for the
+  /// buffer and one for the row (pinned, not waited for, beside a CUDA buffer); the rest are
+  /// device ops. Nothing is read back before the collective. Call after inspection wrote its
+  /// block.
   void pack(const at::Tensor& loss, std::uint64_t digest, const LocalEvidence& evidence,
             const std::optional<at::Tensor>& fingerprint = std::nullopt);
   /// The whole buffer, for the collective.
@@ -139,10 +143,18 @@ class StepBuffer {
   static constexpr std::int64_t bytes() noexcept { return step_slot::kSize * sizeof(double); }
 
  private:
+  /// The slots from kLossSum up to the state block: what stage_host_values() writes.
+  static constexpr int kStagedSlots = step_slot::kState - step_slot::kLossSum;
+  void stage_host_values(bool loss_given, std::uint64_t digest, const LocalEvidence& evidence);
+
   int rank_;
   int world_size_;
   at::Tensor buffer_;
   at::Tensor row_;
+  at::Tensor staged_;  ///< host: the staged slots, then the row
+  /// Beside a CUDA buffer: the staged copies' completion, waited for before the host rewrites
+  /// them (the next step's read has normally waited for it long before).
+  std::optional<c10::Event> staged_copied_;
 };
 
 /// Whether the agreed counts say a rank differs or saw something: then the per-rank rows are

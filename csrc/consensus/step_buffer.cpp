@@ -190,11 +190,15 @@ constexpr int kSkipSlots[] = {
 }  // namespace
 
 at::Tensor StepBuffer::skip_flag() const {
-  // Device ops on views of the buffer: no index tensor to copy over.
-  at::Tensor sum = buffer_.select(0, kSkipSlots[0]).clone();
-  for (std::size_t i = 1; i < std::size(kSkipSlots); ++i)
-    sum.add_(buffer_.select(0, kSkipSlots[i]));
-  return sum.gt(0).to(at::kFloat);
+  // Five device ops on views of the buffer, no index tensor: each block's NaN and Inf counts
+  // (neighbours) summed into fp32, the non-finite losses added, the sign (counts are >= 0; a
+  // weighted count of 1 / copies stays above 0 in fp32).
+  static_assert(inspect_slot::kInfCount == inspect_slot::kNanCount + 1, "neighbouring counts");
+  at::Tensor flag =
+      at::sum(buffer_.narrow(0, step_slot::kInspection + inspect_slot::kNanCount, 2), at::kFloat);
+  flag.add_(at::sum(buffer_.narrow(0, step_slot::kState + inspect_slot::kNanCount, 2), at::kFloat));
+  flag.add_(buffer_.select(0, step_slot::kLossNonfinite));
+  return flag.sign_();
 }
 
 bool StepBuffer::skips_on_device(const at::Tensor& host) {

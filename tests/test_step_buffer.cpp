@@ -1,6 +1,5 @@
 // The per-step buffer: its layout, what a rank packs, and what unpacking the sum yields
 // (agreed statistics, faulty ranks, the digest majority vote). Expected values by hand.
-#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "csrc/consensus/step_buffer.h"
+#include "tests/support/op_count.h"
 
 namespace stepguard {
 namespace consensus {
@@ -96,27 +96,6 @@ TEST(StepBuffer, AResetBufferPacksAsAFreshOneInTheSameStorage) {
   EXPECT_TRUE(at::equal(kept.rank_row(), fresh.rank_row()));
   EXPECT_EQ(kept.tensor().data_ptr(), storage);
   EXPECT_EQ(kept.rank_row().data_ptr(), row_storage);
-}
-
-// The ATen ops a thread dispatches while `run` runs, by name, outermost calls only (a zero_ that
-// calls fill_ counts once).
-std::map<std::string, int> ops_of(const std::function<void()>& run) {
-  static thread_local std::map<std::string, int>* counted = nullptr;
-  static thread_local int depth = 0;
-  std::map<std::string, int> out;
-  counted = &out;
-  const at::CallbackHandle handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(
-          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-            if (depth++ == 0 && counted != nullptr) ++(*counted)[fn.name()];
-            return nullptr;
-          },
-          [](const at::RecordFunction&, at::ObserverContext*) { --depth; })
-          .scopes({at::RecordScope::FUNCTION}));
-  run();
-  at::removeCallback(handle);
-  counted = nullptr;
-  return out;
 }
 
 TEST(StepBuffer, WhatTheHostKnowsIsWrittenInOneCopyNotAFillPerSlot) {

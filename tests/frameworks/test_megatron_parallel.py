@@ -276,7 +276,8 @@ def _rank_main(rank, world, port, out_dir, layouts):
         parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f, default=str)
-    dist.destroy_process_group()
+    # No destroy_process_group(): the rank leaves at once (spawn_ranks), and tearing the Gloo
+    # groups down in-process crashed a rank once in CI (SIGSEGV after every run had printed).
 
 
 def _key(tp, pp, vpp, precision, distributed_optimizer, extra=""):
@@ -396,7 +397,7 @@ def _twin_rank_main(rank, world, port, out_dir):
     ps.destroy_model_parallel()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    # No destroy_process_group(): as in _rank_main.
 
 
 def test_framework_norm_is_megatrons_own_step_bitwise_under_tensor_parallelism():

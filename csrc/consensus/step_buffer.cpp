@@ -201,6 +201,16 @@ at::Tensor StepBuffer::skip_flag() const {
   return flag.sign_();
 }
 
+at::Tensor StepBuffer::norm_on_device() const {
+  const at::Tensor block = buffer_.narrow(0, step_slot::kInspection, inspect_slot::kCount);
+  at::Tensor norm = block.select(0, inspect_slot::kSumSquares).sqrt();
+  norm.masked_fill_(block.select(0, inspect_slot::kSumSquaresOverflow) > 0.0,
+                    std::numeric_limits<double>::infinity());
+  norm.masked_fill_(block.narrow(0, inspect_slot::kNanCount, 2).sum() > 0.0,
+                    std::numeric_limits<double>::quiet_NaN());
+  return norm.to(at::kFloat);
+}
+
 bool StepBuffer::skips_on_device(const at::Tensor& host) {
   const double* s = host.data_ptr<double>();
   double sum = 0.0;

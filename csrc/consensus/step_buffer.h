@@ -136,6 +136,11 @@ class StepBuffer {
   /// the same from a host copy.
   at::Tensor skip_flag() const;
   static bool skips_on_device(const at::Tensor& host);
+  /// After the sum, on the buffer's device without a read: the agreed gradient norm as a 0-d
+  /// fp32 tensor (the fp64 sum of squares' root, rounded once), +Inf when the sum of squares
+  /// overflowed, NaN when a gradient on any rank held NaN/Inf: the norm a framework's clip and
+  /// its log take from the deferred verdict, as the host's unpack() would give it.
+  at::Tensor norm_on_device() const;
   /// This rank's row for gather_rank_rows() (row_slot order), on the buffer's device; valid
   /// after pack().
   const at::Tensor& rank_row() const noexcept { return row_; }

@@ -27,7 +27,8 @@ void bind_deferred(py::class_<PyGuard>& guard) {
             return g.engine->resolve_deferred(update_failed, batch_in_hand);
           },
           py::arg("update_failed") = false, py::arg("batch_in_hand") = false, Release())
-      .def("deferred_pending", [](const PyGuard& g) { return g.engine->deferred_pending(); });
+      .def("deferred_pending", [](const PyGuard& g) { return g.engine->deferred_pending(); })
+      .def("deferred_grad_norm", [](const PyGuard& g) { return g.engine->deferred_grad_norm(); });
 }
 
 }  // namespace stepguard

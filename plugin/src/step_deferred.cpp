@@ -26,10 +26,11 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
               "batch again, and that batch is gone when the deferred decision is made; leave "
               "replays off");
   // Refused before begin_step(), which lands the last snapshot and claims the step.
-  TORCH_CHECK(!port_.framework_loss_scale(),
+  auto framework_scale = port_.framework_loss_scale();
+  TORCH_CHECK(!framework_scale,
               "stepguard: deferred=True under a framework's loss scaler: its scale for the next "
               "step would depend on a decision not yet made; use the synchronous verdict");
-  const auto t = begin_step(loss);
+  const auto t = begin_step(loss, std::move(framework_scale));
   const std::int64_t step = step_ + 1;
   auto d = std::make_unique<DeferredStep>();
   d->step = step;
@@ -66,6 +67,12 @@ StepEngine::DeferredBegin StepEngine::begin_deferred(const at::Tensor& loss) {
   DeferredBegin out{std::move(found_inf), controller_.lr_factor()};
   deferred_ = std::move(d);
   return out;
+}
+
+at::Tensor StepEngine::deferred_grad_norm() const {
+  TORCH_CHECK(deferred_ != nullptr,
+              "stepguard: deferred_grad_norm() with no deferred step waiting for its decision");
+  return step_buffer_->norm_on_device();
 }
 
 std::optional<StepReport> StepEngine::resolve_deferred(bool update_failed, bool batch_in_hand) {

@@ -110,7 +110,9 @@ StepReport StepEngine::step(const at::Tensor& loss) {
 
 // What every step begins with: the stage clock, the last snapshot landed, the step's checks.
 // Returns when inspection's time starts.
-EngineClock::time_point StepEngine::begin_step(const at::Tensor& loss) {
+// `framework_scale`: the port's framework_loss_scale(), asked once per step by the caller.
+EngineClock::time_point StepEngine::begin_step(
+    const at::Tensor& loss, std::optional<OptimizerPort::FrameworkLossScale> framework_scale) {
   // Stage times for last_stage_seconds(): inspect counts the checks and the packing, record counts
   // forensics, and act leaves out the snapshot (timed here and in checkpoint_after).
   stage_seconds_ = StageSeconds{};
@@ -122,7 +124,7 @@ EngineClock::time_point StepEngine::begin_step(const at::Tensor& loss) {
   stage_seconds_.snapshot = seconds_since(t);  // the wait for the last step's copy
   t = Clock::now();
   check_can_step(loss);
-  framework_scale_ = port_.framework_loss_scale();
+  framework_scale_ = std::move(framework_scale);
   TORCH_CHECK(!(framework_scale_ && controller_.loss_scaling()),
               "stepguard: the framework's own loss scaler is on, and so is the guard's "
               "(loss_scaling or a policy with a loss_scale section): one scaler owns the scale; "
@@ -137,7 +139,7 @@ Verdict StepEngine::verdict(const at::Tensor& loss) {
   RECORD_USER_SCOPE("stepguard::verdict");
   check_not_pending("verdict()");
   if (!options_.enabled()) return unguarded_verdict();
-  const auto t = begin_step(loss);
+  const auto t = begin_step(loss, port_.framework_loss_scale());
   const std::int64_t step = step_ + 1;
   Pending p;
   p.agreed = inspect_and_agree(loss, step);

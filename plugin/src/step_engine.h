@@ -118,6 +118,9 @@ class StepEngine {
   std::optional<StepReport> resolve_deferred(bool update_failed = false,
                                              bool batch_in_hand = false);
   bool deferred_pending() const noexcept { return deferred_ != nullptr; }
+  /// While a deferred step waits for its decision: its agreed gradient norm on the device, no
+  /// read (StepBuffer::norm_on_device()), for a framework's clip and log; throws otherwise.
+  at::Tensor deferred_grad_norm() const;
 
   /// Waits for the background work of the last step: the snapshot copy (a failure is reported
   /// as one to take it) and this rank's checkpoint write (a failure is logged and counted).
@@ -186,7 +189,8 @@ class StepEngine {
   void check_can_step(const at::Tensor& loss);
   /// The stage clock reset, the last snapshot landed, the step's checks; returns when the
   /// inspection's time starts.
-  std::chrono::steady_clock::time_point begin_step(const at::Tensor& loss);
+  std::chrono::steady_clock::time_point begin_step(
+      const at::Tensor& loss, std::optional<OptimizerPort::FrameworkLossScale> framework_scale);
   /// The framework's scale and floor for the step: from the step buffer where the port gave
   /// device tensors (checked then), else the port's host numbers into `global`.
   void agree_framework_scale(GlobalStats* global);

@@ -142,6 +142,20 @@ def test_what_the_deferred_verdict_cannot_serve_is_refused_with_a_message():
     with pytest.raises(ValueError, match="fused=True; AdamW does not take one"):
         stepguard.GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                    model.named_parameters(), deferred=True)
+    # Fused in every param group (as torchtitan builds its optimizers) takes the flag too; a
+    # group left unfused does not.
+    groups = [{"params": [p], "fused": True} for p in model.parameters()]
+    per_group = stepguard.GuardedOptimizer(torch.optim.AdamW(groups, lr=1e-2), deferred=True)
+    loss_of(model, 0).backward()
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    before = _flat(model).clone()
+    per_group.step()
+    assert torch.equal(_flat(model), before)  # skipped on the device flag
+    assert per_group.flush().outcome == "skipped"
+    model.zero_grad()
+    groups[-1]["fused"] = None
+    with pytest.raises(ValueError, match="AdamW does not take one"):
+        stepguard.GuardedOptimizer(torch.optim.AdamW(groups, lr=1e-2), deferred=True)
     fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with pytest.raises(ValueError, match="with a loss scaler"):
         stepguard.GuardedOptimizer(fused, model.named_parameters(), deferred=True,

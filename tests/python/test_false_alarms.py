@@ -146,9 +146,11 @@ def test_a_clean_run_raises_no_incident_under_the_default_policy(runs, name):
 def test_the_default_policy_still_clips_what_it_clipped_a_figure_not_an_incident(runs):
     # The cut batch's noisier gradients lift the grad norm above its running statistics: clipped
     # (the report's actions) from step 300 on, and no incident. No other clean run clips.
-    clipped = runs["seed 2, the batch cut from 32 to 2 at step 300"]["clipped"]
+    cut = [name for name, config in CONFIGS.items() if "batch_after" in config]
+    assert cut == ["seed 2, the batch cut from 32 to 2 at step 300"], cut
+    clipped = runs[cut[0]]["clipped"]
     assert clipped and clipped[0] == 300, clipped
-    assert not any(runs[name]["clipped"] for name in CONFIGS if "cut" not in name)
+    assert not any(runs[name]["clipped"] for name in CONFIGS if name not in cut)
 
 
 def _ddp_rank(rank, world, init_file, out_dir):

@@ -69,7 +69,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             at its step; the rest of the policy (rollback, LR, abort, incidents, metrics, trace)
             is decided one step later, and ``step()`` returns the previous step's report (None at
             the first; ``flush()`` decides the last). A rollback then drops the batch of the step
-            that decides it. Refused with a loss scaler, a port, or ``set_replay()``.
+            that decides it. Refused with a loss scaler, ``set_replay()``, or a port that does
+            not declare the torch optimizers its update steps (``gated_optimizers``).
         With trace_path and incident_dir, and matplotlib installed, each
         incident report gets a picture of the steps around it (``<report stem>.png``, linked from
         the report; the first 20 incidents of a guard).
@@ -132,8 +133,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._grad_scaler = checked_scaler(grad_scaler, port, guard_options,
                                            allow_untested_framework)
         self.enabled = guard_options.enabled
-        if deferred:
-            _deferred.check_deferred(optimizer, port, grad_scaler, guard_options)
+        self._gated = (_deferred.check_deferred(optimizer, port, grad_scaler, guard_options)
+                       if deferred else [])
         self._deferred = bool(deferred) and self.enabled
         if not self.enabled:
             # Off: a GradScaler steps the guard as a plain optimizer (it unscales, and calls

@@ -31,7 +31,12 @@ own ``train_step``:
 
 The guard's state is in torchtitan's checkpoints: the trainer's own ``Stateful`` state gains the
 key ``stepguard_rank<r>`` (each rank's), saved by DCP with the model and optimizer and loaded on
-resume. Layouts guarded: FSDP2 (``data_parallel_shard_degree``) and pipeline parallelism, each
+resume. ``StepguardConfig(deferred=True)``: no host read or wait in the step (torchtitan's default
+fused optimizers skip an update on the device flag the guard hands them; README "No host read
+per step"): a NaN/Inf gradient or loss is skipped at its step, the clip is torch's
+``clip_grads_with_norm_`` from the agreed norm on the device, and the rest of the policy is decided
+inside the next step (a rollback there drops that step's batch), with ``lr_schedulers.step()``
+held until the update it follows is known to stand. Layouts guarded: FSDP2 (``data_parallel_shard_degree``) and pipeline parallelism, each
 alone or together (every rank holds a shard or a stage: the guard sums over every rank); a
 layout where ranks hold copies of a parameter (``data_parallel_replicate_degree``, tensor,
 context or expert parallelism) and optimizer offload are refused when the trainer is built,
@@ -50,6 +55,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as _dist_utils
 from torchtitan.trainer import Trainer
 
+from .. import _deferred
 from .._guard import GuardedOptimizer
 from .._port import TorchOptimPort
 from ._chain import ChainedTorchOptimizer
@@ -60,6 +66,7 @@ from ._seams import check_seams
 __all__ = ["GuardedTrainer", "StepguardConfig", "guarded"]
 
 _NONFINITE_STOP = "Loss is not finite"  # torchtitan's train_step, after the update
+_DROPPED = object()  # deferred: this step's batch is dropped (a rollback or abort decided in it)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,14 +82,25 @@ class StepguardConfig:
     """Run on a torchtitan whose relied-on functions differ from the tested release's (warns)."""
     enabled: bool = True
     """False: the guard is off and every step is torchtitan's own (its own clip and norm)."""
+    deferred: bool = False
+    """No host read or wait in the step (torchtitan's fused optimizers skip on the device flag the
+    guard hands them); the policy's other decisions come one step later (README)."""
     incident_dir: Optional[str] = None
     trace_path: Optional[str] = None
     metrics_port: Optional[int] = None
     collective_timeout: Optional[float] = None
 
 
-def _refuse(config):
+_GATED = ("fused", "fused_opt_states_bf16")  # torchtitan's optimizers that take found_inf
+
+
+def _refuse(config, options):
     """What the guard cannot guard, from the config, before anything is built."""
+    if options.deferred and config.optimizer.implementation not in _GATED:
+        raise ValueError(
+            "stepguard: deferred=True needs optimizers that skip an update on a device flag: "
+            "optimizer.implementation='fused' (torchtitan's default) or "
+            "'fused_opt_states_bf16'; got %r" % config.optimizer.implementation)
     p = config.parallelism
     copies = [("data_parallel_replicate_degree", p.data_parallel_replicate_degree),
               ("tensor_parallel_degree", p.tensor_parallel_degree),
@@ -107,6 +125,11 @@ class _ContainerPort(TorchOptimPort):
     def __init__(self, container, named_parameters):
         super().__init__(ChainedTorchOptimizer(container.optimizers), named_parameters)
         self.container = container
+
+    @property
+    def gated_optimizers(self):
+        """The torch optimizers ``update()`` steps: each takes the deferred verdict's flag."""
+        return self.container.optimizers
 
     def update(self):
         self.container.step()
@@ -141,6 +164,8 @@ class _HeldSchedulers:
     def step(self):
         if self._trainer._step_applied:
             self._schedulers.step()
+        elif self._trainer._update_issued:  # deferred: taken when the update is known to stand
+            self._trainer._schedule_held = True
 
 
 class GuardedTrainer(Trainer):
@@ -154,7 +179,7 @@ class GuardedTrainer(Trainer):
         options = config.stepguard
         check_version("torchtitan")
         check_seams("torchtitan", options.allow_untested_framework)
-        _refuse(config)
+        _refuse(config, options)
         super().__init__(config)
         self.framework_norm = bool(options.framework_norm) or not options.enabled
         self._containers = (self.optimizers, self.lr_schedulers)
@@ -167,7 +192,10 @@ class GuardedTrainer(Trainer):
         # Every rank holds a shard (FSDP2) or a stage's parameters (PP) of each gradient, never
         # a copy (refused above): the guard sums over every rank.
         self.guard = GuardedOptimizer(port.optimizer, port=port, sharded_gradients=world > 1,
+                                      deferred=options.deferred,
                                       **guard_options(kwargs, options.policy))
+        self._deferred = self.guard._deferred
+        self._schedule_held = False  # deferred: the schedule step owed to an update not yet known
         self.optimizers = _GuardedOptimizers(self, self._containers[0])
         self.lr_schedulers = _HeldSchedulers(self, self._containers[1])
         self._per_step = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
@@ -175,7 +203,7 @@ class GuardedTrainer(Trainer):
         # rollback drops (drawn from torchtitan's data iterator before the next step).
         self.core = FrameworkGuard("torchtitan", "tokens", DRAWN)
         self._verdict = None
-        self._step_applied = False
+        self._step_applied = self._update_issued = False
         self._shown_norm = None  # the norm torchtitan logs, handed back by its clip
 
     # -- the step -----------------------------------------------------------------------------
@@ -202,6 +230,10 @@ class GuardedTrainer(Trainer):
         def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                             foreach=None, pp_mesh=None, ep_enabled=False):
             parameters = list(parameters)
+            if self._deferred:
+                return self._deferred_clip(parameters, max_norm, lambda: real(
+                    parameters, max_norm, norm_type, error_if_nonfinite, foreach,
+                    pp_mesh=pp_mesh, ep_enabled=ep_enabled))
             verdict = self._verdict = self.guard.verdict(self.core.loss.take())
             if self.framework_norm:
                 norm = real(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
@@ -211,11 +243,43 @@ class GuardedTrainer(Trainer):
             if verdict.applies:
                 clip_with_verdict(parameters, max_norm, verdict)
             shown = verdict.grad_norm if verdict.nonfinite_count == 0 else float("nan")
-            if self._shown_norm is None:
-                self._shown_norm = HostValue(next((p.device for p in parameters),
-                                                  torch.device("cpu")))
-            return self._shown_norm.of(shown)
+            return self._shown(parameters, shown)
         return clip_grad_norm_
+
+    def _shown(self, parameters, value):
+        """The norm torchtitan logs, as a device tensor filled from the host."""
+        if self._shown_norm is None:
+            self._shown_norm = HostValue(next((p.device for p in parameters), torch.device("cpu")))
+        return self._shown_norm.of(value)
+
+    def _deferred_clip(self, parameters, max_norm, own):
+        """The deferred verdict where torchtitan clips: the previous step decided (its copy
+        landed while this step ran forward and backward), then this step inspected and summed
+        with no read, and clipped by torch's ``clip_grads_with_norm_`` from the agreed norm on
+        the device (``own``: torchtitan's clip, with ``framework_norm``). After a rollback or an
+        abort this step's batch, whose backward ran on the abandoned weights, is dropped."""
+        report = self._resolved(_deferred.resolve(self.guard, batch_in_hand=True))
+        if report is not None and (report.rolled_back or report.aborted):
+            self._verdict = _DROPPED
+            return self._shown(parameters, float("nan"))
+        self._verdict = self.guard._guard.begin_deferred(self.core.loss.take())
+        if self.framework_norm:
+            return own()
+        norm = self.guard._guard.deferred_grad_norm()
+        if max_norm is not None and max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+        return norm
+
+    def _resolved(self, report):
+        """A deferred step's decision (None: none waited): the schedule step torchtitan asked
+        for after that step's update is taken now if the update ran and stands; the report is
+        the newest."""
+        if report is None:
+            return None
+        held, self._schedule_held = self._schedule_held, False
+        if held and report.applied:
+            self._containers[1].step()
+        return self.core.finished(report)
 
     def _apply_update(self):
         verdict = self._verdict
@@ -224,6 +288,12 @@ class GuardedTrainer(Trainer):
                 "stepguard: torchtitan stepped the optimizers without the gradient clip the "
                 "guard takes its verdict in: this torchtitan release steps otherwise than the "
                 "integration was tested with")
+        if self._deferred:
+            if verdict is not _DROPPED:
+                found_inf, lr_factor = verdict
+                _deferred.gated_apply(self.guard, found_inf, lr_factor, failed=self._resolved)
+                self._update_issued = True
+            return
         if verdict.applies:
             self.guard._port.apply(verdict.lr_factor)
             self._step_applied = True
@@ -242,19 +312,48 @@ class GuardedTrainer(Trainer):
             return super().train_step(data_iterator)
         self.core.batches.draw(data_iterator, self._per_step)  # the last rollback's drops
         self.core.loss.clear()
-        self._verdict, self._step_applied = None, False
+        self._verdict, self._step_applied, self._update_issued = None, False, False
         try:
             with self._clip_seam():
                 super().train_step(data_iterator)
         except RuntimeError as error:
-            verdict = self._verdict
-            if (verdict is None or self._step_applied
-                    or not str(error).startswith(_NONFINITE_STOP)):
+            if self._deferred:
+                if not self._deferred_stop_passes(error):
+                    raise
+            elif (self._verdict is None or self._step_applied
+                  or not str(error).startswith(_NONFINITE_STOP)):
                 self._settle()
                 raise
             # torchtitan's stop for a non-finite loss, after a step the guard did not apply.
+        if self._deferred:
+            self._verdict = None
+            if self._flush_due():
+                self._resolved(_deferred.flush(self.guard))
+            return None
         self._settle()
         return None
+
+    def _deferred_stop_passes(self, error):
+        """Whether torchtitan's stop for a non-finite loss (raised on its logging steps, after
+        the update, on the ranks holding the loss) is for a step whose update did not run: a
+        dropped batch, or a step the device flag skipped (the flag read here: torchtitan has
+        just read the loss; the step is decided at the next step on every rank, as any other)."""
+        if self._verdict is None or not str(error).startswith(_NONFINITE_STOP):
+            return False
+        if self._verdict is _DROPPED:
+            return True
+        found_inf, _ = self._verdict
+        return bool(found_inf.item() > 0)
+
+    def _flush_due(self):
+        """Deferred: whether the step just run is decided before train_step returns: the last
+        step, and a step torchtitan's checkpointer saves (its interval, and step 1), so that a
+        checkpoint holds no step waiting for its decision."""
+        config = self.config
+        if self.step >= config.training.steps:
+            return True
+        saves = config.checkpoint
+        return saves.enable and (self.step == 1 or self.step % saves.interval == 0)
 
     def _settle(self):
         verdict, self._verdict = self._verdict, None
@@ -271,6 +370,8 @@ class GuardedTrainer(Trainer):
     def state_dict(self):
         state = super().state_dict()
         if self.guard is not None:
+            if self._deferred:
+                self._resolved(_deferred.flush(self.guard))
             state[self._state_key()] = self.guard.guard_state_dict()
         return state
 
@@ -282,6 +383,8 @@ class GuardedTrainer(Trainer):
     def detach(self):
         """Stops guarding: the trainer's own optimizers and schedulers are back and later steps
         are torchtitan's own. Returns the guard (its reports and totals stay readable)."""
+        if self.guard is not None and self._deferred:
+            self._resolved(_deferred.flush(self.guard))
         guard, self.guard = self.guard, None
         if guard is not None:
             self.optimizers, self.lr_schedulers = self._containers

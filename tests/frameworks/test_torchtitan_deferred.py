@@ -268,3 +268,6 @@ def test_torchtitan_deferred_needs_a_fused_optimizer():
     config.optimizer.implementation = "foreach"
     with pytest.raises(ValueError, match="optimizer.implementation='fused'.*got 'foreach'"):
         guarded(config, StepguardConfig(deferred=True)).build()
+    config.optimizer.implementation = "fused_opt_states_bf16"
+    with pytest.raises(ValueError, match="bf16 moments have not been run"):
+        guarded(config, StepguardConfig(deferred=True)).build()

@@ -91,16 +91,16 @@ class StepguardConfig:
     collective_timeout: Optional[float] = None
 
 
-_GATED = ("fused", "fused_opt_states_bf16")  # torchtitan's optimizers that take found_inf
-
-
 def _refuse(config, options):
     """What the guard cannot guard, from the config, before anything is built."""
-    if options.deferred and config.optimizer.implementation not in _GATED:
+    implementation = config.optimizer.implementation
+    if options.deferred and implementation != "fused":
         raise ValueError(
             "stepguard: deferred=True needs optimizers that skip an update on a device flag: "
-            "optimizer.implementation='fused' (torchtitan's default) or "
-            "'fused_opt_states_bf16'; got %r" % config.optimizer.implementation)
+            "optimizer.implementation='fused' (torchtitan's default); got %r%s" % (
+                implementation, " (its bf16 moments have not been run with the deferred verdict: "
+                "torch has no CPU kernel for them)" if implementation == "fused_opt_states_bf16"
+                else ""))
     p = config.parallelism
     copies = [("data_parallel_replicate_degree", p.data_parallel_replicate_degree),
               ("tensor_parallel_degree", p.tensor_parallel_degree),

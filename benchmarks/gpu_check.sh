@@ -101,6 +101,7 @@ except ImportError:
     test_cuda.test_bf16_autocast_on_cuda_skips_a_nan_and_rolls_back_a_spike()
     test_cuda.test_the_deferred_verdict_makes_no_host_read_in_a_steady_state_step_on_cuda()
     test_cuda.test_the_synchronous_verdict_makes_one_host_read_per_step_on_cuda()
+    test_cuda.test_the_deferred_clip_from_the_agreed_norm_makes_no_host_read_on_cuda()
     print("test_cuda: passed (without pytest)")
     sys.exit(0)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "tests/python/test_cuda.py",

@@ -110,3 +110,48 @@ def test_the_deferred_verdict_makes_no_host_read_in_a_steady_state_step_on_cuda(
 def test_the_synchronous_verdict_makes_one_host_read_per_step_on_cuda():
     _, waits = _cuda_loop(False, 20)
     assert len(waits) == 20, waits[:5]
+
+
+def _framework_sequence(device, steps, sync_mode=None):
+    """The deferred verdict as torchtitan's GuardedTrainer drives it, without torchtitan: an AdamW
+    fused in every param group (as torchtitan builds it), the previous step decided after this
+    step's backward, this step begun, torch's clip_grads_with_norm_ from the agreed norm on the
+    device, the update gated by the device flag. Returns the guard and its reports."""
+    from stepguard import _deferred
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)).to(device)
+    groups = [{"params": [p], "fused": True} for p in model.parameters()]
+    guard = stepguard.GuardedOptimizer(torch.optim.AdamW(groups, lr=1e-3),
+                                       model.named_parameters(), policy_yaml=STEADY,
+                                       deferred=True)
+    x = torch.randn(64, 256, device=device)
+    reports = []
+
+    def one():
+        guard.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        reports.append(_deferred.resolve(guard, batch_in_hand=True))
+        found_inf, lr_factor = guard._guard.begin_deferred(loss.detach())
+        norm = guard._guard.deferred_grad_norm()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, norm, foreach=True)
+        _deferred.gated_apply(guard, found_inf, lr_factor)
+    for _ in range(3):
+        one()
+    if sync_mode is not None:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(sync_mode)
+    try:
+        for _ in range(steps):
+            one()
+    finally:
+        if sync_mode is not None:
+            torch.cuda.set_sync_debug_mode("default")
+    return guard, reports
+
+
+def test_the_deferred_clip_from_the_agreed_norm_makes_no_host_read_on_cuda():
+    guard, reports = _framework_sequence(torch.device("cuda:0"), 100, "error")
+    assert [r.outcome for r in reports[1:]] == ["applied"] * 102
+    assert all(r.deferred for r in reports[1:]) and guard.flush().deferred

@@ -17,7 +17,8 @@ with pipeline parallelism). Checked on every rank:
 - one guard collective per step, torchtitan's own norm never computed, the logged norm the
   agreed one (fp32).
 Beside the synchronous guard on 4 clean steps with a binding clip (``max_norm`` 0.5): the
-deferred run is bitwise the same (parameters, logged loss and norm). Resume (FSDP2): a deferred
+deferred run is bitwise the same (parameters, logged loss and norm), and with
+``framework_norm=True`` (torchtitan's own norm and clip) bitwise an unguarded twin's. Resume (FSDP2): a deferred
 run saved by torchtitan's checkpointer at step 3 (the step decided before the save) and resumed
 ends bitwise as the uninterrupted one, the guard's totals included. A non-fused optimizer is
 refused when the trainer is built, naming the setting.
@@ -38,7 +39,8 @@ from test_torchtitan import (CLEAN, NAN_GRAD, NAN_LOSS, SPIKE, STEPS, VICTIM, _b
 def _default_path(trainer):
     assert not trainer.config.training.disable_cuda_graphs
     assert trainer.config.optimizer.implementation == "fused"
-    assert all(g["fused"] for o in trainer._containers[0].optimizers for g in o.param_groups)
+    container = trainer._containers[0] if hasattr(trainer, "_containers") else trainer.optimizers
+    assert all(g["fused"] for o in container.optimizers for g in o.param_groups)
 
 
 def _build_default(steps, folder, options, max_norm=1.0, pp=1, checkpoint_every=None):
@@ -139,8 +141,15 @@ def _faults(folder, pp):
     return out
 
 
-def _clean(folder, deferred):
-    trainer, logged = _build_default(CLEAN, folder, _options(deferred=deferred), max_norm=0.5)
+CLEAN_RUNS = {  # the guard's options of each clean run (None: unguarded)
+    "deferred": dict(deferred=True), "synchronous": {},
+    "deferred_framework_norm": dict(deferred=True, framework_norm=True), "twin": None}
+
+
+def _clean(folder, name):
+    options = CLEAN_RUNS[name]
+    trainer, logged = _build_default(CLEAN, folder, None if options is None else _options(**options),
+                                     max_norm=0.5)
     trainer.train()
     out = {"params": _flat_params(trainer).tolist(),
            "logged": [logged.get(s) for s in range(1, CLEAN + 1)]}
@@ -188,7 +197,7 @@ def _rank_main(rank, world, port, out_dir, run, folder, pp):
     elif run in ("first", "resumed", "straight"):
         result = _resume(folder, run)
     else:
-        result = _clean(folder, run == "deferred")
+        result = _clean(folder, run)
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(result, f, default=str)
 
@@ -238,12 +247,15 @@ def _check_faults(results, world):
 
 def test_torchtitan_deferred_fsdp2(tmp_path):
     _check_faults(_run("faults", tmp_path / "faults"), 2)
-    runs = {name: _run(name, tmp_path / name) for name in ("deferred", "synchronous")}
+    runs = {name: _run(name, tmp_path / name) for name in CLEAN_RUNS}
     for rank in range(2):
         deferred, synchronous = runs["deferred"][rank], runs["synchronous"][rank]
         assert deferred["params"] == synchronous["params"], rank
         assert deferred["logged"] == synchronous["logged"], rank
         assert min(norm for _, norm in deferred["logged"]) > 0.5  # the clip binds
+        # With framework_norm, torchtitan's own norm and clip: bitwise the unguarded twin.
+        own, twin = runs["deferred_framework_norm"][rank], runs["twin"][rank]
+        assert own["params"] == twin["params"] and own["logged"] == twin["logged"], rank
     runs = {name: _run(name, tmp_path / ("straight" if name == "straight" else "resume"))
             for name in ("first", "resumed", "straight")}
     for rank in range(2):

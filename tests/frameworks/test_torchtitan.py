@@ -184,12 +184,13 @@ def _clean(pp, folder, name):
     return out
 
 
-def _resume(folder, name):
+def _resume(folder, name, build=None):
     """A NaN gradient at step 2. ``first``: 3 steps saved by torchtitan's checkpointer;
-    ``resumed``: the same folder to step 6; ``straight``: 6 steps without a stop."""
+    ``resumed``: the same folder to step 6; ``straight``: 6 steps without a stop.
+    ``build(steps, checkpoint_every)``: the trainer (default: the guard's default options)."""
     steps = 3 if name == "first" else 6
-    trainer, _ = _build(steps, 1, folder, _options(),
-                        checkpoint_every=None if name == "straight" else 3)
+    build = build or (lambda n, every: _build(n, 1, folder, _options(), checkpoint_every=every))
+    trainer, _ = build(steps, None if name == "straight" else 3)
     named = dict(trainer.model_parts[0].named_parameters())
     real_fb = trainer.forward_backward_step
 
@@ -203,7 +204,8 @@ def _resume(folder, name):
     trainer.train()
     stats = trainer.guard.stats()
     out = {"params": _flat_params(trainer).tolist(), "state": _flat_state(trainer).tolist(),
-           "step_count": stats.step_count, "totals": stats.totals.to_dict()}
+           "step_count": stats.step_count, "totals": stats.totals.to_dict(),
+           "pending": trainer.guard._guard.deferred_pending()}
     trainer.close()
     return out
 
